@@ -1,0 +1,3 @@
+from pipeline.entrypoints.cli import main
+
+raise SystemExit(main())

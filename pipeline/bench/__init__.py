@@ -1,0 +1,1 @@
+"""Benchmarks behind every performance claim: `pipeline bench NAME`."""

@@ -1,0 +1,1 @@
+"""Cache messager stage: layer-wise KV transfer for prefill/decode disaggregation."""

@@ -1,0 +1,1 @@
+"""Engine stage: the one block table, request states, prefix cache, scheduling, preemption."""

@@ -1,0 +1,70 @@
+"""Engine -> worker and worker -> engine messages: the per-step diff and its result.
+
+Owned by the engine stage (it builds SchedulerOutput); the worker stage builds
+ModelRunnerOutput. Both are msgspec structs so they cross the broadcast ring as-is. Token id
+arrays are raw little-endian int32 bytes (``ids_to_bytes`` / ``bytes_to_ids``).
+"""
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from pipeline.sampling_params import SamplingParams
+
+
+def ids_to_bytes(ids) -> bytes:
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def bytes_to_ids(b: bytes) -> np.ndarray:
+    return np.frombuffer(b, dtype="<i4")
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """A request the worker has not seen, or one resumed after preemption.
+
+    ``token_ids`` are all tokens known so far (prompt, plus generated ones on resume); the
+    worker computes them from ``num_computed_tokens`` on (the cached prefix is skipped).
+    """
+    req_id: str
+    token_ids: bytes
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """A request the worker already holds: only the blocks it got this step."""
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True):
+    step_id: int
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    # req_id -> tokens to run this step, in batch order (new and cached alike).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the worker must drop before this step (finished, aborted, preempted).
+    finished_req_ids: list[str]
+    preempted_req_ids: list[str]
+    # Block copies (src, dst) to run before the forward (copy-on-write, swap-in).
+    block_copies: list[tuple[int, int]] = []
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True):
+    """One sampled token per request that finished its (chunked) prefill or decoded."""
+    step_id: int
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] = []  # parallel to req_ids when any asked for them

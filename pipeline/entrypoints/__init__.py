@@ -1,0 +1,1 @@
+"""Entry points: the CLI (run, serve, bench, make-model), the gateway, the client."""

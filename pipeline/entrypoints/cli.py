@@ -1,0 +1,57 @@
+"""Entry point: the `pipeline` command. Each subcommand lives in its own module, imported lazily
+so that `pipeline bench ipc` does not pay for torch.
+
+A subcommand module exposes ``add_args(parser)`` and ``main(args) -> int``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "run": ("pipeline.entrypoints.pipe", "pipe mode: prompts or JSON lines on stdin, JSON lines out"),
+    "serve": ("pipeline.entrypoints.serve", "the daemon (ZMQ, systemd Type=notify)"),
+    "make-model": ("pipeline.models.make_model", "write a random-initialised checkpoint"),
+}
+BENCHES = {
+    "ipc": "pipeline.bench.ipc",
+    "worker": "pipeline.bench.worker",
+    "scheduler": "pipeline.bench.scheduler",
+    "serve": "pipeline.bench.serve",
+    "offline": "pipeline.bench.offline",
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pipeline")
+    sub = p.add_subparsers(dest="command", required=True)
+    # Only import the module of the subcommand actually asked for.
+    wanted = argv[0] if argv else None
+    for name, (mod, helptext) in COMMANDS.items():
+        sp = sub.add_parser(name, help=helptext)
+        if name == wanted:
+            m = importlib.import_module(mod)
+            m.add_args(sp)
+            sp.set_defaults(_main=m.main)
+    bp = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES))
+    bsub = bp.add_subparsers(dest="bench", required=True)
+    want_bench = argv[1] if wanted == "bench" and len(argv) > 1 else None
+    for name, mod in BENCHES.items():
+        sp = bsub.add_parser(name)
+        sp.add_argument("--json", action="store_true", help="print one JSON object")
+        if name == want_bench:
+            m = importlib.import_module(mod)
+            m.add_args(sp)
+            sp.set_defaults(_main=m.main)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    return int(args._main(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Transport: shared-memory rings, broadcast ring, layer signal, naming and lifetime."""

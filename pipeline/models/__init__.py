@@ -1,0 +1,1 @@
+"""Model definitions (Llama family) and checkpoint loading, used by the worker stage."""

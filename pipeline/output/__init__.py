@@ -1,0 +1,1 @@
+"""Token processor stage: detokenization, stop strings, streaming deltas, timings."""

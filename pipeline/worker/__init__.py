@@ -1,0 +1,1 @@
+"""Worker stage: weights, KV cache memory, the persistent batch, sampling."""
