@@ -1,0 +1,103 @@
+# cython: language_level=3
+"""Worker stage, CPU ops: Cython entry points over the C kernels in cpu_ops_*.h.
+
+Called by ``pipeline.worker.ops`` with raw ``data_ptr()`` addresses after it has checked
+shapes, dtypes, devices and contiguity; these functions check the index values (slots,
+block ids, sequence lengths) in C and return the first bad index or -1. Every kernel runs
+with the GIL released, on OpenMP threads. The ``stream`` arguments exist so the signature
+matches ``cuda_ops``; they are ignored on CPU. Owns no state.
+"""
+from libc.stdint cimport int32_t, int64_t, uintptr_t
+from libc.stdlib cimport malloc, free
+
+
+cdef extern from "cpu_ops_dtype.h":
+    int64_t pipe_dtype_size(int dtype) nogil
+
+cdef extern from "cpu_ops_cache.h":
+    int64_t pipeline_cpu_reshape_and_cache(
+        const char *key, const char *value, char *k_cache, char *v_cache,
+        const int64_t *slot_mapping, int64_t num_tokens, int64_t key_stride,
+        int64_t value_stride, int64_t num_blocks, int64_t block_size, int64_t row_elems,
+        int64_t elem_size) nogil
+    int64_t pipeline_cpu_copy_blocks(
+        char *const *caches, int64_t num_caches, const int64_t *pairs, int64_t num_pairs,
+        int64_t num_blocks, int64_t block_bytes) nogil
+
+cdef extern from "cpu_ops_attn.h":
+    ctypedef struct pipe_attn_args:
+        const char *q
+        const char *k_cache
+        const char *v_cache
+        const int32_t *cu_seqlens_q
+        const int32_t *seq_lens
+        const int32_t *block_tables
+        int64_t num_seqs, num_tokens, q_stride, num_heads, num_kv_heads, head_dim
+        int64_t num_blocks, block_size, max_blocks
+        float scale
+        int dtype
+    int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) nogil
+
+
+def reshape_and_cache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache,
+                      uintptr_t slot_mapping, int64_t num_tokens, int64_t key_stride,
+                      int64_t value_stride, int64_t num_blocks, int64_t block_size,
+                      int64_t num_kv_heads, int64_t head_dim, int dtype,
+                      uintptr_t stream=0) -> int:
+    """Write K/V rows to their slots; returns the first out-of-range token or -1."""
+    cdef int64_t bad
+    with nogil:
+        bad = pipeline_cpu_reshape_and_cache(
+            <const char *>key, <const char *>value, <char *>k_cache, <char *>v_cache,
+            <const int64_t *>slot_mapping, num_tokens, key_stride, value_stride,
+            num_blocks, block_size, num_kv_heads * head_dim, pipe_dtype_size(dtype))
+    return bad
+
+
+def paged_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_cache,
+                    uintptr_t cu_seqlens_q, uintptr_t seq_lens, uintptr_t block_tables,
+                    int64_t num_seqs, int64_t num_tokens, int64_t q_stride,
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                    int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+                    float scale, int dtype, uintptr_t stream=0) -> int:
+    """Causal paged attention; returns the first malformed sequence or -1."""
+    cdef pipe_attn_args a
+    cdef int64_t bad
+    a.q = <const char *>q
+    a.k_cache = <const char *>k_cache
+    a.v_cache = <const char *>v_cache
+    a.cu_seqlens_q = <const int32_t *>cu_seqlens_q
+    a.seq_lens = <const int32_t *>seq_lens
+    a.block_tables = <const int32_t *>block_tables
+    a.num_seqs = num_seqs
+    a.num_tokens = num_tokens
+    a.q_stride = q_stride
+    a.num_heads = num_heads
+    a.num_kv_heads = num_kv_heads
+    a.head_dim = head_dim
+    a.num_blocks = num_blocks
+    a.block_size = block_size
+    a.max_blocks = max_blocks
+    a.scale = scale
+    a.dtype = dtype
+    with nogil:
+        bad = pipeline_cpu_paged_attention(<char *>out, &a)
+    return bad
+
+
+def copy_blocks(list caches, uintptr_t pairs, int64_t num_pairs, int64_t num_blocks,
+                int64_t block_bytes, uintptr_t stream=0) -> int:
+    """Copy block pairs (src, dst) in every cache; returns the first bad pair or -1."""
+    cdef int64_t n = len(caches), i, bad
+    cdef char **ptrs = <char **>malloc(max(n, 1) * sizeof(char *))
+    if ptrs == NULL:
+        raise MemoryError()
+    try:
+        for i in range(n):
+            ptrs[i] = <char *><uintptr_t>caches[i]
+        with nogil:
+            bad = pipeline_cpu_copy_blocks(ptrs, n, <const int64_t *>pairs, num_pairs,
+                                           num_blocks, block_bytes)
+    finally:
+        free(ptrs)
+    return bad

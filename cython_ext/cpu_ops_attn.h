@@ -1,0 +1,206 @@
+/* Worker stage, CPU ops: paged attention over a flattened varlen batch.
+ *
+ * One kernel serves decode, chunked prefill and prefill with cached context. Work items
+ * are (sequence, kv head, tile of up to PIPE_QTILE query tokens, context split): the
+ * heads of a GQA group share one pass over their K/V blocks, so every cache byte is read
+ * once per item. When the batch has fewer items than twice the thread count (batch-1
+ * decode, MQA) the context is split and the partial softmax states are merged afterwards
+ * (flash-decoding), so both cores stream the cache. Softmax is online and every sum is
+ * float32. Owns no state besides per-call scratch.
+ */
+#ifndef PIPELINE_CPU_OPS_ATTN_H
+#define PIPELINE_CPU_OPS_ATTN_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <omp.h>
+#include "cpu_ops_dtype.h"
+
+#define PIPE_QTILE 16
+#define PIPE_SPLIT_MIN_KEYS 256
+#define PIPE_NEG_BIG (-1e30f) /* finite: exp(a - b) stays 0 or 1, never NaN */
+
+typedef struct {
+    const char *q, *k_cache, *v_cache;
+    const int32_t *cu_seqlens_q, *seq_lens, *block_tables;
+    int64_t num_seqs, num_tokens, q_stride, num_heads, num_kv_heads, head_dim;
+    int64_t num_blocks, block_size, max_blocks;
+    float scale;
+    int dtype;
+} pipe_attn_args;
+
+/* Index of the first malformed sequence, or -1. */
+static int64_t pipe_attn_validate(const pipe_attn_args *a) {
+    if (a->cu_seqlens_q[0] != 0) return 0;
+    for (int64_t b = 0; b < a->num_seqs; b++) {
+        const int64_t start = a->cu_seqlens_q[b], end = a->cu_seqlens_q[b + 1];
+        const int64_t ctx = a->seq_lens[b];
+        if (end < start || end > a->num_tokens || ctx < end - start) return b;
+        if (ctx > a->max_blocks * a->block_size) return b;
+        if (end == start) continue;
+        const int32_t *bt = a->block_tables + b * a->max_blocks;
+        for (int64_t i = 0; i < (ctx + a->block_size - 1) / a->block_size; i++)
+            if (bt[i] < 0 || bt[i] >= a->num_blocks) return b;
+    }
+    return -1;
+}
+
+/* One work item: rows are (token, head-in-group) pairs of one tile; keys [k_lo, k_hi). */
+static void pipe_attn_item(const pipe_attn_args *a, int64_t b, int64_t tile, int64_t kvh,
+                           int64_t k_lo, int64_t k_hi, float *qf, float *acc, float *m,
+                           float *l, float *s, float *kf, float *vf) {
+    const int64_t D = a->head_dim, group = a->num_heads / a->num_kv_heads;
+    const int64_t start = a->cu_seqlens_q[b], q_len = a->cu_seqlens_q[b + 1] - start;
+    const int64_t first_pos = a->seq_lens[b] - q_len; /* absolute position of query 0 */
+    const int64_t t0 = tile * PIPE_QTILE;
+    const int64_t nt = q_len - t0 < PIPE_QTILE ? q_len - t0 : PIPE_QTILE;
+    const int64_t rows = nt * group, esz = pipe_dtype_size(a->dtype);
+    const int64_t last_pos = first_pos + t0 + nt - 1;
+    if (k_hi > last_pos + 1) k_hi = last_pos + 1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t tok = start + t0 + r / group, head = kvh * group + r % group;
+        pipe_load_row(qf + r * D, a->q + (tok * a->q_stride + head * D) * esz, D, a->dtype,
+                      a->scale);
+        m[r] = PIPE_NEG_BIG;
+        l[r] = 0.0f;
+        for (int64_t d = 0; d < D; d++) acc[r * D + d] = 0.0f;
+    }
+    const int32_t *bt = a->block_tables + b * a->max_blocks;
+    const int64_t bs = a->block_size, kv_row = a->num_kv_heads * D;
+    for (int64_t k0 = k_lo; k0 < k_hi; k0 += bs - (k0 % bs)) {
+        const int64_t off = k0 % bs;
+        const int64_t n = (k_hi - k0 < bs - off) ? k_hi - k0 : bs - off;
+        const int64_t base = ((int64_t)bt[k0 / bs] * bs + off) * kv_row + kvh * D;
+        const float *kr, *vr;
+        int64_t stride;
+        if (a->dtype == PIPE_F32) { /* read the cache in place */
+            kr = (const float *)a->k_cache + base;
+            vr = (const float *)a->v_cache + base;
+            stride = kv_row;
+        } else {
+            for (int64_t j = 0; j < n; j++) {
+                pipe_load_row(kf + j * D, a->k_cache + (base + j * kv_row) * esz, D, a->dtype, 1.0f);
+                pipe_load_row(vf + j * D, a->v_cache + (base + j * kv_row) * esz, D, a->dtype, 1.0f);
+            }
+            kr = kf;
+            vr = vf;
+            stride = D;
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t pos = first_pos + t0 + r / group;
+            const int64_t nvis = (pos - k0 + 1 < n) ? pos - k0 + 1 : n; /* causal mask */
+            if (nvis <= 0) continue;
+            const float *qr = qf + r * D;
+            float mx = PIPE_NEG_BIG;
+            for (int64_t j = 0; j < nvis; j++) {
+                const float *kj = kr + j * stride;
+                float dot = 0.0f;
+                for (int64_t d = 0; d < D; d++) dot += qr[d] * kj[d];
+                s[j] = dot;
+                mx = dot > mx ? dot : mx;
+            }
+            float *ar = acc + r * D;
+            if (mx > m[r]) {
+                const float corr = expf(m[r] - mx);
+                l[r] *= corr;
+                for (int64_t d = 0; d < D; d++) ar[d] *= corr;
+                m[r] = mx;
+            }
+            float sum = 0.0f;
+            for (int64_t j = 0; j < nvis; j++) {
+                const float p = expf(s[j] - m[r]);
+                const float *vj = vr + j * stride;
+                sum += p;
+                for (int64_t d = 0; d < D; d++) ar[d] += p * vj[d];
+            }
+            l[r] += sum;
+        }
+    }
+}
+
+/* Returns the index of a malformed sequence, or -1 once `out` [T, H, D] is written.
+ * Rows of `out` past cu_seqlens_q[num_seqs] (padding) are zeroed. */
+static int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) {
+    const int64_t bad = pipe_attn_validate(a);
+    if (bad >= 0) return bad;
+    const int64_t B = a->num_seqs, H = a->num_heads, D = a->head_dim, Hkv = a->num_kv_heads;
+    const int64_t group = H / Hkv, esz = pipe_dtype_size(a->dtype), bs = a->block_size;
+    int64_t *tile_end = (int64_t *)malloc((size_t)B * sizeof(int64_t));
+    int64_t tiles = 0, max_ctx = 0;
+    for (int64_t b = 0; b < B; b++) {
+        tiles += (a->cu_seqlens_q[b + 1] - a->cu_seqlens_q[b] + PIPE_QTILE - 1) / PIPE_QTILE;
+        tile_end[b] = tiles;
+        if (a->seq_lens[b] > max_ctx) max_ctx = a->seq_lens[b];
+    }
+    const int64_t items = tiles * Hkv, nthreads = omp_get_max_threads();
+    int64_t nsplit = 1;
+    if (items > 0 && items < 2 * nthreads) {
+        nsplit = (2 * nthreads + items - 1) / items;
+        const int64_t cap = (max_ctx + PIPE_SPLIT_MIN_KEYS - 1) / PIPE_SPLIT_MIN_KEYS;
+        if (nsplit > cap) nsplit = cap;
+        if (nsplit < 1) nsplit = 1;
+    }
+    float *part = NULL; /* per (token, head, split): m, l, acc[D] */
+    if (nsplit > 1) part = (float *)malloc((size_t)(a->num_tokens * H * nsplit * (D + 2)) * sizeof(float));
+    const int64_t max_rows = PIPE_QTILE * group;
+    #pragma omp parallel if (items * nsplit > 1)
+    {
+        float *scratch = (float *)malloc((size_t)(2 * max_rows * D + 2 * max_rows + bs + 2 * bs * D) * sizeof(float));
+        float *qf = scratch, *acc = qf + max_rows * D, *m = acc + max_rows * D;
+        float *l = m + max_rows, *s = l + max_rows, *kf = s + bs, *vf = kf + bs * D;
+        int64_t b = 0;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items * nsplit; it++) {
+            const int64_t split = it % nsplit, kvh = (it / nsplit) % Hkv, gt = it / nsplit / Hkv;
+            if (b >= B || gt >= tile_end[b] || (b > 0 && gt < tile_end[b - 1])) {
+                int64_t lo = 0, hi = B - 1; /* first b with tile_end[b] > gt */
+                while (lo < hi) { int64_t mid = (lo + hi) / 2; if (tile_end[mid] > gt) hi = mid; else lo = mid + 1; }
+                b = lo;
+            }
+            const int64_t tile = gt - (b > 0 ? tile_end[b - 1] : 0), ctx = a->seq_lens[b];
+            const int64_t chunk = ((ctx + nsplit - 1) / nsplit + bs - 1) / bs * bs;
+            const int64_t k_lo = split * chunk, k_hi = k_lo + chunk < ctx ? k_lo + chunk : ctx;
+            pipe_attn_item(a, b, tile, kvh, k_lo, k_hi, qf, acc, m, l, s, kf, vf);
+            const int64_t q_len = a->cu_seqlens_q[b + 1] - a->cu_seqlens_q[b];
+            const int64_t nt = q_len - tile * PIPE_QTILE < PIPE_QTILE ? q_len - tile * PIPE_QTILE : PIPE_QTILE;
+            for (int64_t r = 0; r < nt * group; r++) {
+                const int64_t tok = a->cu_seqlens_q[b] + tile * PIPE_QTILE + r / group;
+                const int64_t head = kvh * group + r % group;
+                if (nsplit == 1) {
+                    pipe_store_row(out + (tok * H + head) * D * esz, acc + r * D, D, a->dtype, 1.0f / l[r]);
+                } else {
+                    float *p = part + ((tok * H + head) * nsplit + split) * (D + 2);
+                    p[0] = m[r];
+                    p[1] = l[r];
+                    memcpy(p + 2, acc + r * D, (size_t)D * sizeof(float));
+                }
+            }
+        }
+        if (nsplit > 1) { /* merge the splits' softmax states; `scratch` holds one row */
+            const int64_t used = a->cu_seqlens_q[B] - a->cu_seqlens_q[0];
+            #pragma omp for schedule(static)
+            for (int64_t row = 0; row < used * H; row++) {
+                const int64_t flat = a->cu_seqlens_q[0] * H + row;
+                const float *p = part + flat * nsplit * (D + 2);
+                float mx = PIPE_NEG_BIG, sum = 0.0f;
+                for (int64_t i = 0; i < nsplit; i++) mx = p[i * (D + 2)] > mx ? p[i * (D + 2)] : mx;
+                for (int64_t d = 0; d < D; d++) scratch[d] = 0.0f;
+                for (int64_t i = 0; i < nsplit; i++) {
+                    const float w = expf(p[i * (D + 2)] - mx), *pa = p + i * (D + 2) + 2;
+                    sum += w * p[i * (D + 2) + 1];
+                    for (int64_t d = 0; d < D; d++) scratch[d] += w * pa[d];
+                }
+                pipe_store_row(out + flat * D * esz, scratch, D, a->dtype, 1.0f / sum);
+            }
+        }
+        free(scratch);
+    }
+    free(part);
+    free(tile_end);
+    const int64_t pad_from = a->cu_seqlens_q[B];
+    if (pad_from < a->num_tokens)
+        memset(out + pad_from * H * D * esz, 0, (size_t)((a->num_tokens - pad_from) * H * D * esz));
+    return -1;
+}
+
+#endif
