@@ -1,0 +1,120 @@
+"""Engine stage: one request's scheduling state, owned by the Scheduler alone.
+
+A Request lives from ``Scheduler.add_request`` until it finishes or is aborted. It holds the
+token ids known so far (prompt, then every sampled token), how many of them have KV in the
+cache, the blocks it owns, the chain hashes of its full blocks, and the timings the token
+processor reports. Nothing outside the engine stage ever sees or mutates it.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pipeline.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+ABORT_STATUS: dict[str, RequestStatus] = {
+    "abort": RequestStatus.FINISHED_ABORTED,
+    "stop": RequestStatus.FINISHED_STOPPED,  # a stop string hit in the token processor
+    "error": RequestStatus.FINISHED_ERROR,
+    "length": RequestStatus.FINISHED_LENGTH,
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    cache_salt: str | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    # Prompt followed by every sampled token; grows by one per decode step.
+    all_token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    # Tokens whose KV is in the cache (advanced when the worker reports the step done).
+    num_computed_tokens: int = 0
+    # Blocks owned, in position order (KVBlock objects of the pool).
+    blocks: list = field(default_factory=list)
+    # Chain hashes of every full block of all_token_ids, computed incrementally.
+    block_hashes: list[bytes] = field(default_factory=list)
+    # How many leading blocks of ``blocks`` are already in the prefix cache.
+    num_cached_blocks: int = 0
+    # Prefix-cache hit at first admission (reported to the client).
+    num_cached_tokens: int = -1
+    # Step the request is in flight in (-1: none); results of any other step are stale.
+    scheduled_step: int = -1
+    # Admission order, for the "newest admitted" preemption victim.
+    admit_seq: int = 0
+    num_preemptions: int = 0
+    first_scheduled_time: float = 0.0
+    finish_time: float = 0.0
+    stop_reason: int | str | None = None
+    # Set by the scheduler once the worker holds the request (drop it there on finish).
+    sent_to_worker: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Set a FINISHED_* status after a token was appended; True if the request ended.
+
+        A stop token beats the length cap when both happen on the same token, so the client
+        learns why it ended. EOS and stop tokens count only once ``min_tokens`` are out.
+        """
+        sp = self.sampling_params
+        n_out = len(self.all_token_ids) - self.num_prompt_tokens
+        last = self.all_token_ids[-1]
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if sp.stop_token_ids and last in sp.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if n_out >= sp.max_tokens or len(self.all_token_ids) >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

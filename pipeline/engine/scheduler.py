@@ -1,0 +1,312 @@
+"""Engine stage: the scheduler (seed 002's "scheduler v1"): one block table, every request's state.
+
+Owns the requests (waiting queue + running list), the KVCacheManager (block pool and prefix
+cache) and the per-step diff sent to the worker. Nothing else allocates, frees, hashes or
+caches a block. One step is ``schedule()`` -> worker -> ``update_from_output()``; a request
+scheduled in a step whose result is not back yet is "in flight" and is not scheduled again,
+so an engine may schedule step N+1 before step N's result arrives. A result for a request
+that was preempted, aborted or finished meanwhile is stale and dropped, so such a request
+never caches blocks it no longer owns (seed 001).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+
+from pipeline.config import EngineConfig
+from pipeline.engine.kv_cache_manager import KVCacheManager
+from pipeline.engine.messages import EngineOutput, EngineRequest
+from pipeline.engine.preemption import make_policy
+from pipeline.engine.request import ABORT_STATUS, Request, RequestStatus
+from pipeline.engine.request_queue import WaitingQueue
+from pipeline.engine.sched_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                          SchedulerOutput, bytes_to_ids, ids_to_bytes)
+
+logger = logging.getLogger(__name__)
+
+# Admission holds back this many blocks per running request for their growth. Reset on a
+# preemption (admission was too eager), decays while none happens (FastDeploy v1's scheme).
+RESERVE_INIT = 1.0
+RESERVE_MIN = 0.05
+RESERVE_DECAY = 0.98
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, block_size: int,
+                 max_model_len: int, hash_key: bytes | None = None) -> None:
+        for name, v in (("max_num_seqs", config.max_num_seqs),
+                        ("max_num_batched_tokens", config.max_num_batched_tokens),
+                        ("max_model_len", max_model_len)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        self.config = config
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        # An explicit threshold always caps a prefill chunk; the default (0) caps it only when
+        # the chunk shares the step with other requests, so a lone prompt still gets the whole
+        # budget (TTFT) while a prefill never inflates a decode step by more than a quarter.
+        self._explicit_threshold = config.long_prefill_token_threshold > 0
+        self.long_prefill_token_threshold = (config.long_prefill_token_threshold
+                                             or max(1, config.max_num_batched_tokens // 4))
+        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, hash_key)
+        self.policy = make_policy(config.preemption_policy)
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []  # admission order
+        self.step_id = 0
+        self._admit_seq = 0
+        self._finished_ids: list[str] = []  # the worker must drop them at the next step
+        self._reserve = RESERVE_INIT
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_computed_tokens = 0  # prompt, recomputed and decode tokens run by the worker
+        self.num_generated_tokens = 0
+
+    # -- admission and abort ------------------------------------------------------------
+    def add_request(self, er: EngineRequest) -> None:
+        if er.req_id in self.requests:
+            raise ValueError(f"request id {er.req_id!r} is already in the engine")
+        prompt = bytes_to_ids(er.prompt_token_ids).tolist()
+        sp = er.sampling_params
+        sp.validate(max_model_len=self.max_model_len)
+        if not prompt:
+            raise ValueError("prompt must contain at least 1 token")
+        total = len(prompt) + sp.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({sp.max_tokens}) = "
+                             f"{total} exceeds max_model_len ({self.max_model_len})")
+        # The last sampled token's KV is never computed, hence total - 1.
+        need = -(-(total - 1) // self.block_size)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({sp.max_tokens}) needs "
+                             f"{need} KV blocks of {self.block_size} tokens, more than the whole "
+                             f"KV cache (num_blocks={self.kv.pool.num_blocks})")
+        req = Request(er.req_id, prompt, sp, er.arrival_time, frozenset(er.eos_token_ids),
+                      er.priority, er.cache_salt)
+        self.kv.hash_new_blocks(req)
+        self.requests[req.req_id] = req
+        self.waiting.add(req)
+        self.num_prompt_tokens += len(prompt)
+
+    def abort_requests(self, req_ids, reason: str = "abort") -> list[EngineOutput]:
+        status = ABORT_STATUS.get(reason, RequestStatus.FINISHED_ABORTED)
+        outs = []
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue  # unknown or already finished: its final output went out already
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.discard(req)
+            req.status = status
+            self._finish(req)
+            outs.append(self._output(req, [], reason))
+        return outs
+
+    def _finish(self, req: Request) -> None:
+        self.kv.free(req)
+        req.finish_time = time.time()
+        req.scheduled_step = -1
+        del self.requests[req.req_id]
+        if req.sent_to_worker:
+            self._finished_ids.append(req.req_id)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.scheduled_step = -1
+        req.sent_to_worker = False
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._reserve = RESERVE_INIT
+        self.waiting.add_front(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.step_id += 1
+        step = self.step_id
+        budget = self.max_num_batched_tokens
+        num_sched: dict[str, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        preempted: list[Request] = []
+        running = self.running
+        threshold = self.long_prefill_token_threshold
+
+        for decode_pass in (True, False):
+            i = 0
+            while i < len(running) and budget > 0:
+                req = running[i]
+                i += 1
+                remaining = req.num_tokens - req.num_computed_tokens
+                if req.scheduled_step >= 0 or (remaining == 1) != decode_pass:
+                    continue
+                n = min(remaining, budget)
+                if not decode_pass and (self._explicit_threshold or len(running) > 1):
+                    n = min(n, threshold)
+                blocks = self.kv.allocate_slots(req, n)
+                while blocks is None:
+                    victim = self.policy.select_victim(running)
+                    idx = running.index(victim)
+                    del running[idx]
+                    if idx < i:
+                        i -= 1
+                    if victim.req_id in num_sched:  # undo its place in this step
+                        budget += num_sched.pop(victim.req_id)
+                        new_blocks.pop(victim.req_id, None)
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is req:
+                        break
+                    blocks = self.kv.allocate_slots(req, n)
+                if blocks is None:
+                    continue
+                num_sched[req.req_id] = n
+                budget -= n
+                req.scheduled_step = step
+                if blocks:
+                    new_blocks[req.req_id] = [b.block_id for b in blocks]
+
+        cached_reqs = [CachedRequestData(r.req_id, new_blocks.get(r.req_id, []),
+                                         r.num_computed_tokens)
+                       for r in running if r.req_id in num_sched]
+        new_reqs: list[NewRequestData] = []
+        # No admission in a step that had to preempt: the pool is too tight for more work.
+        if not preempted:
+            self._reserve = max(RESERVE_MIN, self._reserve * RESERVE_DECAY)
+            self._admit(step, budget, num_sched, new_reqs)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(step, new_reqs, cached_reqs, num_sched, sum(num_sched.values()),
+                               finished, [r.req_id for r in preempted])
+
+    def _admit(self, step: int, budget: int, num_sched: dict[str, int],
+               new_reqs: list[NewRequestData]) -> None:
+        running, kv = self.running, self.kv
+        reserve = math.ceil(self._reserve * len(running))
+        while budget > 0 and len(running) < self.max_num_seqs:
+            req = self.waiting.peek()
+            if req is None:
+                break
+            computed, n_hit = kv.get_computed_blocks(req)
+            n = min(req.num_tokens - n_hit, budget)
+            if self._explicit_threshold or running:
+                n = min(n, self.long_prefill_token_threshold)
+            if running and kv.blocks_needed(req, n, computed) + reserve > kv.pool.num_free_blocks:
+                break
+            if kv.allocate_slots(req, n, computed) is None:
+                break
+            self.waiting.pop()
+            kv.record_lookup(req.num_tokens, n_hit)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = n_hit
+                req.first_scheduled_time = time.time()
+            req.status = RequestStatus.RUNNING
+            req.scheduled_step = step
+            req.sent_to_worker = True
+            self._admit_seq += 1
+            req.admit_seq = self._admit_seq
+            running.append(req)
+            num_sched[req.req_id] = n
+            budget -= n
+            new_reqs.append(NewRequestData(req.req_id, ids_to_bytes(req.all_token_ids),
+                                           req.num_prompt_tokens, req.sampling_params,
+                                           [b.block_id for b in req.blocks],
+                                           req.num_computed_tokens))
+
+    def update_from_output(self, sched: SchedulerOutput,
+                           out: ModelRunnerOutput) -> list[EngineOutput]:
+        sampled = dict(zip(out.req_ids, out.sampled_token_ids))
+        logprobs = dict(zip(out.req_ids, out.logprobs)) if out.logprobs else None
+        outputs: list[EngineOutput] = []
+        any_finished = False
+        kv, step, max_len = self.kv, sched.step_id, self.max_model_len
+        for rid, n in sched.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            # Stale: aborted, finished, preempted (maybe re-admitted) since it was scheduled.
+            if req is None or req.scheduled_step != step:
+                continue
+            req.scheduled_step = -1
+            req.num_computed_tokens += n
+            kv.cache_computed_blocks(req)
+            self.num_computed_tokens += n
+            tok = sampled.get(rid)
+            if tok is None:
+                if req.num_computed_tokens == req.num_tokens:
+                    raise RuntimeError(f"worker sampled no token for {rid!r} at the end of its "
+                                       f"{'prefill' if req.num_output_tokens == 0 else 'step'}")
+                continue
+            if req.num_computed_tokens != req.num_tokens:
+                raise RuntimeError(f"worker sampled a token for {rid!r} mid-prefill "
+                                   f"({req.num_computed_tokens}/{req.num_tokens} computed)")
+            req.all_token_ids.append(tok)
+            self.num_generated_tokens += 1
+            if len(req.all_token_ids) % self.block_size == 0:
+                kv.hash_new_blocks(req)
+            done = req.check_stop(max_len)
+            lp = logprobs.get(rid) if logprobs else None
+            outputs.append(self._output(req, [tok], req.finish_reason, [lp] if lp else None))
+            if done:
+                any_finished = True
+                self._finish(req)
+        if any_finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return outputs
+
+    def _output(self, req: Request, toks: list[int], reason: str | None,
+                logprobs=None) -> EngineOutput:
+        return EngineOutput(req.req_id, toks, reason, req.stop_reason, logprobs,
+                            req.num_prompt_tokens, max(req.num_cached_tokens, 0),
+                            req.first_scheduled_time)
+
+    # -- observability ------------------------------------------------------------------
+    def stats(self) -> dict:
+        pool = self.kv.pool
+        return {"running": len(self.running), "waiting": len(self.waiting),
+                "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used_blocks,
+                "kv_blocks_cached": len(pool.cached),
+                "kv_blocks_cached_evictable": pool.num_cached_free,
+                "kv_blocks_free": pool.num_free_blocks - pool.num_cached_free,
+                "kv_usage": pool.num_used_blocks / pool.num_blocks,
+                "prefix_cache_hit_rate": self.kv.hit_rate,
+                "prefix_cache_queried_tokens": self.kv.num_queried_tokens,
+                "prefix_cache_hit_tokens": self.kv.num_hit_tokens,
+                "num_preemptions": self.num_preemptions, "num_evictions": pool.num_evictions,
+                "prompt_tokens": self.num_prompt_tokens,
+                "computed_tokens": self.num_computed_tokens,
+                "generation_tokens": self.num_generated_tokens,
+                "reserve_blocks_per_running": self._reserve}
+
+    def check_invariants(self) -> list[str]:
+        """O(blocks) audit of the block table; logs and returns violations (empty: sound)."""
+        errs = self.kv.pool.check()
+        owners: dict[int, list[str]] = defaultdict(list)
+        for req in self.requests.values():
+            if req.blocks and req.status != RequestStatus.RUNNING:
+                errs.append(f"request {req.req_id} ({req.status.name}) holds {len(req.blocks)} blocks")
+            for b in req.blocks:
+                owners[b.block_id].append(req.req_id)
+        for bid, ids in owners.items():
+            b = self.kv.pool.blocks[bid]
+            if len(set(ids)) != len(ids):
+                errs.append(f"block {bid} listed twice by request {ids[0]}")
+            if len(ids) > 1 and b.block_hash is None:
+                errs.append(f"uncached block {bid} owned by several requests: {sorted(ids)}")
+            if len(ids) != b.ref_cnt:
+                errs.append(f"block {bid} ref_cnt {b.ref_cnt} but owners {sorted(ids)}")
+        for b in self.kv.pool.blocks:
+            if b.ref_cnt > 0 and b.block_id not in owners:
+                errs.append(f"block {b.block_id} leaked: ref_cnt {b.ref_cnt}, no owner")
+        n_running = sum(1 for r in self.requests.values() if r.status == RequestStatus.RUNNING)
+        if n_running != len(self.running):
+            errs.append(f"{len(self.running)} in the running list, {n_running} RUNNING")
+        for e in errs:
+            logger.error("KV block table invariant violated: %s", e)
+        return errs
