@@ -1,0 +1,73 @@
+"""Token processor stage: what it hands back per request (the answer types of every way in).
+
+The token processor builds these; the gateway forwards them unchanged to clients (ZMQ, pipe
+mode JSON lines) and feeds them to the metrics. They own no state. All are msgspec structs
+so they encode to msgpack / JSON as-is; field names follow vLLM's / OpenAI's where they exist.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from pipeline.engine.sched_output import TokenLogprobs
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class ErrorInfo(msgspec.Struct, forbid_unknown_fields=True):
+    """Why a request failed. ``code`` is machine-readable, ``message`` names field and limit."""
+    code: str  # invalid_request | unsupported_version | duplicate_id | engine_error | stage_died | timeout | ...
+    message: str
+
+
+class Usage(msgspec.Struct, forbid_unknown_fields=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class Timings(msgspec.Struct, forbid_unknown_fields=True):
+    """Wall-clock instants (time.time()) and the durations derived from them, in seconds.
+
+    ``queue_time``: arrival -> first scheduled; ``ttft``: arrival -> first token;
+    ``itl``: gaps between consecutive engine outputs after the first token;
+    ``e2e``: arrival -> final answer. Durations are None when the instant was never reached
+    (e.g. a request aborted while waiting has no ttft).
+    """
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    queue_time: float | None = None
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = []
+
+    @property
+    def mean_itl(self) -> float | None:
+        return sum(self.itl) / len(self.itl) if self.itl else None
+
+
+class RequestDelta(msgspec.Struct, forbid_unknown_fields=True):
+    """New output of a streaming request since its previous delta.
+
+    Concatenating every delta's ``text`` (and ``token_ids``) of a request gives exactly the
+    final answer's ``text`` (``token_ids``): held-back text (a possible stop string prefix,
+    an incomplete UTF-8 character) is sent later or dropped, never sent twice.
+    """
+    id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+
+
+class RequestResult(msgspec.Struct, forbid_unknown_fields=True):
+    """The one final answer of a request (also the JSON line of pipe mode)."""
+    id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # stop | length | abort | error
+    usage: Usage
+    timings: Timings
+    error: ErrorInfo | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[TokenLogprobs] | None = None
