@@ -1,0 +1,521 @@
+# cython: language_level=3
+"""Transport hot path (every stage): mapped segments, ring views, doorbells and layer signals.
+
+Owns no naming or lifetime policy (pipeline/ipc/names.py does): it maps a file descriptor,
+lays out or checks a segment, and moves bytes with the GIL released around waits and large
+copies. All counters go through the C atomics of shm_atomic.h.
+"""
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.errno cimport errno
+from libc.string cimport memcpy, memset, strerror, strncpy
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_FillInfo, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from posix.unistd cimport getpid
+
+from pipeline.ipc.errors import PeerDied
+
+cdef extern from "<sys/mman.h>" nogil:
+    void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
+    int munmap(void *addr, size_t length)
+    int PROT_READ, PROT_WRITE, MAP_SHARED, MAP_POPULATE
+    void *MAP_FAILED
+
+cdef extern from "shm_atomic.h" nogil:
+    uint64_t PL_RING_MAGIC, PL_DOORBELL_MAGIC, PL_SIGNAL_MAGIC
+    uint32_t PL_VERSION
+    int PL_MAX_READERS, PL_DOORBELL_NAME
+    ctypedef int (*pl_cond_fn)(const void *ctx)
+    ctypedef struct pl_parker:
+        uint64_t waiting
+    ctypedef struct pl_ring_hdr:
+        uint64_t magic
+        uint32_t version
+        uint32_t num_readers
+        uint64_t size
+        uint64_t data_offset
+        char doorbell[192]
+    ctypedef struct pl_ring_side:
+        uint64_t pos
+        uint64_t seq
+        int64_t pid
+        pl_parker parker
+    ctypedef struct pl_ring_shm:
+        pl_ring_hdr hdr
+        pl_ring_side writer
+        pl_ring_side *readers
+    ctypedef struct pl_ring:
+        pl_ring_shm *shm
+        unsigned char *data
+        uint64_t size
+        uint32_t num_readers
+        uint32_t reader
+        pl_parker *reader_parker
+        uint64_t need
+    ctypedef struct pl_ring_set:
+        pl_ring **rings
+        int n
+    ctypedef struct pl_signal_shm:
+        uint64_t magic
+        uint32_t version
+        uint32_t num_layers
+        int64_t publisher_pid
+        pl_parker parker
+        uint64_t *seq
+    ctypedef struct pl_signal_wait:
+        pl_signal_shm *shm
+        int layer
+        uint64_t target
+    int64_t pl_now_ns()
+    int pl_parker_init(pl_parker *p)
+    int pl_wait_slice(pl_parker *p, pl_cond_fn cond, const void *ctx, int64_t spin_ns, int64_t slice_ns)
+    int pl_pid_alive(int64_t pid)
+    uint64_t pl_load_acquire(const uint64_t *p)
+    uint64_t pl_ring_data_offset(uint32_t num_readers)
+    int pl_ring_readable(const void *ctx)
+    int pl_ring_writable(const void *ctx)
+    int pl_ring_set_any(const void *ctx)
+    uint64_t pl_ring_need(const pl_ring *r, uint64_t len)
+    void pl_ring_write(pl_ring *r, const void *buf, uint64_t length)
+    uint64_t pl_ring_peek(pl_ring *r, uint64_t *length, uint64_t *seq)
+    void pl_ring_consume(pl_ring *r, uint64_t length)
+    uint64_t pl_signal_size(uint32_t num_layers)
+    int pl_signal_ready(const void *ctx)
+    void pipeline_signal_publish(void *base, int64_t step, int layer)
+
+# Below this size a copy is cheaper than dropping and re-taking the GIL.
+cdef enum:
+    NOGIL_COPY = 16384
+cdef enum:
+    RING_DATA_SLACK = 64  # record header + alignment: keeps a capacity/2 message always placeable
+
+DATA_SLACK = RING_DATA_SLACK
+
+
+cdef class Segment:
+    """A shared-memory mapping (MAP_SHARED | MAP_POPULATE) that unmaps on close()."""
+    cdef void *base
+    cdef readonly Py_ssize_t size
+    cdef readonly str name
+    cdef int exports
+
+    @staticmethod
+    def map(int fd, Py_ssize_t size, str name):
+        cdef Segment s = Segment.__new__(Segment)
+        cdef void *p = mmap(NULL, <size_t>size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0)
+        if p == MAP_FAILED:
+            raise OSError(errno, f"mmap of {name} ({size} bytes) failed: {strerror(errno)}")
+        s.base, s.size, s.name = p, size, name
+        return s
+
+    @property
+    def address(self) -> int:
+        """Base address in this process, for C code such as the CUDA signal callback."""
+        self._check()
+        return <Py_ssize_t>self.base
+
+    @property
+    def closed(self) -> bool:
+        return self.base == NULL
+
+    cdef _check(self):
+        if self.base == NULL:
+            raise ValueError(f"segment {self.name} is closed")
+
+    def close(self) -> None:
+        if self.exports:
+            raise BufferError(f"segment {self.name} still has {self.exports} exported buffers")
+        if self.base != NULL:
+            munmap(self.base, <size_t>self.size)
+            self.base = NULL
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        self._check()
+        PyBuffer_FillInfo(view, self, self.base, self.size, 0, flags)
+        self.exports += 1
+
+    def __releasebuffer__(self, Py_buffer *view):
+        self.exports -= 1
+
+    def __dealloc__(self):
+        if self.base != NULL and self.exports == 0:
+            munmap(self.base, <size_t>self.size)
+
+
+cdef class RingView:
+    """One process's end of a ring: the writer, or reader `reader_index` of 1..N readers."""
+    cdef Segment seg
+    cdef Segment bell
+    cdef pl_ring r
+    cdef readonly int is_writer
+    cdef int claimed
+    cdef public int64_t spin_ns
+    cdef public int64_t slice_ns
+
+    @staticmethod
+    def segment_size(uint32_t num_readers, uint64_t capacity) -> int:
+        return ((pl_ring_data_offset(num_readers) + 63) & ~(<uint64_t>63)) + capacity + RING_DATA_SLACK
+
+    @staticmethod
+    def doorbell_of(Segment seg) -> str:
+        seg._check()
+        cdef pl_ring_shm *shm = <pl_ring_shm *>seg.base
+        if <size_t>seg.size < sizeof(pl_ring_hdr) or shm.hdr.magic != PL_RING_MAGIC:
+            raise ValueError(f"{seg.name} is not a pipeline ring (bad magic)")
+        return (<bytes>shm.hdr.doorbell).decode()
+
+    @staticmethod
+    def layout(Segment seg, uint32_t num_readers, uint64_t capacity, str doorbell):
+        """Initialise a fresh segment as a ring of `capacity` bytes with num_readers readers."""
+        seg._check()
+        cdef pl_ring_shm *shm = <pl_ring_shm *>seg.base
+        cdef uint64_t off = (pl_ring_data_offset(num_readers) + 63) & ~(<uint64_t>63)
+        cdef bytes bname = doorbell.encode()
+        if num_readers < 1 or num_readers > PL_MAX_READERS:
+            raise ValueError(f"num_readers={num_readers} must be within 1..{PL_MAX_READERS}")
+        if len(bname) >= PL_DOORBELL_NAME:
+            raise ValueError(f"doorbell name {doorbell!r} longer than {PL_DOORBELL_NAME - 1} bytes")
+        if capacity % 64 or <uint64_t>seg.size < off + capacity + RING_DATA_SLACK:
+            raise ValueError(f"segment {seg.name} too small for a ring of {capacity} bytes")
+        memset(seg.base, 0, off)
+        if pl_parker_init(&shm.writer.parker) != 0:
+            raise OSError("sem_init failed for the writer parker")
+        for i in range(num_readers):
+            if pl_parker_init(&shm.readers[i].parker) != 0:
+                raise OSError("sem_init failed for a reader parker")
+        strncpy(shm.hdr.doorbell, bname, PL_DOORBELL_NAME - 1)
+        shm.hdr.num_readers = num_readers
+        shm.hdr.size = capacity + RING_DATA_SLACK
+        shm.hdr.data_offset = off
+        shm.hdr.version = PL_VERSION
+        shm.hdr.magic = PL_RING_MAGIC  # last: attachers check it
+
+    def __init__(self, Segment seg, bint writer, int reader_index=0, Segment bell=None,
+                 double spin_us=20.0, double slice_s=0.05):
+        seg._check()
+        cdef pl_ring_shm *shm = <pl_ring_shm *>seg.base
+        if shm.hdr.magic != PL_RING_MAGIC or shm.hdr.version != PL_VERSION:
+            raise ValueError(f"{seg.name} is not a pipeline ring (bad magic or version)")
+        if <uint64_t>seg.size < shm.hdr.data_offset + shm.hdr.size:
+            raise ValueError(f"{seg.name} is shorter than its ring header says")
+        if not 0 <= reader_index < <int>shm.hdr.num_readers:
+            raise ValueError(f"reader_index={reader_index} out of range 0..{shm.hdr.num_readers - 1}")
+        self.seg, self.bell, self.is_writer = seg, bell, writer
+        self.r.shm = shm
+        self.r.data = <unsigned char *>seg.base + shm.hdr.data_offset
+        self.r.size = shm.hdr.size
+        self.r.num_readers = shm.hdr.num_readers
+        self.r.reader = reader_index
+        self.r.reader_parker = NULL
+        if bell is not None:
+            bell._check()
+            if (<uint64_t *>bell.base)[0] != PL_DOORBELL_MAGIC:
+                raise ValueError(f"{bell.name} is not a pipeline doorbell")
+            self.r.reader_parker = <pl_parker *>(<char *>bell.base + 64)
+        elif not writer:
+            self.r.reader_parker = &shm.readers[reader_index].parker
+        self.spin_ns = <int64_t>(spin_us * 1000)
+        self.slice_ns = <int64_t>(slice_s * 1e9)
+
+    @property
+    def name(self) -> str:
+        return self.seg.name
+
+    @property
+    def doorbell_name(self) -> str:
+        return (<bytes>self.r.shm.hdr.doorbell).decode()
+
+    @property
+    def max_message(self) -> int:
+        return (self.r.size - RING_DATA_SLACK) // 2
+
+    @property
+    def capacity(self) -> int:
+        return self.r.size - RING_DATA_SLACK
+
+    @property
+    def num_readers(self) -> int:
+        return self.r.num_readers
+
+    def writer_pid(self) -> int:
+        return self.r.shm.writer.pid
+
+    def reader_pid(self, int i=0) -> int:
+        return self.r.shm.readers[i].pid
+
+    cdef inline _ready(self):
+        if self.seg.base == NULL:
+            raise ValueError(f"ring {self.seg.name} is closed")
+        if not self.claimed:
+            self.claim()
+
+    def claim(self) -> None:
+        """Record this process as the writer or as reader `reader_index` (done on first use)."""
+        if self.is_writer:
+            self.r.shm.writer.pid = getpid()
+        else:
+            self.r.shm.readers[self.r.reader].pid = getpid()
+        self.claimed = 1
+
+    cdef object _dead_peer(self):
+        cdef int64_t pid
+        if self.is_writer:
+            for i in range(self.r.num_readers):
+                pid = self.r.shm.readers[i].pid
+                if not pl_pid_alive(pid):
+                    return f"reader {i} (pid {pid})"
+        else:
+            pid = self.r.shm.writer.pid
+            if not pl_pid_alive(pid):
+                return f"writer (pid {pid})"
+        return None
+
+    cdef _wait(self, object timeout, bint writing):
+        cdef int64_t now = pl_now_ns(), deadline = -1, sl, spin = self.spin_ns
+        cdef pl_parker *p = &self.r.shm.writer.parker if writing else self.r.reader_parker
+        cdef pl_cond_fn cond = pl_ring_writable if writing else pl_ring_readable
+        cdef const void *ctx = &self.r
+        cdef int ok
+        if timeout is not None:
+            deadline = now + <int64_t>(float(timeout) * 1e9)
+        while True:
+            sl = self.slice_ns
+            if deadline >= 0:
+                if deadline - now <= 0:
+                    if cond(ctx):
+                        return
+                    raise TimeoutError(f"ring {self.seg.name}: {'no space' if writing else 'no message'} "
+                                       f"within {timeout} s")
+                sl = min(sl, deadline - now)
+            with nogil:
+                ok = pl_wait_slice(p, cond, ctx, spin, sl)
+            if ok:
+                return
+            spin = 0
+            who = self._dead_peer()
+            if who is not None and not cond(ctx):
+                raise PeerDied(f"ring {self.seg.name}: {who} died", name=self.seg.name)
+            now = pl_now_ns()
+
+    def send(self, data, timeout=None) -> None:
+        """Append one message; blocks (spin, then park) while the ring is full."""
+        if not self.is_writer:
+            raise ValueError(f"ring {self.seg.name}: this end is a reader")
+        self._ready()
+        cdef Py_buffer view
+        PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+        try:
+            if <uint64_t>view.len > (self.r.size - RING_DATA_SLACK) // 2:
+                raise ValueError(f"message of {view.len} bytes exceeds the limit of "
+                                 f"{(self.r.size - RING_DATA_SLACK) // 2} bytes (capacity/2) of ring {self.seg.name}")
+            self.r.need = pl_ring_need(&self.r, view.len)
+            if not pl_ring_writable(&self.r):
+                self._wait(timeout, True)
+            if view.len >= NOGIL_COPY:
+                with nogil:
+                    pl_ring_write(&self.r, view.buf, view.len)
+            else:
+                pl_ring_write(&self.r, view.buf, view.len)
+        finally:
+            PyBuffer_Release(&view)
+
+    cdef bytes _take(self):
+        cdef uint64_t n, seq
+        cdef uint64_t off = pl_ring_peek(&self.r, &n, &seq)
+        cdef uint64_t want = self.r.shm.readers[self.r.reader].seq
+        if seq != want:
+            raise RuntimeError(f"ring {self.seg.name} corrupted: record seq {seq}, expected {want}")
+        cdef bytes out = PyBytes_FromStringAndSize(NULL, n)
+        cdef char *dst = PyBytes_AS_STRING(out)
+        cdef const unsigned char *src = self.r.data + off
+        if n >= NOGIL_COPY:
+            with nogil:
+                memcpy(dst, src, n)
+        else:
+            memcpy(dst, src, n)
+        pl_ring_consume(&self.r, n)
+        return out
+
+    def recv(self, timeout=None) -> bytes:
+        """Take the next message; blocks (spin, then park) while the ring is empty."""
+        if self.is_writer:
+            raise ValueError(f"ring {self.seg.name}: this end is the writer")
+        self._ready()
+        if not pl_ring_readable(&self.r):
+            self._wait(timeout, False)
+        return self._take()
+
+    def try_recv(self):
+        """The next message, or None when the ring is empty. Never blocks."""
+        if self.is_writer:
+            raise ValueError(f"ring {self.seg.name}: this end is the writer")
+        self._ready()
+        if not pl_ring_readable(&self.r):
+            return None
+        return self._take()
+
+    def readable(self) -> bool:
+        return self.seg.base != NULL and pl_ring_readable(&self.r) != 0
+
+    def close(self) -> None:
+        """Unmap this process's view (the name stays until its instance cleans up)."""
+        if self.seg is not None:
+            self.seg.close()
+        if self.bell is not None:
+            self.bell.close()
+
+
+def layout_doorbell(Segment seg) -> None:
+    seg._check()
+    memset(seg.base, 0, 128)
+    if pl_parker_init(<pl_parker *>(<char *>seg.base + 64)) != 0:
+        raise OSError("sem_init failed for a doorbell")
+    (<uint64_t *>seg.base)[0] = PL_DOORBELL_MAGIC
+
+
+def wait_any(list views, object timeout, double spin_us=20.0, double slice_s=0.05) -> list:
+    """Indices of the reader views that hold a message, blocking until one does.
+
+    Every view must be a reader of a ring whose reader parker is the same doorbell segment, so
+    one park covers all of them; writers post that doorbell."""
+    cdef int n = len(views), i, ok
+    cdef RingView v
+    cdef pl_ring *ptrs[256]
+    cdef pl_ring_set s
+    cdef int64_t now = pl_now_ns(), deadline = -1, sl, spin = <int64_t>(spin_us * 1000)
+    if n == 0 or n > 256:
+        raise ValueError(f"wait_any needs 1..256 rings, got {n}")
+    for i in range(n):
+        v = views[i]
+        if v.is_writer or v.seg.base == NULL:
+            raise ValueError(f"ring {v.seg.name}: wait_any needs open reader ends")
+        v._ready()
+        ptrs[i] = &v.r
+    cdef pl_parker *p = (<RingView>views[0]).r.reader_parker
+    s.rings, s.n = ptrs, n
+    if n > 1:
+        for i in range(n):
+            v = views[i]
+            if v.bell is None or v.doorbell_name != (<RingView>views[0]).doorbell_name:
+                raise ValueError(f"wait_any over several rings needs one shared doorbell; "
+                                 f"ring {v.seg.name} has {v.doorbell_name or 'none'}")
+    if timeout is not None:
+        deadline = now + <int64_t>(float(timeout) * 1e9)
+    while not pl_ring_set_any(&s):
+        sl = views[0].slice_ns
+        if deadline >= 0:
+            if deadline - now <= 0:
+                raise TimeoutError(f"no message on {n} rings within {timeout} s")
+            sl = min(sl, deadline - now)
+        with nogil:
+            ok = pl_wait_slice(p, pl_ring_set_any, &s, spin, sl)
+        if ok:
+            break
+        spin = 0
+        for i in range(n):
+            v = views[i]
+            who = v._dead_peer()
+            if who is not None and not pl_ring_set_any(&s):
+                raise PeerDied(f"ring {v.seg.name}: {who} died", name=v.seg.name)
+        now = pl_now_ns()
+    return [i for i in range(n) if pl_ring_readable(ptrs[i])]
+
+
+cdef class SignalView:
+    """Per-layer sequence numbers with one parked reader (worker -> cache messager)."""
+    cdef Segment seg
+    cdef pl_signal_shm *shm
+    cdef int claimed
+    cdef public int64_t spin_ns
+    cdef public int64_t slice_ns
+
+    @staticmethod
+    def size_for(uint32_t num_layers) -> int:
+        return pl_signal_size(num_layers)
+
+    @staticmethod
+    def layout(Segment seg, uint32_t num_layers):
+        seg._check()
+        cdef pl_signal_shm *shm = <pl_signal_shm *>seg.base
+        if <uint64_t>seg.size < pl_signal_size(num_layers):
+            raise ValueError(f"segment {seg.name} too small for {num_layers} layers")
+        memset(seg.base, 0, pl_signal_size(num_layers))
+        if pl_parker_init(&shm.parker) != 0:
+            raise OSError("sem_init failed for a layer signal")
+        shm.num_layers = num_layers
+        shm.version = PL_VERSION
+        shm.magic = PL_SIGNAL_MAGIC
+
+    def __init__(self, Segment seg, double spin_us=0.0, double slice_s=0.05):
+        seg._check()
+        self.seg = seg
+        self.shm = <pl_signal_shm *>seg.base
+        if self.shm.magic != PL_SIGNAL_MAGIC or self.shm.version != PL_VERSION:
+            raise ValueError(f"{seg.name} is not a pipeline layer signal (bad magic or version)")
+        self.spin_ns = <int64_t>(spin_us * 1000)
+        self.slice_ns = <int64_t>(slice_s * 1e9)
+
+    @property
+    def name(self) -> str:
+        return self.seg.name
+
+    @property
+    def num_layers(self) -> int:
+        return self.shm.num_layers
+
+    @property
+    def address(self) -> int:
+        return self.seg.address
+
+    def claim_publisher(self) -> None:
+        self.shm.publisher_pid = getpid()
+        self.claimed = 1
+
+    cdef _check_layer(self, int64_t step, int layer):
+        if self.seg.base == NULL:
+            raise ValueError(f"layer signal {self.seg.name} is closed")
+        if not 0 <= layer < <int>self.shm.num_layers:
+            raise ValueError(f"layer={layer} out of range 0..{self.shm.num_layers - 1}")
+        if step < 0:
+            raise ValueError(f"step={step} must be >= 0")
+
+    def publish(self, int64_t step, int layer) -> None:
+        self._check_layer(step, layer)
+        if not self.claimed:
+            self.claim_publisher()
+        pipeline_signal_publish(self.seg.base, step, layer)
+
+    def published(self, int layer) -> int:
+        """The last step published for `layer`, or -1. Never blocks."""
+        self._check_layer(0, layer)
+        return <int64_t>pl_load_acquire(&self.shm.seq[layer]) - 1
+
+    def wait(self, int64_t step, int layer, timeout=None) -> None:
+        self._check_layer(step, layer)
+        cdef pl_signal_wait w
+        w.shm, w.layer, w.target = self.shm, layer, <uint64_t>step + 1
+        if pl_signal_ready(&w):
+            return
+        cdef int64_t now = pl_now_ns(), deadline = -1, sl, spin = self.spin_ns, pid
+        cdef int ok
+        if timeout is not None:
+            deadline = now + <int64_t>(float(timeout) * 1e9)
+        while True:
+            sl = self.slice_ns
+            if deadline >= 0:
+                if deadline - now <= 0:
+                    raise TimeoutError(f"layer signal {self.seg.name}: step {step} layer {layer} "
+                                       f"not published within {timeout} s")
+                sl = min(sl, deadline - now)
+            with nogil:
+                ok = pl_wait_slice(&self.shm.parker, pl_signal_ready, &w, spin, sl)
+            if ok:
+                return
+            spin = 0
+            pid = self.shm.publisher_pid
+            if not pl_pid_alive(pid) and not pl_signal_ready(&w):
+                raise PeerDied(f"layer signal {self.seg.name}: publisher (pid {pid}) died",
+                               name=self.seg.name)
+            now = pl_now_ns()
+
+    def close(self) -> None:
+        self.seg.close()
