@@ -1,0 +1,336 @@
+"""Gateway (main process): starts the stage processes, feeds them and supervises them.
+
+Owns the instance's shared-memory rings (it creates and unlinks them all), the stage
+processes, and the table of in-flight requests, which is what guarantees every accepted
+request exactly one final answer: from the token processor, from the tokenizer (invalid
+request), or from the gateway itself when a stage died or a drain ran out of time. It never
+tokenizes or schedules. `pipeline run` and `pipeline serve` are thin front ends over it.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_sentinels
+from typing import Callable
+
+import msgspec
+import psutil
+
+from pipeline.config import EngineConfig
+from pipeline.engine.messages import AbortRequest
+from pipeline.entrypoints.stages import (EXIT_PEER_DIED, ModelInfo, StageSpec, Unpacker,
+                                         pack, stage_process)
+from pipeline.entrypoints.tokenizer_stage import GatewayRequest
+from pipeline.ipc.broadcast import BroadcastRing
+from pipeline.ipc.errors import PeerDied
+from pipeline.ipc.names import Instance, list_entries, sweep_stale
+from pipeline.ipc.ring import Doorbell, Ring, wait_any
+from pipeline.output.stage import ANSWER_TYPES, error_result
+from pipeline.output.types import RequestDelta, RequestResult
+
+MiB = 1 << 20
+# role -> (capacity, producer, consumer). A consumer that reads several rings blocks on
+# one doorbell shared by them (wait_any).
+RING_ROLES = {
+    "submit": (8 * MiB, "gateway", "tokenizer"),
+    "rejects": (2 * MiB, "tokenizer", "gateway"),
+    "register": (8 * MiB, "tokenizer", "output"),
+    "requests": (16 * MiB, "tokenizer", "engine"),
+    "results": (4 * MiB, "worker", "engine"),
+    "outputs": (8 * MiB, "engine", "output"),
+    "stops": (1 * MiB, "output", "engine"),
+    "answers": (16 * MiB, "output", "gateway"),
+}
+SHARED_DOORBELLS = ("gateway", "engine", "output")
+STEPS_CAPACITY = 32 * MiB
+
+
+class StartupError(RuntimeError):
+    """A stage could not start (bad model path, bad config, too little memory...)."""
+
+
+@dataclass(slots=True)
+class Stage:
+    spec: StageSpec
+    process: mp.process.BaseProcess
+    ctrl: object
+    info: dict = field(default_factory=dict)
+
+
+Answer = RequestDelta | RequestResult
+OnOutput = Callable[[Answer], None]
+
+
+class Gateway:
+    def __init__(self, config: EngineConfig, on_output: OnOutput,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.on_output = on_output
+        self.log = log or (lambda m: print(f"[gateway] {m}", file=sys.stderr, flush=True))
+        self.stages: list[Stage] = []
+        self.model: ModelInfo | None = None
+        self.instance: Instance | None = None
+        self.rings: dict[str, Ring] = {}
+        self.inflight: dict[str, bool] = {}  # req_id -> stream
+        self.lock = threading.Lock()  # the in-flight table; held while answering
+        self.submit_lock = threading.Lock()  # the submit ring has a single producer
+        self.idle = threading.Condition(self.lock)
+        self.accepting = False
+        self.failure: str | None = None  # set once when a stage dies
+        self.failed = threading.Event()
+        self.stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ---- start-up ----
+    def start(self, timeout_s: float = 600.0) -> ModelInfo:
+        removed = sweep_stale()
+        if removed:
+            self.log(f"removed {len(removed)} stale shared-memory entries of dead instances")
+        self.instance = Instance(self.config.instance_id)
+        try:
+            bells = {c: Doorbell.create(self.instance, f"bell.{c}") for c in SHARED_DOORBELLS}
+            self.doorbells = list(bells.values())
+            for role, (cap, producer, consumer) in RING_ROLES.items():
+                mine = "gateway" in (producer, consumer)
+                self.rings[role] = Ring.create(
+                    self.instance, role, cap, doorbell=bells.get(consumer),
+                    role="writer" if producer == "gateway" else "reader", claim=mine)
+            tp = self.config.tensor_parallel_size
+            self.steps = BroadcastRing.create(self.instance, "steps", STEPS_CAPACITY, tp)
+            names = {r: ring.name for r, ring in self.rings.items()} | {"steps": self.steps.name}
+            ctx = mp.get_context("spawn")
+            workers = [self._spawn(ctx, f"worker{r}", "worker", names, rank=r) for r in range(tp)]
+            info = self._wait_ready(workers, timeout_s)
+            self.model = msgspec.convert(info, ModelInfo)
+            rest = [self._spawn(ctx, k, k, names) for k in ("engine", "tokenizer", "output")]
+            self._wait_ready(rest, timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.accepting = True
+        for target in (self._receive_loop, self._supervise_loop):
+            t = threading.Thread(target=target, name=f"gateway-{target.__name__}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        self.log(f"ready: {len(self.stages)} stage processes, instance {self.config.instance_id}")
+        return self.model
+
+    def _spawn(self, ctx, name: str, kind: str, rings: dict[str, str], rank: int = 0) -> Stage:
+        spec = StageSpec(name=name, kind=kind, config=self.config, rings=rings, rank=rank,
+                         model=self.model)
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=stage_process, name=f"pipeline-{name}",
+                           args=(msgspec.msgpack.encode(spec), child), daemon=False)
+        proc.start()
+        child.close()
+        stage = Stage(spec, proc, parent)
+        self.stages.append(stage)
+        return stage
+
+    def _wait_ready(self, stages: list[Stage], timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        pending = {s.ctrl: s for s in stages}
+        info: dict = {}
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StartupError(f"{', '.join(s.spec.name for s in pending.values())} "
+                                   f"did not become ready within {timeout_s:.0f}s")
+            objs = list(pending) + [s.process.sentinel for s in pending.values()]
+            for obj in wait_sentinels(objs, timeout=min(left, 1.0)):
+                stage = pending.get(obj) or next(
+                    (s for s in pending.values() if s.process.sentinel == obj), None)
+                if stage is None or stage.ctrl not in pending:
+                    continue
+                try:
+                    kind, payload = stage.ctrl.recv()
+                except (EOFError, OSError):
+                    stage.process.join(1.0)
+                    raise StartupError(f"{stage.spec.name} exited during start-up "
+                                       f"({_describe_exit(stage.process.exitcode)})") from None
+                if kind != "ready":
+                    raise StartupError(f"{stage.spec.name} failed to start: {payload}")
+                stage.info = payload
+                info |= payload
+                del pending[stage.ctrl]
+        return info
+
+    # ---- requests ----
+    def submit(self, req: GatewayRequest) -> bool:
+        """Hand a request to the tokenizer stage; False (and an error answer) if refused."""
+        with self.lock:
+            refusal = self.failure or (None if self.accepting else "the server is shutting down")
+            if refusal is None and req.req_id in self.inflight:
+                refusal = f"id: request id {req.req_id!r} is already in flight"
+            if refusal is None:
+                self.inflight[req.req_id] = req.stream
+        if refusal is not None:
+            self.on_output(error_result(req.req_id, "unavailable", refusal))
+            return False
+        try:
+            with self.submit_lock:
+                self.rings["submit"].send(pack(b"Q", req), timeout=30.0)
+            return True
+        except (PeerDied, TimeoutError) as exc:
+            with self.lock:
+                if self.inflight.pop(req.req_id, None) is not None:
+                    self.on_output(error_result(req.req_id, "unavailable",
+                                                f"tokenizer stage unavailable: {exc}"))
+            return False
+
+    def abort(self, req_ids: list[str], reason: str = "abort") -> None:
+        with self.lock:
+            ids = [i for i in req_ids if i in self.inflight]
+        if ids and self.failure is None:
+            try:
+                with self.submit_lock:
+                    self.rings["submit"].send(pack(b"A", AbortRequest(req_ids=ids, reason=reason)),
+                                              timeout=5.0)
+            except (PeerDied, TimeoutError):
+                pass  # the supervisor answers everything when a stage is gone
+
+    def num_inflight(self) -> int:
+        with self.lock:
+            return len(self.inflight)
+
+    def _deliver(self, out: Answer) -> None:
+        # Under the lock, so no delta can follow the final answer the supervisor gave.
+        with self.lock:
+            if out.id not in self.inflight:
+                return  # already answered (e.g. failed by the gateway first)
+            if isinstance(out, RequestResult):
+                del self.inflight[out.id]
+                if not self.inflight:
+                    self.idle.notify_all()
+            self.on_output(out)
+
+    def _receive_loop(self) -> None:
+        sources = [self.rings["answers"], self.rings["rejects"]]
+        unpack = Unpacker(ANSWER_TYPES)
+        while not self.stopping.is_set():
+            try:
+                try:
+                    wait_any(sources, 0.2)
+                except TimeoutError:
+                    continue
+                for ring in sources:
+                    while (buf := ring.try_recv()) is not None:
+                        self._deliver(unpack(buf))
+            except PeerDied:
+                self.failed.wait(2.0)  # the supervisor names the stage and answers
+                return
+
+    # ---- supervision ----
+    def _supervise_loop(self) -> None:
+        procs = {s.process.sentinel: s for s in self.stages}
+        while not self.stopping.is_set():
+            ready = wait_sentinels(list(procs), timeout=0.5)
+            if not ready:
+                continue
+            # Give the others a moment to follow, then blame one that did not die of a peer.
+            time.sleep(0.05)
+            dead = [s for s in self.stages if not s.process.is_alive()]
+            first = next((s for s in dead if s.process.exitcode != EXIT_PEER_DIED), dead[0])
+            self._fail(f"stage {first.spec.name} (pid {first.process.pid}) died: "
+                       f"{_describe_exit(first.process.exitcode)}")
+            return
+
+    def _fail(self, message: str) -> None:
+        with self.lock:
+            if self.failure is not None:
+                return
+            self.failure = message
+            self.accepting = False
+            for req_id in self.inflight:
+                self.on_output(error_result(req_id, "stage_died", message))
+            self.inflight.clear()
+            self.idle.notify_all()
+        self.log(message)
+        self.failed.set()
+
+    # ---- shutdown ----
+    def drain(self, timeout_s: float) -> int:
+        """Stop accepting, wait for in-flight requests, abort what is left; returns #aborted."""
+        with self.lock:
+            self.accepting = False
+            self.idle.wait_for(lambda: not self.inflight or self.failure is not None, timeout_s)
+            left = list(self.inflight)
+        if not left:
+            return 0
+        self.log(f"drain timeout: aborting {len(left)} request(s)")
+        self.abort(left, "abort")
+        with self.lock:
+            self.idle.wait_for(lambda: not self.inflight or self.failure is not None, 2.0)
+            for req_id in self.inflight:
+                self.on_output(error_result(req_id, "abort", "aborted: the server shut down",
+                                            finish_reason="abort"))
+            self.inflight.clear()
+        return len(left)
+
+    def stats_stages(self) -> list[dict]:
+        rows = []
+        for s in self.stages:
+            row = {"stage": s.spec.name, "pid": s.process.pid, "alive": s.process.is_alive()}
+            try:
+                p = psutil.Process(s.process.pid)
+                row |= {"rss_bytes": p.memory_info().rss, "cpu_percent": p.cpu_percent(None)}
+            except (psutil.Error, TypeError):
+                pass
+            rows.append(row)
+        return rows
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.accepting = False
+        for s in self.stages:
+            if s.process.is_alive():
+                s.process.terminate()
+        deadline = time.monotonic() + 3.0
+        for s in self.stages:
+            s.process.join(max(0.0, deadline - time.monotonic()))
+            if s.process.is_alive():
+                s.process.kill()
+                s.process.join(2.0)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(1.0)
+        for ring in [*self.rings.values(), getattr(self, "steps", None),
+                     *getattr(self, "doorbells", [])]:
+            if ring is not None:
+                ring.close()
+        if self.instance is not None:
+            self.instance.cleanup()
+            # Segments a stage created itself (the worker's KV cache) and could not unlink
+            # because it was killed belong to this instance too.
+            for entry in list_entries(self.instance.id):
+                _unlink_entry(entry)
+            self.instance = None
+
+
+def _unlink_entry(entry: str) -> None:
+    import posix_ipc  # noqa: PLC0415
+
+    try:
+        if entry.startswith("sem."):
+            posix_ipc.unlink_semaphore("/" + entry[4:])
+        else:
+            posix_ipc.unlink_shared_memory("/" + entry)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        import signal  # noqa: PLC0415
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    if code == EXIT_PEER_DIED:
+        return "stopped because a peer stage died"
+    return f"exit code {code}"

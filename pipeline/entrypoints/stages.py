@@ -1,0 +1,144 @@
+"""Gateway <-> stage process plumbing: what a stage is told at start and how it reports back.
+
+Every stage (tokenizer, engine, worker per TP rank, token processor) runs in its own OS
+process started by the gateway with the multiprocessing 'spawn' context. The process gets
+a StageSpec (msgspec-encoded) and one end of a control pipe on which it reports, exactly
+once, either ``("ready", info)`` or ``("error", message)``. After that the pipe is silent:
+all traffic goes through the shared-memory rings named in the spec. This module owns no
+state beyond the process-wide signal set-up of the stage it starts.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from typing import Callable
+
+import msgspec
+
+from pipeline.config import EngineConfig
+
+# A stage that stops because a peer died exits with this code, so the gateway can name
+# the stage that died first instead of the ones that followed it.
+EXIT_PEER_DIED = 3
+EXIT_ERROR = 1
+
+# stage kind -> module whose ``run(spec, ready)`` is the stage loop
+STAGE_MODULES = {
+    "tokenizer": "pipeline.entrypoints.tokenizer_stage",
+    "engine": "pipeline.engine.stage",
+    "worker": "pipeline.worker.stage",
+    "output": "pipeline.output.stage",
+}
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    """What the worker learnt at load time and the other stages need to be built."""
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    kv_cache_bytes: int = 0
+
+
+class StageSpec(msgspec.Struct, kw_only=True):
+    name: str  # e.g. "worker0"; used in every error message about the stage
+    kind: str  # key of STAGE_MODULES
+    config: EngineConfig
+    rings: dict[str, str]  # role -> shared-memory name, see gateway.RING_ROLES
+    rank: int = 0
+    model: ModelInfo | None = None  # given to every stage started after the worker
+    ring_timeout_s: float = 1.0  # how often a blocked stage re-checks its peers
+
+
+ReadyFn = Callable[[dict], None]
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def pack(tag: bytes, obj: msgspec.Struct) -> bytes:
+    """One tag byte + msgpack: rings that carry several untagged message types use this."""
+    return tag + _encoder.encode(obj)
+
+
+class Unpacker:
+    """Decodes ``pack`` output back into the struct type its tag names."""
+
+    def __init__(self, types: dict[bytes, type]) -> None:
+        self.decoders = {t[0]: msgspec.msgpack.Decoder(cls) for t, cls in types.items()}
+
+    def __call__(self, buf) -> msgspec.Struct:
+        mv = memoryview(buf)
+        dec = self.decoders.get(mv[0])
+        if dec is None:
+            raise ValueError(f"unknown message tag {mv[0]!r}")
+        return dec.decode(mv[1:])
+
+
+def _die_with_parent() -> None:
+    # The gateway is the only supervisor: a stage must not outlive it (e.g. gateway
+    # SIGKILLed by the OOM killer), or it would hold the KV memory forever.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:
+        os._exit(EXIT_ERROR)
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def stage_process(spec_bytes: bytes, ctrl: Connection) -> None:
+    """Process entry of every stage (target of the spawn context's Process)."""
+    _die_with_parent()
+    # Ctrl-C reaches the whole process group; only the gateway decides how to drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    spec = msgspec.msgpack.decode(spec_bytes, type=StageSpec)
+    reported = False
+
+    def ready(info: dict) -> None:
+        nonlocal reported
+        ctrl.send(("ready", info))
+        reported = True
+
+    code = 0
+    try:
+        from pipeline.ipc.errors import PeerDied  # noqa: PLC0415
+        try:
+            importlib.import_module(STAGE_MODULES[spec.kind]).run(spec, ready)
+        except PeerDied as exc:
+            print(f"[{spec.name}] stopping: {exc}", file=sys.stderr, flush=True)
+            code = EXIT_PEER_DIED
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0
+    except BaseException as exc:  # noqa: BLE001 - reported to the gateway, then exit non-zero
+        msg = f"{type(exc).__name__}: {exc}"
+        if not reported:
+            try:
+                ctrl.send(("error", msg))
+            except OSError:
+                pass
+        traceback.print_exc()
+        print(f"[{spec.name}] failed: {msg}", file=sys.stderr, flush=True)
+        code = EXIT_ERROR
+    finally:
+        try:
+            ctrl.close()
+        except OSError:
+            pass
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def log(spec: StageSpec, msg: str) -> None:
+    print(f"[{spec.name}] {msg}", file=sys.stderr, flush=True)

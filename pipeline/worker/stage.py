@@ -1,0 +1,48 @@
+"""Worker stage process loop: one per tensor-parallel rank.
+
+Owns the ModelRunner (weights, KV cache memory, persistent batch, sampler) of its rank. It
+receives each step's SchedulerOutput from the engine's broadcast ring, runs it and (rank 0
+only) sends the ModelRunnerOutput back to the engine. It never decides what runs.
+"""
+from __future__ import annotations
+
+import time
+
+from pipeline.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from pipeline.entrypoints.stages import ReadyFn, StageSpec, log
+from pipeline.ipc.broadcast import BroadcastRing
+from pipeline.ipc.ring import Ring
+import msgspec
+
+
+def run(spec: StageSpec, ready: ReadyFn) -> None:
+    from pipeline.worker.model_runner import ModelRunner  # noqa: PLC0415 - heavy (torch)
+
+    cfg = spec.config
+    log(spec, f"loading weights from {cfg.model} (device {cfg.device}, dtype {cfg.dtype})")
+    t0 = time.perf_counter()
+    runner = ModelRunner(cfg, spec.rank)
+    runner.load()
+    kv_bytes = int(getattr(runner, "kv_cache_bytes", 0) or 0)
+    log(spec, f"weights loaded in {time.perf_counter() - t0:.1f}s; KV cache: "
+              f"{runner.num_blocks} blocks of {runner.block_size} tokens"
+              + (f" ({kv_bytes / 2**20:.1f} MiB)" if kv_bytes else "")
+              + f", max_model_len {runner.max_model_len}")
+    steps = BroadcastRing.attach(spec.rings["steps"], spec.rank)
+    results = Ring.attach(spec.rings["results"], "writer") if spec.rank == 0 else None
+    ready({"num_blocks": runner.num_blocks, "block_size": runner.block_size,
+           "max_model_len": runner.max_model_len, "vocab_size": runner.vocab_size,
+           "eos_token_ids": list(runner.eos_token_ids), "kv_cache_bytes": kv_bytes})
+    decode = msgspec.msgpack.Decoder(SchedulerOutput).decode
+    encode = msgspec.msgpack.Encoder().encode
+    try:
+        while True:
+            buf = steps.recv(timeout=None)
+            sched = decode(buf)
+            out = runner.execute(sched)
+            if results is not None:
+                if out is None:
+                    out = ModelRunnerOutput(step_id=sched.step_id, req_ids=[], sampled_token_ids=[])
+                results.send(encode(out))
+    finally:
+        runner.close()
