@@ -11,7 +11,6 @@ never caches blocks it no longer owns (seed 001).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import defaultdict
 
@@ -190,7 +189,7 @@ class Scheduler:
     def _admit(self, step: int, budget: int, num_sched: dict[str, int],
                new_reqs: list[NewRequestData]) -> None:
         running, kv = self.running, self.kv
-        reserve = math.ceil(self._reserve * len(running))
+        reserve = int(self._reserve * len(running))
         while budget > 0 and len(running) < self.max_num_seqs:
             req = self.waiting.peek()
             if req is None:
