@@ -1,13 +1,15 @@
 """Engine stage process loop: the one Scheduler (block table, request states, prefix cache).
 
-Inputs (wait_any): new requests and client aborts from the tokenizer stage, stop-string hits
-from the token processor, sampled tokens from worker rank 0. Outputs: each step's
-SchedulerOutput to the workers (broadcast ring) and EngineOutputs to the token processor.
-Only this process allocates, frees or caches KV blocks; everything else asks through a ring.
-When idle it checks the block-table invariant and logs a violation with the request ids.
+Inputs (wait_any on one doorbell): new requests and client aborts from the tokenizer stage,
+stop-string hits from the token processor, sampled tokens from worker rank 0. Outputs: each
+step's SchedulerOutput to the workers (broadcast ring), EngineOutputs to the token processor
+and a stats snapshot to the gateway a few times a second. Only this process allocates, frees
+or caches KV blocks. When idle it audits the block table and logs violations with the ids.
+State besides the scheduler: the step timing counters (engine overhead vs worker time).
 """
 from __future__ import annotations
 
+import struct
 import time
 
 import msgspec
@@ -17,6 +19,20 @@ from pipeline.engine.sched_output import ModelRunnerOutput
 from pipeline.entrypoints.stages import ReadyFn, StageSpec, Unpacker, log
 from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.ring import Ring, wait_any
+
+STATS_INTERVAL_S = 0.25
+# worker -> engine result frame: the worker's execute() seconds, then the msgpack output.
+RESULT_HEADER = struct.Struct("<d")
+
+
+class StepTimes(msgspec.Struct):
+    steps: int = 0
+    step_s: float = 0.0  # schedule -> broadcast -> result -> update, wall time
+    worker_s: float = 0.0  # the worker's execute() (forward + sampling) within those steps
+
+    @property
+    def overhead_share(self) -> float:
+        return (self.step_s - self.worker_s) / self.step_s if self.step_s > 0 else 0.0
 
 
 class EngineLoop:
@@ -32,15 +48,17 @@ class EngineLoop:
         self.results = Ring.attach(spec.rings["results"])  # worker rank 0 -> engine
         self.steps = BroadcastRing.attach_writer(spec.rings["steps"])  # engine -> workers
         self.outputs = Ring.attach(spec.rings["outputs"], "writer")  # engine -> token processor
+        self.stats_ring = Ring.attach(spec.rings["stats"], "writer")  # engine -> gateway
         self.timeout = spec.ring_timeout_s
         self.invariants_checked = True
         self.unpack = Unpacker({b"E": EngineRequest, b"A": AbortRequest})
         self.encode = msgspec.msgpack.Encoder().encode
         self.decode_result = msgspec.msgpack.Decoder(ModelRunnerOutput).decode
+        self.times = StepTimes()
+        self.next_stats = 0.0
 
     def _abort(self, msg: AbortRequest) -> list[EngineOutput]:
-        res = self.sched.abort_requests(msg.req_ids, msg.reason)
-        return list(res) if res else []
+        return list(self.sched.abort_requests(msg.req_ids, msg.reason) or [])
 
     def _drain_inputs(self) -> list[EngineOutput]:
         outs: list[EngineOutput] = []
@@ -62,17 +80,35 @@ class EngineLoop:
 
     def _emit(self, outs: list[EngineOutput]) -> None:
         if outs:
-            self.outputs.send(self.encode(EngineOutputs(outputs=outs, timestamp=time.time())),
-                              timeout=self.timeout * 30)
+            self.outputs.send(self.encode(EngineOutputs(outputs=outs, timestamp=time.time())))
 
     def step(self) -> None:
+        t0 = time.perf_counter()
         sched_out = self.sched.schedule()
-        self.steps.send(self.encode(sched_out), timeout=self.timeout * 30)
-        # No deadline: a long prefill may take a while, and the wait raises PeerDied if the
+        self.steps.send(self.encode(sched_out))
+        # No deadline: a long prefill may take a while; the wait raises PeerDied if the
         # worker dies meanwhile.
         buf = self.results.recv(timeout=None)
-        result = self.decode_result(buf)
-        self._emit(self.sched.update_from_output(sched_out, result))
+        (worker_s,) = RESULT_HEADER.unpack_from(buf)
+        result = self.decode_result(memoryview(buf)[RESULT_HEADER.size:])
+        outs = self.sched.update_from_output(sched_out, result)
+        self._emit(outs)
+        if sched_out.total_num_scheduled_tokens:
+            self.times.steps += 1
+            self.times.step_s += time.perf_counter() - t0
+            self.times.worker_s += worker_s
+
+    def publish_stats(self, now: float) -> None:
+        self.next_stats = now + STATS_INTERVAL_S
+        t = self.times
+        snap = self.sched.stats() | {
+            "engine_steps": t.steps, "engine_step_seconds": t.step_s,
+            "engine_worker_seconds": t.worker_s, "engine_overhead_share": t.overhead_share,
+            "timestamp": time.time()}
+        try:
+            self.stats_ring.send(self.encode(snap), timeout=0)
+        except TimeoutError:
+            pass  # the gateway has not read the previous snapshot; this one is not needed
 
     def check_invariants(self) -> None:
         for err in self.sched.check_invariants():
@@ -82,18 +118,25 @@ class EngineLoop:
     def run_forever(self) -> None:
         while True:
             self._emit(self._drain_inputs())
+            now = time.monotonic()
+            if now >= self.next_stats:
+                self.publish_stats(now)
             if self.sched.has_unfinished_requests():
                 self.step()
                 continue
             if not self.invariants_checked:
                 self.check_invariants()
+                self.publish_stats(now)  # so "all blocks free" is visible at once
             try:
-                wait_any([self.requests, self.stops], self.timeout)
+                wait_any([self.requests, self.stops], STATS_INTERVAL_S)
             except TimeoutError:
                 pass
 
 
 def run(spec: StageSpec, ready: ReadyFn) -> None:
     loop = EngineLoop(spec)
+    log(spec, f"scheduler ready: {spec.model.num_blocks} KV blocks of {spec.model.block_size} "
+              f"tokens, max_num_seqs {spec.config.max_num_seqs}, max_num_batched_tokens "
+              f"{spec.config.max_num_batched_tokens}")
     ready({})
     loop.run_forever()

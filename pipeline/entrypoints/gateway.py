@@ -43,6 +43,7 @@ RING_ROLES = {
     "outputs": (8 * MiB, "engine", "output"),
     "stops": (1 * MiB, "output", "engine"),
     "answers": (16 * MiB, "output", "gateway"),
+    "stats": (256 * 1024, "engine", "gateway"),
 }
 SHARED_DOORBELLS = ("gateway", "engine", "output")
 STEPS_CAPACITY = 32 * MiB
@@ -83,6 +84,8 @@ class Gateway:
         self.failed = threading.Event()
         self.stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+        self.engine_stats: dict = {}
+        self.stats_updated = threading.Event()
 
     # ---- start-up ----
     def start(self, timeout_s: float = 600.0) -> ModelInfo:
@@ -208,27 +211,37 @@ class Gateway:
             self.on_output(out)
 
     def _receive_loop(self) -> None:
-        sources = [self.rings["answers"], self.rings["rejects"]]
+        answers, rejects, stats = self.rings["answers"], self.rings["rejects"], self.rings["stats"]
         unpack = Unpacker(ANSWER_TYPES)
+        decode_stats = msgspec.msgpack.Decoder(dict).decode
         while not self.stopping.is_set():
             try:
                 try:
-                    wait_any(sources, 0.2)
+                    wait_any([answers, rejects, stats], 0.2)
                 except TimeoutError:
                     continue
-                for ring in sources:
+                for ring in (answers, rejects):
                     while (buf := ring.try_recv()) is not None:
                         self._deliver(unpack(buf))
+                while (buf := stats.try_recv()) is not None:
+                    self.engine_stats = decode_stats(buf)
+                    self.stats_updated.set()
             except PeerDied:
                 self.failed.wait(2.0)  # the supervisor names the stage and answers
                 return
+
+    def fresh_engine_stats(self, timeout_s: float = 1.0) -> dict:
+        """The engine's next stats snapshot (it publishes a few per second)."""
+        self.stats_updated.clear()
+        self.stats_updated.wait(timeout_s)
+        return dict(self.engine_stats)
 
     # ---- supervision ----
     def _supervise_loop(self) -> None:
         procs = {s.process.sentinel: s for s in self.stages}
         while not self.stopping.is_set():
             ready = wait_sentinels(list(procs), timeout=0.5)
-            if not ready:
+            if not ready or self.stopping.is_set():
                 continue
             # Give the others a moment to follow, then blame one that did not die of a peer.
             time.sleep(0.05)

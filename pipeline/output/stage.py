@@ -10,12 +10,16 @@ frees blocks itself. The first token of a request is forwarded before any bookke
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import msgspec
 
 from pipeline.engine.messages import AbortRequest, EngineOutputs
+from pipeline.engine.sched_output import bytes_to_ids
 from pipeline.entrypoints.stages import ReadyFn, StageSpec, Unpacker, log, pack
 from pipeline.ipc.ring import Ring, wait_any
+from pipeline.output.detokenizer import DetokenizerTable
+from pipeline.output.processor import OutputProcessor
 from pipeline.output.types import ErrorInfo, RequestDelta, RequestResult, Timings, Usage
 from pipeline.sampling_params import SamplingParams
 
@@ -50,10 +54,8 @@ def pack_answer(out: RequestDelta | RequestResult) -> bytes:
 
 class OutputLoop:
     def __init__(self, spec: StageSpec) -> None:
-        from pipeline.output.processor import OutputProcessor  # noqa: PLC0415
-
         self.spec = spec
-        self.proc = OutputProcessor(spec.config.model)
+        self.proc = OutputProcessor(DetokenizerTable(Path(spec.config.model) / "tokenizer.json"))
         self.register = Ring.attach(spec.rings["register"])
         self.outputs = Ring.attach(spec.rings["outputs"])
         self.answers = Ring.attach(spec.rings["answers"], "writer")
@@ -65,18 +67,21 @@ class OutputLoop:
     def _drain_registrations(self) -> None:
         while (buf := self.register.try_recv()) is not None:
             reg = self.unpack_reg(buf)
-            self.proc.add_request(reg.req_id, reg.prompt_token_ids, reg.sampling_params,
-                                  stream=reg.stream, arrival_time=reg.arrival_time,
-                                  eos_token_ids=reg.eos_token_ids)
+            prompt = bytes_to_ids(reg.prompt_token_ids)
+            # The prompt's tail is enough for the detokenizer to continue the text correctly.
+            self.proc.add_request(reg.req_id, reg.sampling_params, reg.arrival_time,
+                                  stream=reg.stream, prompt_token_ids=prompt[-8:].tolist(),
+                                  num_prompt_tokens=len(prompt))
 
     def handle(self, batch: EngineOutputs) -> None:
         self._drain_registrations()
-        answers, stop_ids = self.proc.process_outputs(batch)
-        for out in answers:
-            self.answers.send(pack_answer(out), timeout=self.timeout * 30)
+        # Each answer goes out as it is made: a first token never waits for the batch.
+        stop_ids = self.proc.process(batch, self._send)
         if stop_ids:
-            self.stops.send(pack(b"A", AbortRequest(req_ids=list(stop_ids), reason="stop")),
-                            timeout=self.timeout * 30)
+            self.stops.send(pack(b"A", AbortRequest(req_ids=list(stop_ids), reason="stop")))
+
+    def _send(self, out: RequestDelta | RequestResult) -> None:
+        self.answers.send(pack_answer(out))
 
     def run_forever(self) -> None:
         while True:

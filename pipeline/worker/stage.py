@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from pipeline.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from pipeline.engine.stage import RESULT_HEADER
 from pipeline.entrypoints.stages import ReadyFn, StageSpec, log
 from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.ring import Ring
@@ -37,12 +38,13 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
     encode = msgspec.msgpack.Encoder().encode
     try:
         while True:
-            buf = steps.recv(timeout=None)
+            buf = steps.recv(timeout=None)  # PeerDied if the engine dies
+            t0 = time.perf_counter()
             sched = decode(buf)
             out = runner.execute(sched)
             if results is not None:
                 if out is None:
                     out = ModelRunnerOutput(step_id=sched.step_id, req_ids=[], sampled_token_ids=[])
-                results.send(encode(out))
+                results.send(RESULT_HEADER.pack(time.perf_counter() - t0) + encode(out))
     finally:
         runner.close()
