@@ -1,0 +1,120 @@
+"""Wire protocol: round trips, strict decoding with errors that name the field and the
+limit, one parser shared by pipe mode and ZMQ, client session bookkeeping."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.entrypoints import protocol as P
+from pipeline.entrypoints.sessions import ClientSessions, DuplicateRequestId
+from pipeline.output.types import ErrorInfo, RequestDelta, RequestResult, Timings, Usage
+from pipeline.sampling_params import SamplingParams
+
+
+def frame(obj) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
+def reject(obj_or_frame, max_frame_bytes: int = P.MAX_FRAME_BYTES) -> P.ProtocolError:
+    data = obj_or_frame if isinstance(obj_or_frame, bytes) else frame(obj_or_frame)
+    with pytest.raises(P.ProtocolError) as exc:
+        msg = P.decode_client(data, max_frame_bytes)
+        if isinstance(msg, P.Generate):
+            P.sampling_params(msg, vocab_size=1000, max_model_len=64)
+    return exc.value
+
+
+def test_sampling_fields_mirror_sampling_params():
+    extra = {"v", "id", "prompt", "prompt_token_ids", "messages", "stream", "priority", "cache_salt"}
+    assert set(P.Generate.__struct_fields__) - extra == set(SamplingParams.__struct_fields__)
+
+
+def test_round_trips():
+    msgs = [P.Generate(id="a", prompt="hi", max_tokens=3, stop=["x"], stream=True),
+            P.Abort(id="a"), P.Health(id="h"), P.Stats(id="s"), P.Ping(), P.Bye()]
+    for m in msgs:
+        assert P.decode_client(P.encode(m)) == m
+    res = RequestResult(id="a", text="t", token_ids=[1], finish_reason="stop", usage=Usage(1, 1, 0),
+                        timings=Timings(arrival_time=1.0, itl=[0.1]))
+    replies = [P.Delta(delta=RequestDelta("a", "t", [1])), P.Final(result=res),
+               P.Error(id=None, error=ErrorInfo("invalid_request", "m")),
+               P.HealthReply(id="h", status="ok"), P.StatsReply(id="s", stats={"x": 1})]
+    for r in replies:
+        assert P.decode_reply(P.encode(r)) == r
+
+
+@pytest.mark.parametrize("obj, rid, needle", [
+    ({"op": "generate", "id": "a", "prompt": "x", "max_tokens": "3"}, "a", "field `max_tokens`: expected `int`, got `str`"),
+    ({"op": "generate", "id": "a", "prompt": "x", "bogus": 1}, "a", "unknown field `bogus`"),
+    ({"op": "generate", "id": "a", "messages": [{"role": "user"}]}, "a", "missing required field `content`"),
+    ({"op": "generate", "id": "a", "prompt": "x", "temperature": 101}, "a", "field `temperature`: must be in [0, 100]"),
+    ({"op": "generate", "id": "a", "prompt": "x", "top_k": 5000}, "a", "vocab_size=1000"),
+    ({"op": "generate", "id": "a", "prompt_token_ids": list(range(64))}, "a", "max_model_len (64)"),
+    ({"op": "generate", "id": "a", "prompt_token_ids": [5, 1000]}, "a", "field `prompt_token_ids[1]`"),
+    ({"op": "generate", "id": "a"}, "a", "exactly one of `prompt`"),
+    ({"op": "generate", "id": "a", "prompt": "x", "priority": 2**40}, "a", "field `priority`"),
+    ({"op": "generate", "id": "x" * 300, "prompt": "x"}, None, f"length <= {P.MAX_ID_LEN}"),
+    ({"op": "generate", "id": "a", "prompt": "x", "v": 7}, "a", "protocol version 7"),
+    ({"op": "launch", "id": "a"}, "a", "field `op`"),
+    ({"id": "a"}, "a", "missing required field `op`"),
+    ([1, 2], None, "Expected `object`"),
+])
+def test_bad_requests_name_the_field(obj, rid, needle):
+    err = reject(obj)
+    assert needle in err.error.message and err.req_id == rid
+    assert err.error.code in ("invalid_request", "unsupported_version")
+
+
+def test_oversized_and_garbage_frames():
+    err = reject(frame({"op": "generate", "id": "big", "prompt": "x" * 500}), max_frame_bytes=100)
+    assert err.req_id == "big" and "limit of 100 bytes" in err.error.message
+    assert "not valid msgpack" in reject(b"\xc1\x00").error.message
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64))
+def test_random_bytes_never_crash(data):
+    try:
+        P.decode_client(data)
+    except P.ProtocolError as exc:
+        assert exc.error.message
+
+
+def test_request_from_json_is_the_same_path():
+    req, sp = P.request_from_json(b'{"id": 7, "prompt": "hi", "temperature": 0, "stop": "END"}',
+                                  {"max_tokens": 9})
+    assert (req.id, req.prompt, sp.temperature, sp.max_tokens, sp.stop) == (7, "hi", 0.0, 9, ["END"])
+    _, sp2 = P.request_from_json({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    assert sp2.max_tokens == 2
+    with pytest.raises(P.ProtocolError, match="field `top_p`"):
+        P.request_from_json({"id": "q", "prompt": "x", "top_p": 0})
+    with pytest.raises(P.ProtocolError, match="not valid JSON"):
+        P.request_from_json(b"{nope")
+    with pytest.raises(P.ProtocolError, match="unknown field `promt`") as exc:
+        P.request_from_json({"id": "q", "promt": "x"})
+    assert exc.value.req_id == "q"
+
+
+def test_check_prompt_len():
+    P.check_prompt_len(3, 4)
+    with pytest.raises(P.ProtocolError, match="4 tokens, must be < max_model_len \\(4\\)"):
+        P.check_prompt_len(4, 4)
+
+
+def test_sessions_lifecycle():
+    s = ClientSessions(idle_timeout_s=5.0)
+    a1 = s.start(b"A", "1", now=0.0)
+    b1 = s.start(b"B", "1", now=0.0)  # same client id, other client: fine
+    assert a1 != b1 and s.owner(a1) == (b"A", "1")
+    with pytest.raises(DuplicateRequestId, match="already in flight"):
+        s.start(b"A", "1", now=1.0)
+    assert s.internal_id(b"A", "1") == a1
+    assert s.finish(a1) == (b"A", "1") and s.finish(a1) is None
+    a2 = s.start(b"A", "1", now=2.0)  # id reusable once finished, new internal id
+    assert a2 != a1
+    s.seen(b"A", now=6.0)
+    assert s.expired(now=6.5) == [b1]  # B silent since 0.0
+    assert s.drop_client(b"A") == [a2] and len(s) == 0
+    assert s.owner(a2) is None
