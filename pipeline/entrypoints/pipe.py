@@ -19,14 +19,11 @@ import msgspec
 
 from pipeline.config import add_engine_args, config_from_args
 from pipeline.entrypoints.gateway import Answer, Gateway, StartupError
-from pipeline.entrypoints.tokenizer_stage import GatewayRequest
+from pipeline.entrypoints.protocol import Generate, ProtocolError, request_from_json, sampling_params
+from pipeline.entrypoints.tokenizer_stage import GatewayRequest, gateway_request
 from pipeline.output.stage import error_result
 from pipeline.output.types import RequestDelta
-from pipeline.sampling_params import SamplingParams
 
-_REQUEST_FIELDS = {"id", "prompt", "prompt_token_ids", "messages", "stream", "priority",
-                   "cache_salt"}
-_SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
 MAX_LINE_BYTES = 8 << 20
 
 
@@ -50,35 +47,29 @@ class RequestError(ValueError):
         self.req_id = req_id
 
 
-def parse_line(line: str, default_id: str, defaults: dict) -> GatewayRequest:
-    """A plain prompt, or a JSON object with the request and sampling fields."""
-    now = time.time()
+def _loose_id(line: str) -> str | None:
+    """The id of a line that failed validation, so its error answer carries it."""
+    try:
+        rid = msgspec.json.decode(line).get("id")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    return str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+
+
+def parse_line(line: str, default_id: str, defaults: dict, model=None) -> GatewayRequest:
+    """A plain prompt, or a JSON object parsed by the protocol's shared request parser."""
     if len(line) > MAX_LINE_BYTES:
         raise RequestError(f"line: at most {MAX_LINE_BYTES} bytes, got {len(line)}")
-    if not line.startswith("{"):
-        return GatewayRequest(req_id=default_id, prompt=line, arrival_time=now,
-                              sampling_params=SamplingParams(**defaults))
+    limits = {"vocab_size": model.vocab_size, "max_model_len": model.max_model_len} if model else {}
     try:
-        obj = msgspec.json.decode(line)
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"line: not valid JSON ({exc})") from None
-    if not isinstance(obj, dict):
-        raise RequestError("line: a JSON line must be an object")
-    rid = obj.get("id", default_id)
-    if not isinstance(rid, (str, int)) or isinstance(rid, bool) or str(rid) == "":
-        raise RequestError(f"id: must be a non-empty string or an integer, got {rid!r}")
-    rid = str(rid)
-    unknown = sorted(set(obj) - _REQUEST_FIELDS - _SAMPLING_FIELDS)
-    if unknown:
-        raise RequestError(f"{unknown[0]}: unknown field", rid)
-    try:
-        sp = msgspec.convert(defaults | {k: v for k, v in obj.items() if k in _SAMPLING_FIELDS},
-                             SamplingParams)
-        fields = {k: v for k, v in obj.items() if k in _REQUEST_FIELDS and k != "id"}
-        return msgspec.convert(fields | {"req_id": rid, "sampling_params": sp,
-                                         "arrival_time": now}, GatewayRequest)
-    except msgspec.ValidationError as exc:
-        raise RequestError(str(exc), rid) from None
+        if line.startswith("{"):
+            gen, sp = request_from_json(line, defaults, **limits)
+        else:
+            gen = Generate(prompt=line)
+            sp = sampling_params(gen, defaults, **limits)
+    except ProtocolError as exc:
+        raise RequestError(str(exc), exc.req_id or _loose_id(line)) from None
+    return gateway_request(gen, sp, default_id if gen.id is None else str(gen.id))
 
 
 class AnswerWriter:
@@ -166,7 +157,7 @@ def feed(gw: Gateway, writer: AnswerWriter, args, lines, stop: threading.Event,
             writer.skip(index)
             continue
         try:
-            req = parse_line(line, str(index), defaults)
+            req = parse_line(line, str(index), defaults, gw.model)
         except RequestError as exc:
             rid = writer.expect(index, exc.req_id or str(index))
             writer(error_result(rid, "invalid_request", str(exc)))

@@ -30,11 +30,20 @@ class GatewayRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     sampling_params: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, str]] | None = None  # role, content, optional name
     stream: bool = False
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+
+
+def gateway_request(gen, sp: SamplingParams, req_id: str) -> GatewayRequest:
+    """From the protocol's validated Generate (pipe mode or ZMQ) to the tokenizer's input."""
+    return GatewayRequest(
+        req_id=req_id, sampling_params=sp, prompt=gen.prompt,
+        prompt_token_ids=gen.prompt_token_ids, stream=gen.stream, arrival_time=time.time(),
+        messages=None if gen.messages is None else [msgspec.to_builtins(m) for m in gen.messages],
+        priority=gen.priority, cache_salt=gen.cache_salt)
 
 
 class InvalidRequest(ValueError):
@@ -61,16 +70,16 @@ class TokenizerLoop:
         given = [f for f in ("prompt", "prompt_token_ids", "messages")
                  if getattr(req, f) is not None]
         if len(given) != 1:
-            raise InvalidRequest("prompt: exactly one of prompt, prompt_token_ids, messages "
+            raise InvalidRequest("exactly one of prompt, prompt_token_ids, messages "
                                  f"is required, got {given or 'none'}")
         if req.prompt is not None:
             if len(req.prompt) > MAX_PROMPT_CHARS:
-                raise InvalidRequest(f"prompt: at most {MAX_PROMPT_CHARS} characters, "
+                raise InvalidRequest(f"field `prompt`: at most {MAX_PROMPT_CHARS} characters, "
                                      f"got {len(req.prompt)}")
             ids = self.tokenizer.encode(req.prompt)
         elif req.messages is not None:
             if not req.messages:
-                raise InvalidRequest("messages: at least one message is required")
+                raise InvalidRequest("field `messages`: at least one message is required")
             ids = self.tokenizer.apply_chat_template(req.messages)
         else:
             ids = list(req.prompt_token_ids or [])
@@ -78,10 +87,10 @@ class TokenizerLoop:
             arr = np.asarray(ids, dtype=np.int64)
             if arr.size and (arr.min() < 0 or arr.max() >= vocab):
                 bad = int(arr[(arr < 0) | (arr >= vocab)][0])
-                raise InvalidRequest(f"prompt_token_ids: ids must be in [0, vocab_size={vocab}),"
+                raise InvalidRequest(f"field `prompt_token_ids`: ids must be in [0, vocab_size={vocab}),"
                                      f" got {bad}")
         if not ids:
-            raise InvalidRequest("prompt: the prompt is empty (0 tokens)")
+            raise InvalidRequest("field `prompt`: must not be empty (0 tokens)")
         return ids
 
     def validate(self, req: GatewayRequest, ids: list[int]) -> None:
@@ -89,12 +98,16 @@ class TokenizerLoop:
         try:
             req.sampling_params.validate(vocab_size=self.model.vocab_size, max_model_len=limit)
         except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
+            name, _, rest = str(exc).partition(" ")
+            raise InvalidRequest(f"field `{name}`: {rest}") from None
+        if len(ids) >= limit:
+            raise InvalidRequest(f"field `prompt`: {len(ids)} tokens, must be < max_model_len "
+                                 f"({limit}) to leave room for output")
         need = len(ids) + req.sampling_params.max_tokens
-        if len(ids) >= limit or need > limit:
-            raise InvalidRequest(
-                f"prompt: {len(ids)} prompt tokens + max_tokens {req.sampling_params.max_tokens}"
-                f" = {need} exceeds max_model_len ({limit})")
+        if need > limit:
+            raise InvalidRequest(f"field `max_tokens`: {len(ids)} prompt tokens + max_tokens "
+                                 f"{req.sampling_params.max_tokens} = {need} exceeds "
+                                 f"max_model_len ({limit})")
 
     def handle(self, req: GatewayRequest) -> None:
         try:
