@@ -1,0 +1,162 @@
+"""Worker stage: the Llama-family decoder (Llama 1/2/3, Mistral, Qwen2/2.5, Qwen3) over a
+flattened varlen batch and a paged KV cache.
+
+Owns the weights only (as fused projections: one q/k/v matmul and one gate/up matmul per
+layer); the KV cache tensors and the batch metadata belong to the model runner and are
+passed in on every forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.models.config import ModelConfig, rope_inv_freq
+from pipeline.worker import ops
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What paged attention needs for one step (all tensors on the model's device)."""
+    slot_mapping: torch.Tensor  # [T] int64
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, M] int32
+
+
+def _empty(*shape: int) -> nn.Parameter:
+    # Weights are overwritten by the loader; skip initialisation work.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _bias(enabled: bool, n: int) -> nn.Parameter | None:
+    return _empty(n) if enabled else None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _empty(dim)
+        self.eps = eps
+        self.shape = (dim,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
+        # transformers normalises in float32 and casts back before the weight multiply.
+        return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) RoPE with a cos/sin table over every usable position."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.rope, self.head_dim, self.max_positions = config.rope, config.head_dim, max_positions
+        half = config.head_dim // 2
+        self.register_buffer("cos", torch.empty(max_positions, half), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, half), persistent=False)
+        self.reset()
+
+    def reset(self) -> None:
+        """(Re)compute the float32 tables on the buffers' device (after ``to_empty``)."""
+        if self.cos.is_meta:
+            return
+        dev = self.cos.device
+        inv_freq = rope_inv_freq(self.rope, self.head_dim).to(dev)
+        freqs = torch.arange(self.max_positions, dtype=torch.float32, device=dev)[:, None] * inv_freq[None, :]
+        self.cos, self.sin = freqs.cos(), freqs.sin()
+
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = c.q_size, c.kv_size
+        self.scale = c.head_dim ** -0.5
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.qkv_weight = _empty(c.q_size + 2 * c.kv_size, c.hidden_size)
+        self.qkv_bias = _bias(c.qkv_bias, c.q_size + 2 * c.kv_size)
+        self.o_weight = _empty(c.hidden_size, c.q_size)
+        self.o_bias = _bias(c.o_bias, c.hidden_size)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.intermediate_size = c.intermediate_size
+        self.gate_up_weight = _empty(2 * c.intermediate_size, c.hidden_size)
+        self.gate_up_bias = _bias(c.mlp_bias, 2 * c.intermediate_size)
+        self.down_weight = _empty(c.hidden_size, c.intermediate_size)
+        self.down_bias = _bias(c.mlp_bias, c.hidden_size)
+
+    def attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  on_kv_written: Callable[[], None] | None) -> torch.Tensor:
+        t = h.shape[0]
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = RotaryEmbedding.apply(q, cos, sin)
+        k = RotaryEmbedding.apply(k, cos, sin)
+        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if on_kv_written is not None:
+            on_kv_written()
+        o = ops.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
+                                meta.block_tables, self.scale)
+        return F.linear(o.view(t, self.q_size), self.o_weight, self.o_bias)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(h, self.gate_up_weight, self.gate_up_bias)
+        act = F.silu(gate_up[:, :self.intermediate_size]).mul_(gate_up[:, self.intermediate_size:])
+        return F.linear(act, self.down_weight, self.down_bias)
+
+
+class CausalLM(nn.Module):
+    """The whole decoder; ``forward`` returns final hidden states, ``compute_logits`` logits."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = _empty(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else \
+            _empty(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config, max_positions)
+
+    def tie_weights(self) -> None:
+        """Re-share lm_head with the embedding (module moves can split shared parameters)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                on_kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.table(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = kv_caches[i]
+            signal = (lambda i=i: on_kv_written(i)) if on_kv_written is not None else None
+            x = x + layer.attention(layer.input_layernorm(x), cos, sin, k_cache, v_cache, meta, signal)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits for the given final hidden states [N, hidden] -> [N, vocab]."""
+        return F.linear(self.norm(hidden), self.lm_head).float()

@@ -1,0 +1,111 @@
+"""Worker stage: the paged KV cache memory of one worker (one TP rank).
+
+Owns the cache memory. Layout of the one allocation (CPU shared memory or one CUDA
+tensor): ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``, so
+each layer's K and V are contiguous and a layer can be shipped as two slabs. On CPU it is a
+POSIX shared-memory segment ``/pipeline.<instance_id>.kv`` (rank > 0 adds ``.<rank>``) that
+the cache messager maps by name; it is created O_EXCL with mode 0600 and unlinked on close().
+"""
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import posix_ipc
+except ImportError:  # pragma: no cover - posix_ipc is a hard dependency on Linux
+    posix_ipc = None
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheSpec:
+    """Everything another process needs to map and interpret the cache."""
+    shm_name: str | None  # None on CUDA
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name, e.g. "float32"
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer's K (or V)."""
+        elem = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def total_bytes(self) -> int:
+        return 2 * self.num_layers * self.num_blocks * self.block_bytes
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> int:
+    """Bytes one block costs across all layers, K and V."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+def shm_name_for(instance_id: str, rank: int) -> str:
+    return f"/pipeline.{instance_id}.kv" + (f".{rank}" if rank else "")
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 instance_id: str = "", rank: int = 0) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        nbytes = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) * num_blocks
+        self._shm = None
+        self._mmap: mmap.mmap | None = None
+        self.shm_name: str | None = None
+        if device.type == "cpu":
+            if not instance_id:
+                raise ValueError("instance_id is required for the CPU KV cache (it names the segment)")
+            self.shm_name = shm_name_for(instance_id, rank)
+            self._shm = posix_ipc.SharedMemory(self.shm_name, posix_ipc.O_CREX, mode=0o600, size=nbytes)
+            try:
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self._mmap = mmap.mmap(self._shm.fd, nbytes, flags=flags)
+            except BaseException:
+                self._shm.close_fd()
+                self._shm.unlink()
+                raise
+            self._shm.close_fd()
+            self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8).view(dtype).view(shape)
+        else:
+            self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.spec = KVCacheSpec(self.shm_name, num_layers, num_blocks, block_size, num_kv_heads,
+                                head_dim, str(dtype).removeprefix("torch."))
+        self.k_caches = [self.buffer[i, 0] for i in range(num_layers)]
+        self.v_caches = [self.buffer[i, 1] for i in range(num_layers)]
+        self.layers = list(zip(self.k_caches, self.v_caches))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.spec.num_blocks
+
+    def close(self) -> None:
+        """Drop the tensors, unmap and unlink the segment. Idempotent."""
+        self.k_caches = self.v_caches = self.layers = []
+        self.buffer = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                # A caller still holds a view; the mapping dies with it, the name dies now.
+                pass
+            self._mmap = None
+        if self._shm is not None:
+            try:
+                self._shm.unlink()
+            except posix_ipc.ExistentialError:
+                pass
+            self._shm = None
+
+    def __del__(self) -> None:
+        self.close()

@@ -1,0 +1,251 @@
+"""Worker stage: the model runner of one rank. Loads the weights, sizes and owns the paged KV
+cache, keeps the persistent batch, and runs one step per SchedulerOutput: apply the diff, one
+forward over the flattened varlen batch (prefill chunks with cached context and decodes
+mixed), sample for the requests whose known tokens are all computed.
+
+Owns: the model weights, the KV cache memory (KVCache), the InputBatch and the Sampler.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.config import EngineConfig
+from pipeline.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from pipeline.models.config import load_model_config
+from pipeline.models.llama import AttentionMetadata, CausalLM
+from pipeline.models.loader import load_weights
+from pipeline.worker import ops
+from pipeline.worker.input_batch import InputBatch
+from pipeline.worker.kv_cache import KVCache, bytes_per_block
+from pipeline.worker.sampler import Sampler, build_metadata
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's flattened batch, as the model consumes it."""
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    rows: np.ndarray  # [B] persistent-batch rows, in batch order
+    num_scheduled: np.ndarray  # [B]
+    logits_indices: torch.Tensor  # [S] token index of each sampled request's last token
+    sample_batch_idx: np.ndarray  # [S] index into rows of each sampled request
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    if requested != "auto":
+        if requested not in _DTYPES:
+            raise ValueError(f"--dtype must be one of auto, {', '.join(_DTYPES)}, got {requested!r}")
+        return _DTYPES[requested]
+    ckpt = _DTYPES.get(checkpoint_dtype, torch.float32)
+    if device.type == "cpu" and ckpt == torch.float16:
+        return torch.float32  # CPU half matmuls are slow and lossy; bf16/fp32 are native
+    return ckpt
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        dev = config.resolved_device()
+        self.device = torch.device(f"cuda:{rank}") if dev == "cuda" else torch.device("cpu")
+        self.model_config = mc = load_model_config(config.model)
+        self.dtype = resolve_dtype(config.dtype, mc.torch_dtype, self.device)
+        self.block_size = config.resolved_block_size()
+        default_len = mc.max_position_embeddings
+        if mc.sliding_window is not None:
+            default_len = min(default_len, mc.sliding_window)
+        self.max_model_len = config.max_model_len or default_len
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the checkpoint's "
+                             f"max_position_embeddings={mc.max_position_embeddings}")
+        mc.check_max_model_len(self.max_model_len)
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids: list[int] = list(mc.eos_token_ids)
+        self.num_layers = mc.num_layers
+        self.num_blocks = 0
+        self.kv_cache_bytes = 0
+        self.model: CausalLM | None = None
+        self.kv_cache: KVCache | None = None
+        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)
+        self.sampler = Sampler(self.device, config.seed)
+        self._signal = None
+        self._step_id = 0
+
+    # ---- loading ----------------------------------------------------------------------------
+    def load(self) -> None:
+        mc = self.model_config
+        t0 = time.perf_counter()
+        with torch.device("meta"):
+            model = CausalLM(mc, self.max_model_len)
+        model = model.to(self.dtype).to_empty(device=self.device)
+        model.rotary.reset()
+        model.tie_weights()
+        load_weights(model, self.config.model)
+        self.model = model.eval()
+        nparams = sum(p.numel() for p in model.parameters())
+        print(f"model: {mc.architecture} {nparams / 1e6:.1f}M params, {self.dtype}, {self.device}, "
+              f"loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        self.num_blocks = self._decide_num_blocks()
+        self.kv_cache = KVCache(mc.num_layers, self.num_blocks, self.block_size, mc.num_kv_heads,
+                                mc.head_dim, self.dtype, self.device,
+                                self.config.instance_id or f"{id(self):x}", self.rank)
+        self.kv_cache_bytes = self.kv_cache.spec.total_bytes
+        print(f"kv cache: {self.num_blocks} blocks x {self.block_size} tokens "
+              f"({self.kv_cache_bytes / 2**20:.1f} MiB)", file=sys.stderr, flush=True)
+
+    def _block_bytes(self) -> int:
+        mc = self.model_config
+        return bytes_per_block(mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+
+    def _decide_num_blocks(self) -> int:
+        per_block = self._block_bytes()
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        if self.config.num_blocks:
+            n = self.config.num_blocks
+        elif self.device.type == "cpu":
+            budget = self.config.kv_cache_memory or min(
+                DEFAULT_CPU_KV_BYTES, per_block * blocks_per_seq * self.config.max_num_seqs)
+            n = budget // per_block
+        else:
+            n = self._profile_gpu_blocks(per_block)
+        if n < blocks_per_seq:
+            raise ValueError(
+                f"KV cache of {n} blocks x {self.block_size} tokens cannot hold one sequence of "
+                f"max_model_len={self.max_model_len}; raise --kv-cache-memory / "
+                f"--gpu-memory-utilization / --num-blocks or lower --max-model-len")
+        return int(n)
+
+    @torch.inference_mode()
+    def _profile_gpu_blocks(self, per_block: int) -> int:
+        """Run the largest step the engine may send, then give what is left to the cache."""
+        mc = self.model_config
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        nb = -(-num_tokens // self.block_size)
+        tmp = KVCache(mc.num_layers, nb, self.block_size, mc.num_kv_heads, mc.head_dim,
+                      self.dtype, self.device)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=dev, dtype=torch.int64),
+            cu_seqlens_q=torch.tensor([0, num_tokens], device=dev, dtype=torch.int32),
+            seq_lens=torch.tensor([num_tokens], device=dev, dtype=torch.int32),
+            block_tables=torch.arange(nb, device=dev, dtype=torch.int32)[None, :])
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        hidden = self.model(ids, torch.arange(num_tokens, device=dev), meta, tmp.layers)
+        n_logits = min(self.config.max_num_seqs, num_tokens)
+        self.model.compute_logits(hidden[:n_logits]).softmax(-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del hidden
+        tmp.close()
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = total - free - torch.cuda.memory_reserved(self.device)  # context, other procs
+        budget = int(total * self.config.gpu_memory_utilization) - peak - max(others, 0)
+        torch.cuda.empty_cache()
+        return max(budget // per_block, 0)
+
+    def attach_layer_signal(self, sig) -> None:
+        """After each layer's K/V write, ``sig.publish(step_id, layer)`` (None detaches)."""
+        self._signal = sig
+
+    # ---- one step ---------------------------------------------------------------------------
+    def _apply_diff(self, sched: SchedulerOutput) -> None:
+        b = self.batch
+        for rid in sched.finished_req_ids:
+            b.remove(rid)
+        for rid in sched.preempted_req_ids:
+            b.remove(rid)
+        for new in sched.new_reqs:
+            b.remove(new.req_id)  # a resumed request replaces its stale row, if any
+            b.add(new)
+        for cached in sched.cached_reqs:
+            if cached.req_id not in b:
+                raise ValueError(f"step {sched.step_id}: cached request {cached.req_id!r} "
+                                 f"is not in the worker's batch")
+            b.append_blocks(cached.req_id, cached.new_block_ids)
+            b.num_computed_tokens[b.index[cached.req_id]] = cached.num_computed_tokens
+        if sched.block_copies:
+            pairs = torch.tensor(sched.block_copies, dtype=torch.int64, device=self.device)
+            ops.copy_blocks(self.kv_cache.k_caches, self.kv_cache.v_caches, pairs)
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        b, bs = self.batch, self.block_size
+        index = b.index
+        rows = np.fromiter((index[r] for r in sched.num_scheduled_tokens), dtype=np.int64,
+                           count=len(sched.num_scheduled_tokens))
+        n = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(rows))
+        start = b.num_computed_tokens[rows]
+        seq_lens = start + n
+        over = np.nonzero(seq_lens > b.num_tokens[rows])[0]
+        if len(over):
+            i = int(over[0])
+            raise ValueError(f"step {sched.step_id}: request {b.req_ids[rows[i]]!r} scheduled up to "
+                             f"token {int(seq_lens[i])} but only {int(b.num_tokens[rows[i]])} are known")
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(n, out=cu[1:])
+        total = int(cu[-1])
+        seq_of_tok = np.repeat(np.arange(len(rows)), n)
+        positions = start[seq_of_tok] + np.arange(total) - cu[:-1][seq_of_tok]
+        tok_rows = rows[seq_of_tok]
+        input_ids = b.token_ids[tok_rows, positions]
+        slots = b.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        max_blocks = int(-(-int(seq_lens.max()) // bs))
+        block_tables = np.ascontiguousarray(b.block_table[rows, :max_blocks])
+        sample_idx = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
+        dev = self.device
+
+        def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(a).to(device=dev, dtype=dtype, non_blocking=True)
+
+        meta = AttentionMetadata(slot_mapping=t(slots, torch.int64), cu_seqlens_q=t(cu, torch.int32),
+                                 seq_lens=t(seq_lens, torch.int32), block_tables=t(block_tables, torch.int32))
+        return StepInputs(input_ids=t(input_ids, torch.int64), positions=t(positions, torch.int64),
+                          meta=meta, rows=rows, num_scheduled=n,
+                          logits_indices=t(cu[1:][sample_idx] - 1, torch.int64),
+                          sample_batch_idx=sample_idx)
+
+    def _on_kv_written(self, layer: int) -> None:
+        if self.device.type == "cuda":
+            # Until the stream-ordered host-function path lands, make the write visible first.
+            torch.cuda.current_stream(self.device).synchronize()
+        self._signal.publish(self._step_id, layer)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self.model is None or self.kv_cache is None:
+            raise RuntimeError("ModelRunner.load() must run before execute()")
+        self._apply_diff(sched)
+        if sched.total_num_scheduled_tokens == 0 or not sched.num_scheduled_tokens:
+            return ModelRunnerOutput(step_id=sched.step_id, req_ids=[], sampled_token_ids=[])
+        self._step_id = sched.step_id
+        inp = self.prepare_inputs(sched)
+        signal = self._on_kv_written if self._signal is not None else None
+        hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache.layers, signal)
+        b = self.batch
+        b.num_computed_tokens[inp.rows] += inp.num_scheduled
+        if len(inp.sample_batch_idx) == 0:
+            return ModelRunnerOutput(step_id=sched.step_id, req_ids=[], sampled_token_ids=[])
+        logits = self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
+        sample_rows = inp.rows[inp.sample_batch_idx]
+        md = build_metadata(b, sample_rows, self.vocab_size, self.eos_token_ids, self.device)
+        tokens, logprobs = self.sampler(logits, md)
+        tokens_np = tokens.cpu().numpy()
+        b.append_tokens(sample_rows, tokens_np)
+        return ModelRunnerOutput(step_id=sched.step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
+                                 sampled_token_ids=tokens_np.tolist(), logprobs=logprobs or [])
+
+    def close(self) -> None:
+        if self.kv_cache is not None:
+            self.kv_cache.close()
+            self.kv_cache = None
+        self.model = None
