@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <omp.h>
 #include "cpu_ops_dtype.h"
+#include "cpu_ops_simd.h"
 
 #define PIPE_QTILE 16
 #define PIPE_SPLIT_MIN_KEYS 256
@@ -90,30 +91,18 @@ static void pipe_attn_item(const pipe_attn_args *a, int64_t b, int64_t tile, int
             const int64_t pos = first_pos + t0 + r / group;
             const int64_t nvis = (pos - k0 + 1 < n) ? pos - k0 + 1 : n; /* causal mask */
             if (nvis <= 0) continue;
-            const float *qr = qf + r * D;
-            float mx = PIPE_NEG_BIG;
-            for (int64_t j = 0; j < nvis; j++) {
-                const float *kj = kr + j * stride;
-                float dot = 0.0f;
-                for (int64_t d = 0; d < D; d++) dot += qr[d] * kj[d];
-                s[j] = dot;
-                mx = dot > mx ? dot : mx;
-            }
-            float *ar = acc + r * D;
-            if (mx > m[r]) {
-                const float corr = expf(m[r] - mx);
-                l[r] *= corr;
-                for (int64_t d = 0; d < D; d++) ar[d] *= corr;
-                m[r] = mx;
-            }
+            pipe_scores(qf + r * D, kr, stride, nvis, D, s);
+            float mx = m[r];
+            for (int64_t j = 0; j < nvis; j++) mx = s[j] > mx ? s[j] : mx;
+            const float corr = expf(m[r] - mx);
             float sum = 0.0f;
             for (int64_t j = 0; j < nvis; j++) {
-                const float p = expf(s[j] - m[r]);
-                const float *vj = vr + j * stride;
-                sum += p;
-                for (int64_t d = 0; d < D; d++) ar[d] += p * vj[d];
+                s[j] = expf(s[j] - mx);
+                sum += s[j];
             }
-            l[r] += sum;
+            m[r] = mx;
+            l[r] = l[r] * corr + sum;
+            pipe_accumulate(acc + r * D, corr, s, vr, stride, nvis, D);
         }
     }
 }
