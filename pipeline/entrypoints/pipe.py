@@ -164,6 +164,7 @@ def feed(gw: Gateway, writer: AnswerWriter, args, lines, stop: threading.Event,
             continue
         user_id = req.req_id
         req.req_id = writer.expect(index, user_id)
+        req.stream = req.stream or writer.stream
         with writer.lock:
             while writer.submitted - writer.done > max_inflight and not stop.is_set():
                 writer.all_done.wait(0.2)

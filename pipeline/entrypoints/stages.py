@@ -127,7 +127,8 @@ def stage_process(spec_bytes: bytes, ctrl: Connection) -> None:
                 ctrl.send(("error", msg))
             except OSError:
                 pass
-        traceback.print_exc()
+        if not isinstance(exc, (ValueError, OSError)):  # those already say what is wrong
+            traceback.print_exc()
         print(f"[{spec.name}] failed: {msg}", file=sys.stderr, flush=True)
         code = EXIT_ERROR
     finally:

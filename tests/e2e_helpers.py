@@ -1,0 +1,114 @@
+"""Helpers of the end-to-end tests (tests/test_e2e_*.py): a tiny checkpoint, `pipeline run`
+as a subprocess, a `pipeline serve` daemon as a subprocess, and the /dev/shm check.
+
+Everything here drives the real stage processes; nothing is mocked.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PIPELINE = [sys.executable, "-m", "pipeline"]
+# Small and fast on 2 shared cores: the tests are about the processes, not the model.
+ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--max-num-seqs", "32",
+                "--max-model-len", "256", "--num-blocks", "256"]
+
+
+def make_tiny_model(out: Path) -> Path:
+    """A random-initialised 2-layer Llama with its BPE tokenizer, via `pipeline make-model`
+    (PIPELINE_E2E_MODEL=DIR runs the tests on that checkpoint instead)."""
+    if os.environ.get("PIPELINE_E2E_MODEL"):
+        return Path(os.environ["PIPELINE_E2E_MODEL"])
+    if not (out / "config.json").exists():
+        subprocess.run([*PIPELINE, "make-model", "--arch", "llama", "--out", str(out),
+                        "--hidden-size", "64", "--num-layers", "2", "--num-heads", "4",
+                        "--num-kv-heads", "2", "--intermediate-size", "128",
+                        "--max-position-embeddings", "512", "--seed", "0"],
+                       check=True, cwd=ROOT, capture_output=True, timeout=300)
+    return out
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e.setdefault("OMP_NUM_THREADS", "1")
+    return e
+
+
+def run_pipe(model: Path, lines: list[str], *flags: str, timeout: float = 240) \
+        -> tuple[int, list[dict], str]:
+    p = subprocess.run([*PIPELINE, "run", "--model", str(model), *ENGINE_FLAGS, *flags],
+                       input="\n".join(lines) + "\n", capture_output=True, text=True,
+                       timeout=timeout, cwd=ROOT, env=env())
+    answers = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
+    return p.returncode, answers, p.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shm_entries(instance_id: str) -> list[str]:
+    want = f"pipeline.{instance_id}."
+    return sorted(n for n in os.listdir("/dev/shm")
+                  if n.startswith(want) or n.startswith("sem." + want))
+
+
+class Daemon:
+    """`pipeline serve` in a subprocess; `address` is where clients connect."""
+
+    def __init__(self, model: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.log = open(f"/tmp/pipeline-e2e-{self.port}.log", "w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [*PIPELINE, "serve", "--model", str(model), "--listen", self.address,
+             *ENGINE_FLAGS, *flags],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env())
+        # config_from_args names the instance after the gateway's pid.
+        self.instance_id = f"{self.proc.pid:x}"
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        from pipeline.client import Client
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.output()}")
+            if "serving on" in self.output():
+                with Client(self.address, timeout=10) as c:
+                    assert c.health().status == "ok"
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"daemon not ready within {timeout}s:\n{self.output()}")
+
+    def stage_pids(self) -> dict[str, int]:
+        from pipeline.client import Client
+
+        with Client(self.address, timeout=10) as c:
+            return {s["stage"]: s["pid"] for s in c.health().detail["stages"]}
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()

@@ -1,0 +1,88 @@
+"""End to end, pipe mode: `pipeline run` with its real stage processes on a tiny checkpoint."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from e2e_helpers import ENGINE_FLAGS, PIPELINE, ROOT, env, make_tiny_model, shm_entries
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("e2e") / "tiny")
+
+
+def pipe(model, lines, *flags):
+    p = subprocess.Popen([*PIPELINE, "run", "--model", str(model), *ENGINE_FLAGS, *flags],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=ROOT, env=env())
+    out, err = p.communicate("\n".join(lines) + "\n", timeout=240)
+    assert shm_entries(f"{p.pid:x}") == [], "shared memory outlived the run"
+    return p.returncode, [json.loads(x) for x in out.splitlines() if x.strip()], err
+
+
+def test_mixed_lines_ordered(model):
+    long_prompt = list(range(3, 303))  # 300 tokens > --max-model-len 256
+    lines = [
+        "The for statement",
+        json.dumps({"id": "greedy", "prompt": "The for statement", "max_tokens": 8,
+                    "temperature": 0, "ignore_eos": True}),
+        json.dumps({"id": 7, "prompt_token_ids": [5, 6, 7, 8], "max_tokens": 5,
+                    "temperature": 0, "ignore_eos": True}),
+        json.dumps({"id": "chat", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 4, "ignore_eos": True}),
+        '{"id": "broken", "prompt": ',
+        json.dumps({"id": "unknown", "prompt": "x", "bogus": 1}),
+        json.dumps({"id": "range", "prompt": "x", "top_p": 5}),
+        json.dumps({"id": "long", "prompt_token_ids": long_prompt}),
+        "",
+        json.dumps({"id": "greedy2", "prompt": "The for statement", "max_tokens": 8,
+                    "temperature": 0, "ignore_eos": True}),
+    ]
+    rc, answers, err = pipe(model, lines, "--ordered", "--max-tokens", "6")
+    assert rc == 1, err  # some requests failed
+    ids = [a["id"] for a in answers]
+    assert ids == ["0", "greedy", "7", "chat", "4", "unknown", "range", "long", "greedy2"], err
+    by_id = {a["id"]: a for a in answers}
+    for rid, n in (("0", 6), ("greedy", 8), ("7", 5), ("chat", 4), ("greedy2", 8)):
+        a = by_id[rid]
+        assert a["error"] is None and a["finish_reason"] in ("length", "stop"), a
+        if rid != "0":
+            assert len(a["token_ids"]) == n and a["finish_reason"] == "length"
+        assert a["usage"]["completion_tokens"] == len(a["token_ids"])
+        assert a["usage"]["prompt_tokens"] > 0 and a["timings"]["e2e"] > 0
+    assert by_id["7"]["usage"]["prompt_tokens"] == 4
+    # Greedy is deterministic whatever the batch it shared.
+    assert by_id["greedy"]["token_ids"] == by_id["greedy2"]["token_ids"]
+    for rid, field in (("4", "JSON"), ("unknown", "bogus"), ("range", "top_p"),
+                       ("long", "max_model_len")):
+        a = by_id[rid]
+        assert a["finish_reason"] == "error" and a["token_ids"] == [], a
+        assert field in a["error"]["message"], a["error"]
+    assert by_id["long"]["error"]["message"].count("256")
+
+
+def test_stream_deltas_add_up(model):
+    lines = [json.dumps({"id": f"s{i}", "prompt": "x" * (i + 1), "max_tokens": 6 + i,
+                         "temperature": 0.8, "seed": i, "ignore_eos": True}) for i in range(4)]
+    rc, answers, err = pipe(model, lines, "--stream")
+    assert rc == 0, err
+    finals = {a["id"]: a for a in answers if "finish_reason" in a}
+    assert sorted(finals) == ["s0", "s1", "s2", "s3"]
+    for rid, final in finals.items():
+        deltas = [a for a in answers if a["id"] == rid and "finish_reason" not in a]
+        assert deltas, rid
+        assert "".join(d["text"] for d in deltas) == final["text"]
+        assert [t for d in deltas for t in d["token_ids"]] == final["token_ids"]
+        # Each request's deltas come before its final answer.
+        assert answers.index(final) > max(answers.index(d) for d in deltas)
+
+
+def test_bad_model_path_fails_clearly(tmp_path):
+    p = subprocess.run([*PIPELINE, "run", "--model", str(tmp_path / "missing"), *ENGINE_FLAGS],
+                       input="hello\n", capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env=env())
+    assert p.returncode == 2
+    assert "cannot start" in p.stderr and "missing" in p.stderr

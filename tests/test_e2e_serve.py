@@ -1,0 +1,192 @@
+"""End to end, the daemon: `pipeline serve` with its stage processes, driven by many clients.
+
+The acceptance workload of issue 5, scaled down for CI; run the full size with
+PIPELINE_E2E_REQUESTS=1000 PIPELINE_E2E_CONCURRENCY=64.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import pytest
+import zmq
+
+from e2e_helpers import Daemon, make_tiny_model, run_pipe, shm_entries
+from pipeline.client import Client
+from pipeline.entrypoints import protocol as P
+from pipeline.output.types import RequestResult
+
+NUM_REQUESTS = int(os.environ.get("PIPELINE_E2E_REQUESTS", "96"))
+CONCURRENCY = int(os.environ.get("PIPELINE_E2E_CONCURRENCY", "16"))
+WORDS = "the for statement is used to iterate over the elements of a sequence".split()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("e2e") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def daemon(model):
+    d = Daemon(model, "--drain-timeout", "60")
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        if d.proc.poll() is None:
+            d.stop(signal.SIGKILL)
+
+
+def prompt_for(i: int) -> str:
+    rng = random.Random(i)
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
+
+
+MALFORMED = [
+    {"max_tokens": 0},  # out of range
+    {"top_p": 2.0},
+    {"prompt_token_ids": [10**6]},  # out of the vocabulary
+    {"prompt_token_ids": list(range(3, 303))},  # longer than --max-model-len 256
+    {"messages": [{"role": "user", "content": "hi"}]},  # with a prompt too: two sources
+]
+
+
+def one_request(c: Client, i: int) -> dict:
+    """Returns what the test checks: kind, the final answer, deltas seen."""
+    rid = f"r{i}"
+    kind = ("malformed", "stream", "abort", "greedy", "greedy", "greedy", "greedy", "greedy")[i % 8]
+    max_tokens = 4 + i % 21
+    if kind == "malformed":
+        fields = {"prompt": prompt_for(i), "max_tokens": 8} | MALFORMED[(i // 8) % len(MALFORMED)]
+        if "prompt_token_ids" in fields:
+            del fields["prompt"]
+        prompt = fields.pop("prompt", None)
+        return {"kind": kind, "final": c.generate(prompt, id=rid, **fields)}
+    if kind == "greedy":
+        res = c.generate(prompt_for(i), id=rid, max_tokens=max_tokens, temperature=0,
+                         ignore_eos=True)
+        return {"kind": kind, "final": res, "max_tokens": max_tokens}
+    deltas, final = [], None
+    aborted = False
+    stream_max = 120 if kind == "abort" else max_tokens
+    for item in c.stream(prompt_for(i), id=rid, max_tokens=stream_max, temperature=0,
+                         ignore_eos=True):
+        if isinstance(item, RequestResult):
+            final = item
+        else:
+            deltas.append(item)
+            if kind == "abort" and not aborted and len(deltas) >= 2:
+                c.abort(rid)
+                aborted = True
+    return {"kind": kind, "final": final, "deltas": deltas, "max_tokens": stream_max}
+
+
+def test_acceptance_mixed_workload(daemon, model):
+    with Client(daemon.address, timeout=300) as c:
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            results = list(pool.map(lambda i: one_request(c, i), range(NUM_REQUESTS)))
+        for i, r in enumerate(results):
+            final = r["final"]
+            assert final is not None and final.id == f"r{i}", r
+            if r["kind"] == "malformed":
+                assert final.finish_reason == "error" and final.error is not None, final
+                assert final.error.code == "invalid_request" and "`" in final.error.message
+            elif r["kind"] == "abort":
+                assert final.finish_reason == "abort", final
+                assert len(final.token_ids) < r["max_tokens"]
+            else:
+                assert final.error is None and final.finish_reason == "length", final
+                assert len(final.token_ids) == r["max_tokens"]
+            if r.get("deltas"):
+                assert "".join(d.text for d in r["deltas"]) == final.text
+                assert [t for d in r["deltas"] for t in d.token_ids] == final.token_ids
+        # Aborted requests freed their blocks: everything is free or cached once idle.
+        deadline = time.monotonic() + 10
+        while True:
+            stats = c.stats()
+            if stats.get("running") == 0 and stats.get("waiting") == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert stats["running"] == 0 and stats["waiting"] == 0, stats
+        assert stats["kv_blocks_used"] == 0, stats
+        assert stats["requests_inflight"] == 0, stats
+
+    # Greedy answers through the daemon equal `pipeline run`'s for the same prompts.
+    greedy = [(i, r) for i, r in enumerate(results) if r["kind"] in ("greedy", "stream")]
+    lines = [json.dumps({"id": f"r{i}", "prompt": prompt_for(i), "max_tokens": r["max_tokens"],
+                         "temperature": 0, "ignore_eos": True}) for i, r in greedy]
+    rc, answers, err = run_pipe(model, lines)
+    assert rc == 0, err
+    piped = {a["id"]: a["token_ids"] for a in answers}
+    for i, r in greedy:
+        assert piped[f"r{i}"] == r["final"].token_ids, f"r{i}"
+
+
+def test_malformed_frames_each_get_one_answer(daemon):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(daemon.address)
+    frames = [
+        b"\xc1not msgpack",
+        msgspec.msgpack.encode({"op": "generate", "v": 1, "id": "a", "prompt": "x",
+                                "max_tokens": "many"}),
+        msgspec.msgpack.encode({"op": "generate", "v": 99, "id": "b", "prompt": "x"}),
+        msgspec.msgpack.encode({"op": "nonsense", "v": 1, "id": "c"}),
+        msgspec.msgpack.encode({"op": "generate", "v": 1, "id": "d", "prompt": "x",
+                                "surprise": True}),
+        msgspec.msgpack.encode({"op": "generate", "v": 1, "id": "e", "prompt": "hello",
+                                "max_tokens": 3, "temperature": 0}),
+    ]
+    for f in frames:
+        sock.send(f)
+    replies = []
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    deadline = time.monotonic() + 60
+    while len(replies) < len(frames) and time.monotonic() < deadline:
+        if poller.poll(500):
+            replies.append(P.decode_reply(sock.recv()))
+    sock.close(0)
+    finals = {r.result.id: r.result for r in replies if isinstance(r, P.Final)}
+    errors = [r for r in replies if isinstance(r, P.Error)]
+    assert len(replies) == len(frames), replies
+    assert "msgpack" in errors[0].error.message if errors else False
+    assert "max_tokens" in finals["a"].error.message
+    assert finals["b"].error.code == "unsupported_version"
+    assert "surprise" in finals["d"].error.message
+    assert finals["e"].error is None and len(finals["e"].token_ids) == 3
+    assert daemon.proc.poll() is None  # still serving
+
+
+def test_sigterm_drains_then_exits_clean(daemon):
+    """Last in the module: in-flight requests finish, new ones are refused, shm is gone."""
+    with Client(daemon.address, timeout=120) as c:
+        started = threading.Event()
+        out: list[RequestResult] = []
+
+        def long_one(i: int) -> None:
+            for item in c.stream("x", id=f"d{i}", max_tokens=200, temperature=0,
+                                 ignore_eos=True):
+                started.set()
+                if isinstance(item, RequestResult):
+                    out.append(item)
+
+        threads = [threading.Thread(target=long_one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        daemon.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        late = c.generate("too late", id="late", max_tokens=4)
+        for t in threads:
+            t.join(120)
+    assert late.finish_reason == "error", late
+    assert [r.finish_reason for r in out] == ["length"] * 4, out
+    assert daemon.proc.wait(60) == 0, daemon.output()
+    assert shm_entries(daemon.instance_id) == []
