@@ -31,6 +31,15 @@ PROMPT_LENS = (1, 7, 16, 17, 45)
 GEN = 64
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matmuls: thread hand-offs cost more than the math on a shared 2-core machine.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
     arch, overrides = CASES[request.param]
@@ -41,7 +50,8 @@ def case(request, tmp_path_factory):
     if shard:
         assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
     runner = make_runner(path)
-    yield request.param, hf, runner
+    refs = [hf_greedy(hf, p, GEN) for p in prompts(runner.vocab_size, seed=2)]
+    yield request.param, hf, runner, refs
     name = runner.kv_cache.spec.shm_name
     runner.close()
     assert not os.path.exists("/dev/shm" + name)
@@ -62,7 +72,7 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 def test_logits_match_transformers(case):
     """All prompts in ONE varlen forward; every position's logits against transformers."""
-    _, hf, runner = case
+    _, hf, runner, _ = case
     ps = prompts(runner.vocab_size)
     bs = runner.block_size
     new, sched, next_block = [], {}, 0
@@ -90,9 +100,8 @@ def test_logits_match_transformers(case):
 
 
 def test_greedy_alone_and_batched(case):
-    _, hf, runner = case
+    _, hf, runner, refs = case
     ps = prompts(runner.vocab_size, seed=2)
-    refs = [hf_greedy(hf, p, GEN) for p in ps]
     # Alone: one request at a time.
     for i in (0, 4):
         d = Driver(runner)
@@ -109,9 +118,8 @@ def test_greedy_alone_and_batched(case):
 
 
 def test_greedy_chunked_prefill(case):
-    _, hf, runner = case
-    p = prompts(runner.vocab_size, seed=3)[4]
-    ref = hf_greedy(hf, p, GEN)
+    _, hf, runner, refs = case
+    p, ref = prompts(runner.vocab_size, seed=2)[4], refs[4]
     d = Driver(runner, token_budget=10)  # the 45-token prompt spans 5 steps, off block edges
     d.add("chunked", p, GEN)
     d.add("other", prompts(runner.vocab_size, seed=4)[3], 20)
@@ -120,7 +128,7 @@ def test_greedy_chunked_prefill(case):
 
 
 def test_greedy_with_cached_prefix(case):
-    _, hf, runner = case
+    _, hf, runner, _ = case
     bs = runner.block_size
     first = prompts(runner.vocab_size, seed=5)[4]  # 45 tokens: 2 full blocks
     second = first[:2 * bs] + prompts(runner.vocab_size, seed=6)[2]
