@@ -212,3 +212,22 @@ def copy_blocks(
     if bad >= 0:
         raise ValueError(f"pairs[{bad}] = {pairs[bad].tolist()}: block ids must be in "
                          f"[0, {num_blocks})")
+
+
+def enqueue_layer_signal(signal_base: int, step: int, layer: int,
+                         side_stream: torch.cuda.Stream) -> None:
+    """CUDA: publish (step, layer) into the layer-signal segment mapped at ``signal_base``
+    once everything enqueued so far on the current stream (the layer's KV write) is done.
+
+    ``side_stream`` waits for the current stream, then a host function on it calls
+    ``pipeline_signal_publish`` (no Python, no GIL). On CPU the worker publishes directly
+    after the write instead.
+    """
+    if side_stream.device.type != "cuda":
+        raise ValueError(f"side_stream must be a CUDA stream, got {side_stream.device}")
+    ext = backend(side_stream.device)
+    if ext is None:
+        raise RuntimeError("the per-layer CUDA signal needs pipeline._ext.cuda_ops; "
+                           "build it with nvcc present (python setup.py build_ext --inplace)")
+    side_stream.wait_stream(torch.cuda.current_stream(side_stream.device))
+    ext.enqueue_layer_signal(side_stream.cuda_stream, signal_base, step, layer)
