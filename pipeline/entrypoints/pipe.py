@@ -10,6 +10,7 @@ progress bar. Exit status 1 if any request failed, 2 if the engine could not sta
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
@@ -39,6 +40,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="requests submitted but not answered (0: 4 x --max-num-seqs)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on Ctrl-C/SIGTERM, seconds to let in-flight requests finish")
+    p.add_argument("--stats-json", default=None, metavar="PATH",
+                   help="write the engine's final stats (blocks, steps, overhead) to PATH")
 
 
 class RequestError(ValueError):
@@ -206,6 +209,9 @@ def main(args: argparse.Namespace) -> int:
         else:
             reader.join()
         writer.wait_all(gw.failed)
+        if args.stats_json and gw.failure is None:
+            with open(args.stats_json, "w") as f:
+                json.dump(gw.fresh_engine_stats(2.0), f)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
