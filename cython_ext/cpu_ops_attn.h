@@ -19,6 +19,9 @@
 
 #define PIPE_QTILE 16
 #define PIPE_SPLIT_MIN_KEYS 256
+/* Below this many multiply-adds (tens of microseconds on one core) waking the other
+ * threads costs more than it saves, and far more when the cores are oversubscribed. */
+#define PIPE_PAR_MIN_FMAS (1 << 18)
 #define PIPE_NEG_BIG (-1e30f) /* finite: exp(a - b) stays 0 or 1, never NaN */
 
 typedef struct {
@@ -115,15 +118,18 @@ static int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) 
     const int64_t B = a->num_seqs, H = a->num_heads, D = a->head_dim, Hkv = a->num_kv_heads;
     const int64_t group = H / Hkv, esz = pipe_dtype_size(a->dtype), bs = a->block_size;
     int64_t *tile_end = (int64_t *)malloc((size_t)B * sizeof(int64_t));
-    int64_t tiles = 0, max_ctx = 0;
+    int64_t tiles = 0, max_ctx = 0, fmas = 0;
     for (int64_t b = 0; b < B; b++) {
-        tiles += (a->cu_seqlens_q[b + 1] - a->cu_seqlens_q[b] + PIPE_QTILE - 1) / PIPE_QTILE;
+        const int64_t q_len = a->cu_seqlens_q[b + 1] - a->cu_seqlens_q[b];
+        tiles += (q_len + PIPE_QTILE - 1) / PIPE_QTILE;
+        fmas += 2 * q_len * a->seq_lens[b] * H * D;
         tile_end[b] = tiles;
         if (a->seq_lens[b] > max_ctx) max_ctx = a->seq_lens[b];
     }
-    const int64_t items = tiles * Hkv, nthreads = omp_get_max_threads();
+    const int par = fmas >= PIPE_PAR_MIN_FMAS;
+    const int64_t items = tiles * Hkv, nthreads = par ? omp_get_max_threads() : 1;
     int64_t nsplit = 1;
-    if (items > 0 && items < 2 * nthreads) {
+    if (par && items > 0 && items < 2 * nthreads) {
         nsplit = (2 * nthreads + items - 1) / items;
         const int64_t cap = (max_ctx + PIPE_SPLIT_MIN_KEYS - 1) / PIPE_SPLIT_MIN_KEYS;
         if (nsplit > cap) nsplit = cap;
@@ -132,7 +138,7 @@ static int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) 
     float *part = NULL; /* per (token, head, split): m, l, acc[D] */
     if (nsplit > 1) part = (float *)malloc((size_t)(a->num_tokens * H * nsplit * (D + 2)) * sizeof(float));
     const int64_t max_rows = PIPE_QTILE * group;
-    #pragma omp parallel if (items * nsplit > 1)
+    #pragma omp parallel if (par && items * nsplit > 1)
     {
         float *scratch = (float *)malloc((size_t)(2 * max_rows * D + 2 * max_rows + bs + 2 * bs * D) * sizeof(float));
         float *qf = scratch, *acc = qf + max_rows * D, *m = acc + max_rows * D;

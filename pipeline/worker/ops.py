@@ -92,6 +92,31 @@ def _check_index(name: str, t: torch.Tensor, dtype: torch.dtype, dims: int,
         raise ValueError(f"{name} must be contiguous")
 
 
+# The last metadata triple that passed _check_metadata, with the tensors' version counters
+# and device: every layer of a forward passes the same three tensors, so the checks run once
+# per step. An in-place update bumps a version counter and forces a re-check.
+_checked_meta: list = [None] * 7
+
+
+def _check_metadata(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                    block_tables: torch.Tensor, device: torch.device) -> None:
+    c = _checked_meta
+    if (c[0] is cu_seqlens_q and c[1] is seq_lens and c[2] is block_tables
+            and c[3] == cu_seqlens_q._version and c[4] == seq_lens._version
+            and c[5] == block_tables._version and c[6] == device):
+        return
+    _check_index("cu_seqlens_q", cu_seqlens_q, torch.int32, 1, device)
+    _check_index("seq_lens", seq_lens, torch.int32, 1, device)
+    _check_index("block_tables", block_tables, torch.int32, 2, device)
+    num_seqs = seq_lens.shape[0]
+    if cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"seq_lens has {num_seqs} sequences: cu_seqlens_q needs "
+                         f"{num_seqs + 1} entries (got {cu_seqlens_q.shape[0]}) and "
+                         f"block_tables {num_seqs} rows (got {block_tables.shape[0]})")
+    c[:] = [cu_seqlens_q, seq_lens, block_tables, cu_seqlens_q._version,
+            seq_lens._version, block_tables._version, device]
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -147,14 +172,8 @@ def paged_attention(
     num_tokens, num_heads = q.shape[0], q.shape[1]
     _check_rows("q", q, num_heads, head_dim, k_cache)
     device = k_cache.device
-    _check_index("cu_seqlens_q", cu_seqlens_q, torch.int32, 1, device)
-    _check_index("seq_lens", seq_lens, torch.int32, 1, device)
-    _check_index("block_tables", block_tables, torch.int32, 2, device)
     num_seqs = seq_lens.shape[0]
-    if cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"seq_lens has {num_seqs} sequences: cu_seqlens_q needs "
-                         f"{num_seqs + 1} entries (got {cu_seqlens_q.shape[0]}) and "
-                         f"block_tables {num_seqs} rows (got {block_tables.shape[0]})")
+    _check_metadata(cu_seqlens_q, seq_lens, block_tables, device)
     if out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=device)
     elif (out.shape != (num_tokens, num_heads, head_dim) or out.dtype != q.dtype
