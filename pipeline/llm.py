@@ -1,0 +1,172 @@
+"""In-process engine: ``pipeline.LLM(model=..., **engine_args).generate(prompts, params)``.
+
+Runs the same objects as the stage pipeline, in one process and one thread: the engine's
+Scheduler, the worker's ModelRunner (or any object with its interface, e.g. the FakeWorker)
+and the token processor's OutputProcessor (detokenization, stop strings). Owns them for its
+lifetime; ``close()`` (or the context manager) releases the worker's KV cache.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from pipeline.config import DEFAULT_MODEL, EngineConfig
+from pipeline.engine.messages import EngineOutputs, EngineRequest
+from pipeline.engine.sched_output import ids_to_bytes
+from pipeline.engine.scheduler import Scheduler
+from pipeline.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    num_cached_tokens: int
+    metrics: Any  # pipeline.output.types.Timings
+    stop_reason: int | str | None = None
+    logprobs: list | None = None
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, *, worker: Any = None,
+                 skip_tokenizer_init: bool = False, **engine_args: Any) -> None:
+        unknown = set(engine_args) - set(EngineConfig.__struct_fields__)
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {sorted(unknown)}; valid: "
+                            f"{sorted(EngineConfig.__struct_fields__)}")
+        self.config = EngineConfig(model=model, **engine_args)
+        if not self.config.instance_id:
+            self.config.instance_id = f"llm{id(self):x}"
+        if worker is None:
+            from pipeline.worker.model_runner import ModelRunner  # noqa: PLC0415 (torch)
+            worker = ModelRunner(self.config)
+            worker.load()
+        self.worker = worker
+        self.scheduler = Scheduler(self.config, worker.num_blocks, worker.block_size,
+                                   worker.max_model_len)
+        self.tokenizer = None
+        self.processor = None
+        if not skip_tokenizer_init:
+            self._init_tokenizer(Path(model))
+        self._ids = itertools.count()
+
+    def _init_tokenizer(self, model_dir: Path) -> None:
+        from tokenizers import Tokenizer  # noqa: PLC0415
+
+        from pipeline.output.detokenizer import DetokenizerTable  # noqa: PLC0415
+        from pipeline.output.processor import OutputProcessor  # noqa: PLC0415
+
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"no tokenizer.json in {model_dir}; pass skip_tokenizer_init=True "
+                             f"and token-id prompts")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        self.processor = OutputProcessor(DetokenizerTable(self.tokenizer))
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True was set)")
+        return self.tokenizer.encode(prompt).ids
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, priority: Sequence[int] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        ids: list[str] = []
+        meta: dict[str, tuple[str | None, list[int]]] = {}
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                rid = self._add(p, sp, priority[i] if priority else 0, cache_salt, meta)
+                ids.append(rid)
+            results = self._run(meta)
+        except BaseException:
+            self._abort(list(meta))
+            raise
+        return [results[rid] for rid in ids]
+
+    def _add(self, prompt, sp: SamplingParams, priority: int, salt: str | None,
+             meta: dict) -> str:
+        text = prompt if isinstance(prompt, str) else None
+        tokens = self.encode(prompt) if text is not None else [int(t) for t in prompt]
+        if sp.stop and self.processor is None:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True was set)")
+        sp.validate(vocab_size=self.worker.vocab_size, max_model_len=self.scheduler.max_model_len)
+        bad = [t for t in tokens if not 0 <= t < self.worker.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, vocab_size={self.worker.vocab_size}), "
+                             f"got {bad[0]}")
+        rid = f"llm-{next(self._ids)}"
+        now = time.time()
+        self.scheduler.add_request(EngineRequest(rid, ids_to_bytes(tokens), sp, now,
+                                                 list(self.worker.eos_token_ids), priority, salt))
+        if self.processor is not None:
+            self.processor.add_request(rid, sp, now, prompt_token_ids=tokens[-8:],
+                                       num_prompt_tokens=len(tokens))
+        meta[rid] = (text, tokens)
+        return rid
+
+    def _run(self, meta: dict) -> dict[str, RequestOutput]:
+        from pipeline.output.types import RequestResult  # noqa: PLC0415
+
+        results: dict[str, RequestOutput] = {}
+        raw: dict[str, list[int]] = {rid: [] for rid in meta}
+
+        def emit(r) -> None:
+            if isinstance(r, RequestResult):
+                text, toks = meta[r.id]
+                results[r.id] = RequestOutput(r.id, text, toks, r.text, r.token_ids,
+                                              r.finish_reason, r.usage.cached_tokens, r.timings,
+                                              r.stop_reason, r.logprobs)
+
+        sched, worker = self.scheduler, self.worker
+        while sched.has_unfinished_requests():
+            so = sched.schedule()
+            outs = sched.update_from_output(so, worker.execute(so))
+            if self.processor is None:
+                for o in outs:
+                    raw[o.req_id] += o.new_token_ids
+                    if o.finish_reason is not None:
+                        text, toks = meta[o.req_id]
+                        results[o.req_id] = RequestOutput(o.req_id, text, toks, "", raw[o.req_id],
+                                                          o.finish_reason, o.num_cached_tokens,
+                                                          None, o.stop_reason)
+                continue
+            stopped = self.processor.process(EngineOutputs(outs, time.time()), emit)
+            if stopped:  # a stop string ended them: the engine frees their blocks now
+                sched.abort_requests(stopped, reason="stop")
+        return results
+
+    def _abort(self, rids: list[str]) -> None:
+        self.scheduler.abort_requests(rids)
+        if self.processor is not None:
+            for rid in rids:
+                self.processor.abort(rid)
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
