@@ -77,7 +77,10 @@ static void pipe_attn_item(const pipe_attn_args *a, int64_t b, int64_t tile, int
         const int64_t base = ((int64_t)bt[k0 / bs] * bs + off) * kv_row + kvh * D;
         const float *kr, *vr;
         int64_t stride;
-        if (a->dtype == PIPE_F32) { /* read the cache in place */
+        /* One query token reads each key once: stream float32 rows in place. Several tokens
+         * reuse the block, so pack it densely: rows kv_row floats apart alias the same L1
+         * sets (kv_row * 4 is often a multiple of 4 KiB) and thrash. */
+        if (a->dtype == PIPE_F32 && nt == 1) {
             kr = (const float *)a->k_cache + base;
             vr = (const float *)a->v_cache + base;
             stride = kv_row;
