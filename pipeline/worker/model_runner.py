@@ -124,7 +124,7 @@ class ModelRunner:
                 f"--gpu-memory-utilization / --num-blocks or lower --max-model-len")
         return int(n)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def _profile_gpu_blocks(self, per_block: int) -> int:
         """Run the largest step the engine may send, then give what is left to the cache."""
         mc = self.model_config
@@ -220,7 +220,6 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).synchronize()
         self._signal.publish(self._step_id, layer)
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if self.model is None or self.kv_cache is None:
             raise RuntimeError("ModelRunner.load() must run before execute()")
@@ -228,20 +227,26 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0 or not sched.num_scheduled_tokens:
             return ModelRunnerOutput(step_id=sched.step_id, req_ids=[], sampled_token_ids=[])
         self._step_id = sched.step_id
+        # Step metadata is built outside inference mode: the ops cache their validation keyed
+        # on tensor version counters, which inference tensors do not have.
         inp = self.prepare_inputs(sched)
+        with torch.inference_mode():
+            return self._forward_and_sample(sched.step_id, inp)
+
+    def _forward_and_sample(self, step_id: int, inp: StepInputs) -> ModelRunnerOutput:
         signal = self._on_kv_written if self._signal is not None else None
         hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache.layers, signal)
         b = self.batch
         b.num_computed_tokens[inp.rows] += inp.num_scheduled
         if len(inp.sample_batch_idx) == 0:
-            return ModelRunnerOutput(step_id=sched.step_id, req_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(step_id=step_id, req_ids=[], sampled_token_ids=[])
         logits = self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
         sample_rows = inp.rows[inp.sample_batch_idx]
         md = build_metadata(b, sample_rows, self.vocab_size, self.eos_token_ids, self.device)
         tokens, logprobs = self.sampler(logits, md)
         tokens_np = tokens.cpu().numpy()
         b.append_tokens(sample_rows, tokens_np)
-        return ModelRunnerOutput(step_id=sched.step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
+        return ModelRunnerOutput(step_id=step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
                                  sampled_token_ids=tokens_np.tolist(), logprobs=logprobs or [])
 
     def close(self) -> None:

@@ -1,0 +1,210 @@
+"""`pipeline bench worker`: decode tokens/s at batch 1, 8, 32 and prefill tokens/s of the model
+worker against transformers' `generate` on the same checkpoint, in the same run, plus batch-1
+decode as a fraction of the memory-bandwidth limit (weight bytes per token / memcpy bandwidth).
+
+Owns nothing; drives a ModelRunner directly with hand-built SchedulerOutputs (no engine), so
+the figures are the worker's alone. transformers is imported here only (a bench dependency).
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.bench.report import Report
+from pipeline.config import EngineConfig
+from pipeline.engine.sched_output import (CachedRequestData, NewRequestData, SchedulerOutput,
+                                          ids_to_bytes)
+from pipeline.sampling_params import SamplingParams
+
+PROMPT_LEN = 16
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="", help="checkpoint dir; default: make a ~32M llama")
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--prefill-tokens", type=int, default=512, help="tokens in the prefill step")
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
+    p.add_argument("--skip-hf", action="store_true", help="do not run transformers")
+
+
+def make_bench_model(out: Path) -> None:
+    from pipeline.models import make_model
+    ns = argparse.Namespace(
+        arch="llama", out=str(out), hidden_size=512, intermediate_size=1408, num_layers=8,
+        num_heads=8, num_kv_heads=4, head_dim=0, vocab_size=8192, tokenizer="auto",
+        tokenizer_vocab_size=512, max_position_embeddings=2048, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="float32", max_shard_size=0, seed=0)
+    make_model.main(ns)
+
+
+def memcpy_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Bytes moved per second (read + write) by a large tensor copy, best of ``reps``."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+class _Steps:
+    """Hand-built step diffs: all blocks reserved at admission, one token per decode step."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.step_id = 0
+        self.next_block = 0
+
+    def _run(self, new, cached, sched, finished=()):
+        self.step_id += 1
+        return self.runner.execute(SchedulerOutput(
+            self.step_id, new, cached, sched, sum(sched.values()), list(finished), []))
+
+    def admit(self, prompts: list[list[int]], extra_tokens: int, tag: str):
+        bs = self.runner.block_size
+        new, sched = [], {}
+        for i, p in enumerate(prompts):
+            nb = -(-(len(p) + extra_tokens) // bs)
+            blocks = list(range(self.next_block, self.next_block + nb))
+            self.next_block += nb
+            rid = f"{tag}{i}"
+            new.append(NewRequestData(rid, ids_to_bytes(p), len(p),
+                                      SamplingParams(temperature=0.0, max_tokens=extra_tokens + 1),
+                                      blocks, 0))
+            sched[rid] = len(p)
+        return self._run(new, [], sched), list(sched)
+
+    def decode(self, req_ids: list[str], computed: int) -> None:
+        cached = [CachedRequestData(r, [], computed) for r in req_ids]
+        self._run([], cached, {r: 1 for r in req_ids})
+
+    def finish(self, req_ids: list[str]) -> None:
+        self._run([], [], {}, req_ids)
+        self.next_block = 0
+
+
+def bench_ours(model_dir: str, batches: list[int], steps: int, prefill_tokens: int,
+               vocab: int) -> tuple[dict[int, float], float, int]:
+    from pipeline.worker.model_runner import ModelRunner
+    max_b = max(batches)
+    cfg = EngineConfig(model=model_dir, device="cpu", dtype="float32", block_size=16,
+                       max_num_seqs=max_b, max_model_len=1024,
+                       num_blocks=max(max_b * -(-(PROMPT_LEN + steps + 4) // 16), 1024 // 16 * 4) + 8,
+                       max_num_batched_tokens=max(prefill_tokens, 256))
+    runner = ModelRunner(cfg)
+    runner.load()
+    rng = np.random.default_rng(0)
+    decode: dict[int, float] = {}
+    try:
+        s = _Steps(runner)
+        for b in batches:
+            prompts = rng.integers(3, vocab, (b, PROMPT_LEN)).tolist()
+            _, ids = s.admit(prompts, steps + 2, f"d{b}-")
+            computed = PROMPT_LEN
+            for _ in range(2):  # warm-up
+                s.decode(ids, computed)
+                computed += 1
+            t = time.perf_counter()
+            for _ in range(steps):
+                s.decode(ids, computed)
+                computed += 1
+            decode[b] = b * steps / (time.perf_counter() - t)
+            s.finish(ids)
+        n_seq = 4
+        plen = prefill_tokens // n_seq
+        best = float("inf")
+        for rep in range(3):
+            prompts = rng.integers(3, vocab, (n_seq, plen)).tolist()
+            t = time.perf_counter()
+            _, ids = s.admit(prompts, 1, f"p{rep}-")
+            best = min(best, time.perf_counter() - t)
+            s.finish(ids)
+        weight_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters()
+                           if n != "embed_tokens" or runner.model_config.tie_word_embeddings)
+        return decode, n_seq * plen / best, weight_bytes
+    finally:
+        runner.close()
+
+
+def bench_hf(model_dir: str, batches: list[int], steps: int, prefill_tokens: int,
+             vocab: int) -> tuple[dict[int, float], float]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    decode: dict[int, float] = {}
+
+    def gen(ids: torch.Tensor, n: int) -> float:
+        t = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, eos_token_id=None, pad_token_id=0)
+        return time.perf_counter() - t
+
+    with torch.inference_mode():
+        for b in batches:
+            ids = torch.from_numpy(rng.integers(3, vocab, (b, PROMPT_LEN)))
+            gen(ids, 2)  # warm-up
+            one = gen(ids, 1)
+            full = gen(ids, steps + 1)
+            decode[b] = b * steps / max(full - one, 1e-9)
+        n_seq = 4
+        ids = torch.from_numpy(rng.integers(3, vocab, (n_seq, prefill_tokens // n_seq)))
+        model(ids)
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            model(ids)
+            best = min(best, time.perf_counter() - t)
+    return decode, ids.numel() / best
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(x) for x in args.batch_sizes.split(",") if x]
+    with tempfile.TemporaryDirectory(prefix="pipeline-bench-worker-") as tmp:
+        model_dir = args.model
+        if not model_dir:
+            model_dir = str(Path(tmp) / "model")
+            make_bench_model(Path(model_dir))
+        from pipeline.models.config import load_model_config
+        vocab = min(load_model_config(model_dir).vocab_size, 512)
+        ours, ours_prefill, weight_bytes = bench_ours(model_dir, batches, args.decode_steps,
+                                                      args.prefill_tokens, vocab)
+        hf, hf_prefill = ({}, 0.0) if args.skip_hf else bench_hf(
+            model_dir, batches, args.decode_steps, args.prefill_tokens, vocab)
+    bw = memcpy_bandwidth()
+    limit = bw / weight_bytes
+    rep = Report("worker")
+    rep.machine["torch_threads"] = torch.get_num_threads()
+    rep.machine["weight_mib"] = round(weight_bytes / 2**20, 1)
+    rep.machine["memcpy_gb_s"] = round(bw / 1e9, 2)
+    for b in batches:
+        row = {"pipeline_tok_s": ours[b]}
+        if hf:
+            row.update(hf_tok_s=hf[b], speedup=ours[b] / hf[b])
+        rep.add(f"decode batch {b}", **row)
+    row = {"pipeline_tok_s": ours_prefill}
+    if hf:
+        row.update(hf_tok_s=hf_prefill, speedup=ours_prefill / hf_prefill)
+    rep.add(f"prefill {args.prefill_tokens} tokens (4 seqs)", **row)
+    if 1 in ours:
+        frac = ours[1] / limit
+        rep.add("decode batch 1 vs bandwidth limit", pipeline_tok_s=ours[1], limit_tok_s=limit,
+                fraction=frac)
+        rep.target("batch-1 decode / bandwidth limit", round(frac, 3), ">= 0.5", frac >= 0.5)
+    if hf and 32 in ours:
+        r = ours[32] / hf[32]
+        rep.target("batch-32 decode vs transformers", round(r, 2), ">= 4x", r >= 4)
+    if hf and 1 in ours:
+        r = ours[1] / hf[1]
+        rep.target("batch-1 decode vs transformers", round(r, 2), ">= 2x", r >= 2)
+    return rep.emit(args.json)
