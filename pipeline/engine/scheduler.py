@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 from pipeline.config import EngineConfig
 from pipeline.engine.kv_cache_manager import KVCacheManager
 from pipeline.engine.messages import EngineOutput, EngineRequest
 from pipeline.engine.preemption import make_policy
-from pipeline.engine.request import ABORT_STATUS, Request, RequestStatus
+from pipeline.engine.request import ABORT_STATUS, FINISH_REASONS, Request, RequestStatus
 from pipeline.engine.request_queue import WaitingQueue
 from pipeline.engine.sched_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                           SchedulerOutput, bytes_to_ids, ids_to_bytes)
@@ -30,6 +31,15 @@ logger = logging.getLogger(__name__)
 RESERVE_INIT = 1.0
 RESERVE_MIN = 0.05
 RESERVE_DECAY = 0.98
+
+
+@dataclass(slots=True)
+class _Step:
+    """What one schedule() call has handed out so far."""
+    budget: int
+    num_sched: dict[str, int] = field(default_factory=dict)
+    new_blocks: dict[str, list[int]] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -133,50 +143,44 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.step_id += 1
         step = self.step_id
-        budget = self.max_num_batched_tokens
-        num_sched: dict[str, int] = {}
-        new_blocks: dict[str, list[int]] = {}
-        preempted: list[Request] = []
-        running = self.running
-        threshold = self.long_prefill_token_threshold
-
-        for decode_pass in (True, False):
-            i = 0
-            while i < len(running) and budget > 0:
-                req = running[i]
-                i += 1
-                remaining = req.num_tokens - req.num_computed_tokens
-                if req.scheduled_step >= 0 or (remaining == 1) != decode_pass:
-                    continue
-                n = min(remaining, budget)
-                if not decode_pass and (self._explicit_threshold or len(running) > 1):
-                    n = min(n, threshold)
-                blocks = self.kv.allocate_slots(req, n)
-                while blocks is None:
-                    victim = self.policy.select_victim(running)
-                    idx = running.index(victim)
-                    del running[idx]
-                    if idx < i:
-                        i -= 1
-                    if victim.req_id in num_sched:  # undo its place in this step
-                        budget += num_sched.pop(victim.req_id)
-                        new_blocks.pop(victim.req_id, None)
-                    self._preempt(victim)
-                    preempted.append(victim)
-                    if victim is req:
-                        break
-                    blocks = self.kv.allocate_slots(req, n)
-                if blocks is None:
-                    continue
-                num_sched[req.req_id] = n
-                budget -= n
+        st = _Step(self.max_num_batched_tokens)
+        bs = self.block_size
+        order: list[Request] = []  # batch order: decodes, then continuing prefills
+        prefills: list[Request] = []
+        # A snapshot: preemption shrinks self.running while we walk it.
+        for req in list(self.running):
+            if st.budget <= 0:
+                break
+            if req.scheduled_step >= 0 or req.status != RequestStatus.RUNNING:
+                continue  # in flight in an earlier step, or preempted just now
+            if len(req.all_token_ids) - req.num_computed_tokens != 1:
+                prefills.append(req)
+            # Fast path: the decode token still fits in the request's last block.
+            elif req.num_computed_tokens < len(req.blocks) * bs or self._grow(req, 1, st):
+                st.num_sched[req.req_id] = 1
+                st.budget -= 1
                 req.scheduled_step = step
-                if blocks:
-                    new_blocks[req.req_id] = [b.block_id for b in blocks]
-
+                order.append(req)
+        threshold = self.long_prefill_token_threshold
+        capped = self._explicit_threshold or len(self.running) > 1
+        for req in prefills:
+            if st.budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            n = min(len(req.all_token_ids) - req.num_computed_tokens, st.budget)
+            if capped:
+                n = min(n, threshold)
+            if self._grow(req, n, st):
+                st.num_sched[req.req_id] = n
+                st.budget -= n
+                req.scheduled_step = step
+                order.append(req)
+        num_sched, new_blocks = st.num_sched, st.new_blocks
         cached_reqs = [CachedRequestData(r.req_id, new_blocks.get(r.req_id, []),
                                          r.num_computed_tokens)
-                       for r in running if r.req_id in num_sched]
+                       for r in order if r.req_id in num_sched]
+        budget, preempted = st.budget, st.preempted
         new_reqs: list[NewRequestData] = []
         # No admission in a step that had to preempt: the pool is too tight for more work.
         if not preempted:
@@ -185,6 +189,29 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(step, new_reqs, cached_reqs, num_sched, sum(num_sched.values()),
                                finished, [r.req_id for r in preempted])
+
+    def _grow(self, req: Request, n: int, st: _Step) -> bool:
+        """Room for ``n`` more tokens of running ``req``, preempting victims until it fits.
+
+        False when ``req`` itself had to go. A victim already scheduled in this step gives
+        its tokens back to the budget.
+        """
+        while (blocks := self.kv.allocate_slots(req, n)) is None:
+            victim = self.policy.select_victim(self.running)
+            if self.running[-1] is victim:
+                self.running.pop()
+            else:
+                self.running.remove(victim)
+            if victim.req_id in st.num_sched:
+                st.budget += st.num_sched.pop(victim.req_id)
+                st.new_blocks.pop(victim.req_id, None)
+            self._preempt(victim)
+            st.preempted.append(victim)
+            if victim is req:
+                return False
+        if blocks:
+            st.new_blocks[req.req_id] = [b.block_id for b in blocks]
+        return True
 
     def _admit(self, step: int, budget: int, num_sched: dict[str, int],
                new_reqs: list[NewRequestData]) -> None:
@@ -226,32 +253,40 @@ class Scheduler:
         logprobs = dict(zip(out.req_ids, out.logprobs)) if out.logprobs else None
         outputs: list[EngineOutput] = []
         any_finished = False
-        kv, step, max_len = self.kv, sched.step_id, self.max_model_len
+        kv, step, max_len, bs = self.kv, sched.step_id, self.max_model_len, self.block_size
+        caching = kv.enable_caching
+        requests = self.requests
         for rid, n in sched.num_scheduled_tokens.items():
-            req = self.requests.get(rid)
+            req = requests.get(rid)
             # Stale: aborted, finished, preempted (maybe re-admitted) since it was scheduled.
             if req is None or req.scheduled_step != step:
                 continue
             req.scheduled_step = -1
-            req.num_computed_tokens += n
-            kv.cache_computed_blocks(req)
+            computed = req.num_computed_tokens + n
+            req.num_computed_tokens = computed
             self.num_computed_tokens += n
+            if caching and computed // bs > req.num_cached_blocks:
+                kv.cache_computed_blocks(req)
+            toks = req.all_token_ids
             tok = sampled.get(rid)
             if tok is None:
-                if req.num_computed_tokens == req.num_tokens:
-                    raise RuntimeError(f"worker sampled no token for {rid!r} at the end of its "
-                                       f"{'prefill' if req.num_output_tokens == 0 else 'step'}")
+                if computed == len(toks):
+                    raise RuntimeError(f"worker sampled no token for {rid!r} after computing all "
+                                       f"{computed} known tokens")
                 continue
-            if req.num_computed_tokens != req.num_tokens:
+            if computed != len(toks):
                 raise RuntimeError(f"worker sampled a token for {rid!r} mid-prefill "
-                                   f"({req.num_computed_tokens}/{req.num_tokens} computed)")
-            req.all_token_ids.append(tok)
+                                   f"({computed}/{len(toks)} computed)")
+            toks.append(tok)
             self.num_generated_tokens += 1
-            if len(req.all_token_ids) % self.block_size == 0:
+            if caching and len(toks) % bs == 0:
                 kv.hash_new_blocks(req)
             done = req.check_stop(max_len)
             lp = logprobs.get(rid) if logprobs else None
-            outputs.append(self._output(req, [tok], req.finish_reason, [lp] if lp else None))
+            outputs.append(EngineOutput(rid, [tok], FINISH_REASONS.get(req.status) if done else None,
+                                        req.stop_reason, [lp] if lp else None,
+                                        req.num_prompt_tokens, req.num_cached_tokens,
+                                        req.first_scheduled_time))
             if done:
                 any_finished = True
                 self._finish(req)

@@ -1,0 +1,158 @@
+"""`pipeline bench scheduler`: the engine's own cost per step, without a model.
+
+For 64, 256 and 1024 running requests (prefix caching on, prompts sharing a prefix), the
+Scheduler drives the FakeWorker into steady decode; then ``schedule()`` and
+``update_from_output()`` are timed per step (the fake worker's time is excluded), and per
+running request. Also the chained block hashing cost per token, and, when the default model
+and the ModelRunner are there, one real decode step at the same batch size, so the target
+"schedule + update < 5% of a decode step at 1024 running requests" is checked on this machine.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from pipeline.bench.report import Report
+from pipeline.config import DEFAULT_MODEL, EngineConfig
+from pipeline.engine.fake_worker import FakeWorker
+from pipeline.engine.kv_cache_manager import KVCacheManager
+from pipeline.engine.messages import EngineRequest
+from pipeline.engine.request import Request
+from pipeline.engine.sched_output import ids_to_bytes
+from pipeline.engine.scheduler import Scheduler
+from pipeline.sampling_params import SamplingParams
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", default="64,256,1024", help="running requests per case")
+    p.add_argument("--steps", type=int, default=40, help="timed decode steps per case")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--shared-prefix", type=int, default=64, help="tokens every prompt shares")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model for the decode-step reference")
+    p.add_argument("--no-model", action="store_true", help="skip the real decode-step reference")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+
+
+def _requests(n: int, prompt_len: int, shared: int, max_tokens: int,
+              vocab: int = 32000) -> list[EngineRequest]:
+    prefix = [(7 * i + 3) % (vocab - 1) + 1 for i in range(shared)]
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    now = time.time()
+    return [EngineRequest(f"b{i}", ids_to_bytes(prefix + [(i * 131 + j) % (vocab - 1) + 1
+                                                          for j in range(prompt_len - shared)]),
+                          sp, now) for i in range(n)]
+
+
+def _to_steady_decode(sched: Scheduler, worker, n: int) -> None:
+    while True:
+        so = sched.schedule()
+        sched.update_from_output(so, worker.execute(so))
+        if len(sched.running) == n and all(r.num_tokens - r.num_computed_tokens == 1
+                                           for r in sched.running):
+            return
+
+
+def bench_scheduler(n: int, a: argparse.Namespace) -> dict:
+    bs = a.block_size
+    max_len = a.prompt_len + a.steps + 64
+    num_blocks = n * (-(-max_len // bs)) + 16
+    cfg = EngineConfig(max_num_seqs=n, max_num_batched_tokens=8192, enable_prefix_caching=True)
+    sched = Scheduler(cfg, num_blocks, bs, max_len)
+    worker = FakeWorker(num_blocks, bs, max_len, vocab_size=32000)
+    for r in _requests(n, a.prompt_len, a.shared_prefix, max_len - a.prompt_len):
+        sched.add_request(r)
+    _to_steady_decode(sched, worker, n)
+    t_sched: list[float] = []
+    t_upd: list[float] = []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        so = sched.schedule()
+        t1 = time.perf_counter()
+        out = worker.execute(so)
+        t2 = time.perf_counter()
+        sched.update_from_output(so, out)
+        t3 = time.perf_counter()
+        assert len(so.num_scheduled_tokens) == n
+        t_sched.append(t1 - t0)
+        t_upd.append(t3 - t2)
+    s, u = statistics.median(t_sched), statistics.median(t_upd)
+    st = sched.stats()
+    return {"running": n, "schedule_ms": s * 1e3, "update_ms": u * 1e3,
+            "step_ms": (s + u) * 1e3, "per_request_us": (s + u) / n * 1e6,
+            "prefix_hit_rate": round(st["prefix_cache_hit_rate"], 3),
+            "invariant_check_ms": _time(sched.check_invariants) * 1e3}
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_hashing(block_size: int, num_tokens: int = 1 << 16) -> float:
+    kv = KVCacheManager(8, block_size)
+    req = Request("h", list(range(num_tokens)), SamplingParams())
+    return _time(lambda: kv.hash_new_blocks(req)) / num_tokens
+
+
+def bench_decode_step(n: int, a: argparse.Namespace) -> float | None:
+    """Median wall time of one real decode step at ``n`` running requests, or None."""
+    try:
+        from pipeline.worker.model_runner import ModelRunner  # noqa: PLC0415
+    except ImportError as exc:
+        print(f"decode-step reference skipped: {exc}", file=sys.stderr)
+        return None
+    prompt_len, steps = 16, 5
+    cfg = EngineConfig(model=a.model, device=a.device, max_num_seqs=n, max_model_len=64,
+                       max_num_batched_tokens=max(4096, n), block_size=a.block_size,
+                       num_blocks=n * (-(-64 // a.block_size)) + 8, instance_id=f"benchsched{n}")
+    runner = ModelRunner(cfg)
+    try:
+        runner.load()
+        sched = Scheduler(cfg, runner.num_blocks, runner.block_size, runner.max_model_len)
+        for r in _requests(n, prompt_len, 0, 32, runner.vocab_size):
+            sched.add_request(r)
+        _to_steady_decode(sched, runner, n)
+        times = []
+        for _ in range(steps):
+            so = sched.schedule()
+            t0 = time.perf_counter()
+            out = runner.execute(so)
+            times.append(time.perf_counter() - t0)
+            sched.update_from_output(so, out)
+        return statistics.median(times)
+    finally:
+        runner.close()
+
+
+def main(a: argparse.Namespace) -> int:
+    rep = Report("scheduler")
+    sizes = [int(x) for x in a.sizes.split(",")]
+    rows = {}
+    for n in sizes:
+        row = bench_scheduler(n, a)
+        if not a.no_model:
+            try:
+                d = bench_decode_step(n, a)
+            except Exception as exc:  # a broken or absent model must not hide the figures
+                print(f"decode-step reference at {n} failed: {exc!r}", file=sys.stderr)
+                d = None
+            if d is not None:
+                row["model_decode_step_ms"] = d * 1e3
+                row["sched_share_of_decode_pct"] = 100 * row["step_ms"] / (d * 1e3)
+        rows[n] = rep.add(f"decode, {n} running", **row)
+    per_tok = bench_hashing(a.block_size)
+    rep.add("block hashing", hash_ns_per_token=per_tok * 1e9, block_size=a.block_size)
+    big, small = max(sizes), min(sizes)
+    if "sched_share_of_decode_pct" in rows[big]:
+        pct = rows[big]["sched_share_of_decode_pct"]
+        rep.target(f"schedule+update share of a decode step at {big} running", round(pct, 2),
+                   "< 5%", pct < 5.0)
+    if big != small:
+        growth = rows[big]["per_request_us"] / rows[small]["per_request_us"]
+        rep.target(f"per-request cost {big} vs {small} running", round(growth, 2),
+                   "<= 1.5 (linear)", growth <= 1.5)
+    return rep.emit(a.json)
