@@ -289,3 +289,33 @@ def test_seed001_aborted_in_flight_caches_nothing():
     assert s.update_from_output(so, r) == []
     assert h not in s.kv.pool.cached and s.kv.pool.num_used_blocks == 0
     e.check()
+
+
+def test_invariant_audit_names_the_requests_involved(caplog):
+    e = Engine(num_blocks=16)
+    e.add("a", [1, 2, 3, 4, 5], max_tokens=4)
+    e.add("b", [6, 7, 8], max_tokens=4)
+    e.step()
+    a, b = e.sched.requests["a"], e.sched.requests["b"]
+    b.blocks.append(a.blocks[-1])  # an uncached block now owned twice
+    errs = e.sched.check_invariants()
+    assert any("owned by several requests: ['a', 'b']" in x for x in errs)
+    assert "KV block table invariant violated" in caplog.text
+    b.blocks.pop()
+    a.blocks[0].ref_cnt += 1  # a leaked reference
+    assert any("ref_cnt 2 but owners ['a']" in x for x in e.sched.check_invariants())
+    a.blocks[0].ref_cnt -= 1
+    assert e.sched.check_invariants() == []
+
+
+def test_admission_reserve_resets_on_preemption_and_decays():
+    e = Engine(num_blocks=10, budget=32)
+    for i in range(6):
+        e.add(f"r{i}", [i + 1, 2, 3], max_tokens=20, ignore_eos=True)
+    reserves, preempted = [], []
+    while e.sched.has_unfinished_requests():
+        preempted.append(bool(e.step().preempted_req_ids))
+        reserves.append(e.sched.stats()["reserve_blocks_per_running"])
+    assert any(preempted)
+    for was_preempted, before, after in zip(preempted[1:], reserves, reserves[1:]):
+        assert after == 1.0 if was_preempted else after <= before

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 from pipeline.config import EngineConfig
+from pipeline.engine.audit import audit_block_table
 from pipeline.engine.kv_cache_manager import KVCacheManager
 from pipeline.engine.messages import EngineOutput, EngineRequest
 from pipeline.engine.preemption import make_policy
@@ -320,27 +320,7 @@ class Scheduler:
 
     def check_invariants(self) -> list[str]:
         """O(blocks) audit of the block table; logs and returns violations (empty: sound)."""
-        errs = self.kv.pool.check()
-        owners: dict[int, list[str]] = defaultdict(list)
-        for req in self.requests.values():
-            if req.blocks and req.status != RequestStatus.RUNNING:
-                errs.append(f"request {req.req_id} ({req.status.name}) holds {len(req.blocks)} blocks")
-            for b in req.blocks:
-                owners[b.block_id].append(req.req_id)
-        for bid, ids in owners.items():
-            b = self.kv.pool.blocks[bid]
-            if len(set(ids)) != len(ids):
-                errs.append(f"block {bid} listed twice by request {ids[0]}")
-            if len(ids) > 1 and b.block_hash is None:
-                errs.append(f"uncached block {bid} owned by several requests: {sorted(ids)}")
-            if len(ids) != b.ref_cnt:
-                errs.append(f"block {bid} ref_cnt {b.ref_cnt} but owners {sorted(ids)}")
-        for b in self.kv.pool.blocks:
-            if b.ref_cnt > 0 and b.block_id not in owners:
-                errs.append(f"block {b.block_id} leaked: ref_cnt {b.ref_cnt}, no owner")
-        n_running = sum(1 for r in self.requests.values() if r.status == RequestStatus.RUNNING)
-        if n_running != len(self.running):
-            errs.append(f"{len(self.running)} in the running list, {n_running} RUNNING")
+        errs = audit_block_table(self.kv.pool, self.requests.values(), len(self.running))
         for e in errs:
             logger.error("KV block table invariant violated: %s", e)
         return errs
