@@ -4,19 +4,18 @@ Owns the cache memory. Layout of the one allocation (CPU shared memory or one CU
 tensor): ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``, so
 each layer's K and V are contiguous and a layer can be shipped as two slabs. On CPU it is a
 POSIX shared-memory segment ``/pipeline.<instance_id>.kv`` (rank > 0 adds ``.<rank>``) that
-the cache messager maps by name; it is created O_EXCL with mode 0600 and unlinked on close().
+the cache messager maps by name (``pipeline.ipc.names.attach_segment``); it is created O_EXCL
+with mode 0600 by the transport's ``create_segment`` (space reserved up front, pre-faulted),
+unlinked on close(), and swept by ``sweep_stale`` if this process dies first.
 """
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass
 
+import posix_ipc
 import torch
 
-try:
-    import posix_ipc
-except ImportError:  # pragma: no cover - posix_ipc is a hard dependency on Linux
-    posix_ipc = None
+from pipeline.ipc.names import create_segment
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,23 +59,14 @@ class KVCache:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         nbytes = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) * num_blocks
-        self._shm = None
-        self._mmap: mmap.mmap | None = None
+        self._segment = None
         self.shm_name: str | None = None
         if device.type == "cpu":
             if not instance_id:
                 raise ValueError("instance_id is required for the CPU KV cache (it names the segment)")
             self.shm_name = shm_name_for(instance_id, rank)
-            self._shm = posix_ipc.SharedMemory(self.shm_name, posix_ipc.O_CREX, mode=0o600, size=nbytes)
-            try:
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                self._mmap = mmap.mmap(self._shm.fd, nbytes, flags=flags)
-            except BaseException:
-                self._shm.close_fd()
-                self._shm.unlink()
-                raise
-            self._shm.close_fd()
-            self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8).view(dtype).view(shape)
+            self._segment = create_segment(self.shm_name, nbytes)
+            self.buffer = torch.frombuffer(self._segment, dtype=torch.uint8).view(dtype).view(shape)
         else:
             self.buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.spec = KVCacheSpec(self.shm_name, num_layers, num_blocks, block_size, num_kv_heads,
@@ -93,19 +83,17 @@ class KVCache:
         """Drop the tensors, unmap and unlink the segment. Idempotent."""
         self.k_caches = self.v_caches = self.layers = []
         self.buffer = None
-        if self._mmap is not None:
+        if self._segment is not None:
             try:
-                self._mmap.close()
+                self._segment.close()
             except BufferError:
                 # A caller still holds a view; the mapping dies with it, the name dies now.
                 pass
-            self._mmap = None
-        if self._shm is not None:
             try:
-                self._shm.unlink()
+                posix_ipc.unlink_shared_memory(self.shm_name)
             except posix_ipc.ExistentialError:
                 pass
-            self._shm = None
+            self._segment = None
 
     def __del__(self) -> None:
         self.close()
