@@ -1,0 +1,165 @@
+"""asyncio client of ``pipeline serve``: ``AsyncClient`` (also importable from pipeline.client).
+
+Not a stage: client-side state only. One DEALER socket (zmq.asyncio) multiplexes all
+requests; a reader task routes replies by request id to per-request asyncio queues and a
+pinger task sends the heartbeat, so any number of tasks of one event loop may share it.
+Same protocol, time-out and error rules as ``pipeline.client.Client`` (see its docstring).
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pipeline.client import _CLOSED, DEFAULT_TIMEOUT_S, RequestError, _generate_msg, _new_socket, _route
+from pipeline.entrypoints import protocol as P
+from pipeline.output.types import RequestDelta, RequestResult
+
+
+class AsyncClient:
+    """asyncio client, safe to share between tasks of one event loop. ``await close()``."""
+
+    def __init__(self, address: str, timeout: float | None = DEFAULT_TIMEOUT_S, *,
+                 curve_server_key: bytes | str | Path | None = None,
+                 curve_keys_dir: str | Path | None = None,
+                 heartbeat_interval: float = P.HEARTBEAT_INTERVAL_S) -> None:
+        self.timeout = timeout
+        self._ctx = zmq.asyncio.Context()
+        self._sock = _new_socket(self._ctx, address, curve_keys_dir, curve_server_key)
+        self._hb = heartbeat_interval
+        self._waiting: dict[str, asyncio.Queue] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+
+    async def generate(self, prompt: str | None = None, *, id: str | None = None,
+                       timeout: float | None = ..., **fields: Any) -> RequestResult:  # type: ignore[assignment]
+        msg = _generate_msg(prompt, id, False, fields)
+        t = self.timeout if timeout is ... else timeout
+        try:
+            q = await self._submit(msg.id, msg, t)
+            async with asyncio.timeout(t):
+                while not isinstance(item := await self._get(q), RequestResult):
+                    pass
+                return item
+        except TimeoutError:
+            await self._forget(msg.id, abort=True)
+            raise TimeoutError(f"request {msg.id!r}: no answer within {t:.3g}s") from None
+        except asyncio.CancelledError:
+            await self._forget(msg.id, abort=True)
+            raise
+
+    async def stream(self, prompt: str | None = None, *, id: str | None = None,
+                     timeout: float | None = ..., **fields: Any) -> AsyncIterator[RequestDelta | RequestResult]:  # type: ignore[assignment]
+        msg = _generate_msg(prompt, id, True, fields)
+        t = self.timeout if timeout is ... else timeout
+        q = await self._submit(msg.id, msg, t)
+        done = False
+        try:
+            while not done:
+                try:
+                    item = await asyncio.wait_for(self._get(q), t)
+                except TimeoutError:
+                    raise TimeoutError(f"request {msg.id!r}: no answer within {t:.3g}s") from None
+                done = isinstance(item, RequestResult)
+                yield item
+        finally:
+            if not done:
+                await self._forget(msg.id, abort=True)
+
+    async def abort(self, id: str) -> None:
+        await self._send_nowait(P.encode(P.Abort(id=id)))
+
+    async def _send_nowait(self, frame: bytes) -> bool:
+        """Fire-and-forget frames (abort, ping, bye) never wait for a peer to appear."""
+        try:
+            await self._sock.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    async def health(self, timeout: float | None = ...) -> P.HealthReply:  # type: ignore[assignment]
+        return await self._call(P.Health(id=uuid.uuid4().hex), timeout)
+
+    async def stats(self, timeout: float | None = ...) -> dict[str, Any]:  # type: ignore[assignment]
+        return (await self._call(P.Stats(id=uuid.uuid4().hex), timeout)).stats
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await self._send_nowait(P.encode(P.Bye()))
+        finally:
+            self._sock.close()
+            self._ctx.term()
+        for q in self._waiting.values():
+            q.put_nowait(RequestError(_CLOSED))
+        self._waiting.clear()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, msg: P.Health | P.Stats, timeout: float | None) -> Any:
+        t = self.timeout if timeout is ... else timeout
+        q = await self._submit(msg.id, msg, t)
+        try:
+            return await asyncio.wait_for(self._get(q), t)
+        finally:
+            self._waiting.pop(msg.id, None)
+
+    async def _submit(self, rid: str, msg: P.ClientMsg, timeout: float | None) -> asyncio.Queue:
+        if self._closed:
+            raise RequestError(_CLOSED)
+        if not self._tasks:  # started lazily: the loop must be running
+            self._tasks = [asyncio.create_task(self._reader()), asyncio.create_task(self._pinger())]
+        if rid in self._waiting:
+            raise ValueError(f"id: request {rid!r} is already in flight on this client")
+        q: asyncio.Queue = asyncio.Queue()
+        self._waiting[rid] = q
+        try:  # a DEALER send waits while no daemon is connected
+            await asyncio.wait_for(self._sock.send(P.encode(msg)), timeout)
+        except BaseException:
+            self._waiting.pop(rid, None)
+            raise
+        return q
+
+    @staticmethod
+    async def _get(q: asyncio.Queue) -> object:
+        item = await q.get()
+        if isinstance(item, RequestError):
+            raise item
+        return item
+
+    async def _forget(self, rid: str, abort: bool) -> None:
+        self._waiting.pop(rid, None)
+        if abort and not self._closed:
+            await self.abort(rid)
+
+    async def _reader(self) -> None:
+        while True:
+            frame = await self._sock.recv()
+            try:
+                rid, item, last = _route(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            q = self._waiting.pop(rid, None) if last else self._waiting.get(rid)
+            if q is not None:
+                q.put_nowait(item)
+
+    async def _pinger(self) -> None:
+        ping = P.encode(P.Ping())
+        while True:
+            await self._send_nowait(ping)
+            await asyncio.sleep(self._hb)  # the heartbeat period, not a synchronisation

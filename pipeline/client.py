@@ -1,0 +1,261 @@
+"""Python clients of ``pipeline serve`` (ZMQ): ``Client`` (threads) and ``AsyncClient`` (asyncio).
+
+Not a stage: client-side state only. Each client owns ONE DEALER socket over which all its
+requests are multiplexed (protocol.py); replies are routed by request id to per-request
+queues. ``Client`` keeps the socket in a background I/O thread (ZMQ sockets are not
+thread-safe), fed through a queue plus a wake-up pipe, so any number of threads may call it.
+``AsyncClient`` runs a reader task on the event loop, so any number of tasks may call it.
+Both send a ``ping`` every HEARTBEAT_INTERVAL_S and ``bye`` on close, so the daemon aborts
+the requests of a client that went away.
+
+Time-outs: ``generate(timeout=)`` bounds the whole request; ``stream(timeout=)`` bounds the
+wait for each next message. On a time-out the request is aborted on the daemon and
+``TimeoutError`` raised. Results with ``finish_reason == "error"`` are returned, not raised
+(``result.error`` says why), like pipe mode's JSON lines.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from pipeline.entrypoints import protocol as P
+from pipeline.entrypoints.curve import client_socket_setup
+from pipeline.output.types import ErrorInfo, RequestDelta, RequestResult
+
+DEFAULT_TIMEOUT_S = 600.0
+_CLOSED = ErrorInfo("client_closed", "the client was closed")
+
+
+class RequestError(RuntimeError):
+    """A non-generate operation failed on the daemon (or the client was closed)."""
+
+    def __init__(self, error: ErrorInfo) -> None:
+        super().__init__(f"{error.code}: {error.message}")
+        self.error = error
+
+
+def _generate_msg(prompt: str | None, rid: str | None, stream: bool, kw: dict[str, Any]) -> P.Generate:
+    return P.Generate(id=rid or uuid.uuid4().hex, prompt=prompt, stream=stream, **kw)
+
+
+def _route(frame: bytes) -> tuple[str | None, object, bool]:
+    """(request id, item for its queue, whether this is its last message)."""
+    msg = P.decode_reply(frame)
+    if isinstance(msg, P.Delta):
+        return msg.delta.id, msg.delta, False
+    if isinstance(msg, P.Final):
+        return msg.result.id, msg.result, True
+    if isinstance(msg, P.Error):
+        return msg.id, RequestError(msg.error), True
+    return msg.id, msg, True
+
+
+def _new_socket(ctx: zmq.Context, address: str, keys_dir: str | Path | None,
+                server_key: bytes | str | Path | None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDHWM, 0)  # never block the I/O loop on send
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 1000)  # let the closing bye out
+    if keys_dir is not None or server_key is not None:
+        client_socket_setup(sock, keys_dir, server_key)
+    sock.connect(address)
+    return sock
+
+
+class Client:
+    """Thread-safe synchronous client. Use as a context manager or call ``close()``."""
+
+    def __init__(self, address: str, timeout: float | None = DEFAULT_TIMEOUT_S, *,
+                 curve_server_key: bytes | str | Path | None = None,
+                 curve_keys_dir: str | Path | None = None,
+                 heartbeat_interval: float = P.HEARTBEAT_INTERVAL_S) -> None:
+        self.timeout = timeout
+        self._ctx = zmq.Context()
+        self._sock = _new_socket(self._ctx, address, curve_keys_dir, curve_server_key)
+        self._hb = heartbeat_interval
+        self._out: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._waiting: dict[str, queue.SimpleQueue] = {}
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._closed = False
+        self._io = threading.Thread(target=self._io_loop, name="pipeline-client-io", daemon=True)
+        self._io.start()
+
+    # -- public API ---------------------------------------------------------------------
+    def generate(self, prompt: str | None = None, *, id: str | None = None,
+                 timeout: float | None = ..., **fields: Any) -> RequestResult:  # type: ignore[assignment]
+        """One request, its final answer. ``fields``: prompt_token_ids, messages, priority,
+        cache_salt and any SamplingParams field (max_tokens, temperature, stop, ...)."""
+        msg = _generate_msg(prompt, id, False, fields)
+        q = self._submit(msg.id, P.encode(msg))
+        deadline = self._deadline(timeout)
+        while True:
+            item = self._get(q, msg.id, deadline and deadline - time.monotonic())
+            if isinstance(item, RequestResult):
+                return item
+
+    def stream(self, prompt: str | None = None, *, id: str | None = None,
+               timeout: float | None = ..., **fields: Any) -> Iterator[RequestDelta | RequestResult]:  # type: ignore[assignment]
+        """Deltas as they come, then the final answer. Leaving the loop early aborts it."""
+        msg = _generate_msg(prompt, id, True, fields)
+        q = self._submit(msg.id, P.encode(msg))
+        wait = self.timeout if timeout is ... else timeout
+        done = False
+        try:
+            while not done:
+                item = self._get(q, msg.id, wait)
+                done = isinstance(item, RequestResult)
+                yield item  # type: ignore[misc]
+        finally:
+            if not done:
+                self._forget(msg.id, abort=True)
+
+    def abort(self, id: str) -> None:
+        """Ask the daemon to abort; the request's waiter gets a final with "abort"."""
+        self._send(P.encode(P.Abort(id=id)))
+
+    def health(self, timeout: float | None = ...) -> P.HealthReply:  # type: ignore[assignment]
+        return self._call(P.Health(id=uuid.uuid4().hex), timeout)
+
+    def stats(self, timeout: float | None = ...) -> dict[str, Any]:  # type: ignore[assignment]
+        return self._call(P.Stats(id=uuid.uuid4().hex), timeout).stats
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._wake()
+        self._io.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._ctx.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------
+    def _deadline(self, timeout: float | None) -> float | None:
+        t = self.timeout if timeout is ... else timeout
+        return None if t is None else time.monotonic() + t
+
+    def _call(self, msg: P.Health | P.Stats, timeout: float | None) -> Any:
+        q = self._submit(msg.id, P.encode(msg))
+        return self._get(q, msg.id, self.timeout if timeout is ... else timeout, abort=False)
+
+    def _submit(self, rid: str, frame: bytes) -> queue.SimpleQueue:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        with self._lock:
+            if self._closed:
+                raise RequestError(_CLOSED)
+            if rid in self._waiting:
+                raise ValueError(f"id: request {rid!r} is already in flight on this client")
+            self._waiting[rid] = q
+        self._send(frame)
+        return q
+
+    def _get(self, q: queue.SimpleQueue, rid: str, timeout: float | None, abort: bool = True) -> object:
+        try:
+            item = q.get(timeout=None if timeout is None else max(timeout, 0.0))
+        except queue.Empty:
+            self._forget(rid, abort)
+            raise TimeoutError(f"request {rid!r}: no answer within {timeout:.3g}s") from None
+        if isinstance(item, RequestError):
+            raise item
+        return item
+
+    def _forget(self, rid: str, abort: bool) -> None:
+        with self._lock:
+            self._waiting.pop(rid, None)
+        if abort and not self._closed:
+            self.abort(rid)
+
+    def _send(self, frame: bytes) -> None:
+        self._out.put(frame)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # pipe full: the I/O thread is already due to wake
+            pass
+
+    def _io_loop(self) -> None:
+        sock, poller = self._sock, zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        # A DEALER blocks on send while it has no peer (daemon down, handshake refused):
+        # never block here, keep unsent frames and wait for POLLOUT instead.
+        backlog: collections.deque[bytes] = collections.deque()
+        ping = P.encode(P.Ping())
+        next_ping = 0.0
+        try:
+            while not self._closed:
+                now = time.monotonic()
+                if now >= next_ping:
+                    if not backlog:  # a ping behind a backlog says nothing new
+                        self._try_send(ping)
+                    next_ping = now + self._hb
+                poller.register(sock, zmq.POLLIN | (zmq.POLLOUT if backlog else 0))
+                events = dict(poller.poll(max(next_ping - now, 0.0) * 1000))
+                if self._wake_r in events:
+                    os.read(self._wake_r, 65536)
+                while True:
+                    try:
+                        backlog.append(self._out.get_nowait())
+                    except queue.Empty:
+                        break
+                while backlog and self._try_send(backlog[0]):
+                    backlog.popleft()
+                while events.get(sock, 0) & zmq.POLLIN:
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._deliver(frame)
+            self._try_send(P.encode(P.Bye()))
+        finally:
+            sock.close()
+            with self._lock:
+                waiting, self._waiting = self._waiting, {}
+                self._closed = True
+            for q in waiting.values():
+                q.put(RequestError(_CLOSED))
+
+    def _try_send(self, frame: bytes) -> bool:
+        try:
+            self._sock.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def _deliver(self, frame: bytes) -> None:
+        try:
+            rid, item, last = _route(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return  # not our protocol (a newer daemon?): nobody to route it to
+        with self._lock:
+            q = self._waiting.pop(rid, None) if last else self._waiting.get(rid)
+        if q is not None:  # else: a request given up on (time-out, abandoned stream)
+            q.put(item)
+
+
+
+def __getattr__(name: str) -> Any:
+    # AsyncClient lives in its own module (it imports this one); keep one import path.
+    if name == "AsyncClient":
+        from pipeline.async_client import AsyncClient
+        return AsyncClient
+    raise AttributeError(name)

@@ -1,0 +1,315 @@
+"""Client and AsyncClient against a small in-test ROUTER server that speaks the real protocol
+(real ZMQ sockets over loopback TCP, the real ClientSessions): multiplexing from many threads
+and tasks, streaming, aborts, time-outs, errors, disconnect detection, CURVE."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from pipeline.async_client import AsyncClient
+from pipeline.client import Client, RequestError
+from pipeline.entrypoints import protocol as P
+from pipeline.entrypoints.curve import generate_keys, server_socket_setup
+from pipeline.entrypoints.sessions import ClientSessions, DuplicateRequestId
+from pipeline.output.types import ErrorInfo, RequestDelta, RequestResult, Timings, Usage
+
+TICK_MS = 2  # the fake engine's step: one token per active request per tick
+
+
+@dataclass
+class Running:
+    identity: bytes
+    client_id: str
+    prompt: str
+    max_tokens: int
+    stream: bool
+    out: str = ""
+
+
+def result(cid: str, text: str, reason: str, error: ErrorInfo | None = None) -> RequestResult:
+    return RequestResult(id=cid, text=text, token_ids=[ord(c) for c in text], finish_reason=reason,
+                         usage=Usage(1, len(text)), timings=Timings(arrival_time=time.time()), error=error)
+
+
+class EchoServer(threading.Thread):
+    """Generates the prompt's characters back, one per tick; prompt "hang" never produces."""
+
+    def __init__(self, curve_dir=None, idle_timeout_s: float = P.CLIENT_IDLE_TIMEOUT_S) -> None:
+        super().__init__(daemon=True)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.auth = server_socket_setup(self.sock, curve_dir) if curve_dir else None
+        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.sessions = ClientSessions(idle_timeout_s)
+        self.running: dict[str, Running] = {}
+        self.gone: list[tuple[str, str]] = []  # (client id, why) aborted without an answer
+        self.cond = threading.Condition()
+        self.stopping = False
+
+    def wait_gone(self, n: int, timeout: float = 10.0) -> list[tuple[str, str]]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.gone) >= n, timeout), self.gone
+            return list(self.gone)
+
+    def send(self, identity: bytes, msg) -> None:
+        try:
+            self.sock.send_multipart([identity, P.encode(msg)])
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.forget(self.sessions.drop_client(identity), "unreachable")
+
+    def forget(self, internal_ids: list[str], why: str) -> None:
+        with self.cond:
+            for i in internal_ids:
+                self.gone.append((self.running.pop(i).client_id, why))
+            self.cond.notify_all()
+
+    def finish(self, internal: str, reason: str) -> None:
+        r = self.running.pop(internal)
+        self.sessions.finish(internal)
+        self.send(r.identity, P.Final(result=result(r.client_id, r.out, reason)))
+
+    def handle(self, identity: bytes, frame: bytes) -> None:
+        self.sessions.seen(identity, time.monotonic())
+        try:
+            msg = P.decode_client(frame)
+            if isinstance(msg, P.Generate):
+                P.sampling_params(msg, vocab_size=1 << 20, max_model_len=10**7)
+                internal = self.sessions.start(identity, str(msg.id), time.monotonic())
+                mt = msg.max_tokens if isinstance(msg.max_tokens, int) else 16
+                self.running[internal] = Running(identity, str(msg.id), msg.prompt or "", mt, msg.stream)
+        except P.ProtocolError as exc:
+            if exc.op == "generate" and exc.req_id:
+                self.send(identity, P.Final(result=result(exc.req_id, "", "error", exc.error)))
+            else:
+                self.send(identity, P.Error(id=exc.req_id, error=exc.error))
+            return
+        except DuplicateRequestId as exc:
+            self.send(identity, P.Final(result=result(str(msg.id), "", "error", ErrorInfo("duplicate_id", str(exc)))))
+            return
+        if isinstance(msg, P.Abort):
+            internal = self.sessions.internal_id(identity, msg.id)
+            if internal is not None:
+                self.finish(internal, "abort")
+        elif isinstance(msg, P.Health):
+            self.send(identity, P.HealthReply(id=msg.id, status="ok"))
+        elif isinstance(msg, P.Stats):
+            self.send(identity, P.StatsReply(id=msg.id, stats={"running": len(self.running)}))
+        elif isinstance(msg, P.Bye):
+            self.forget(self.sessions.drop_client(identity), "bye")
+
+    def step(self) -> None:
+        for internal, r in list(self.running.items()):
+            if r.prompt == "hang" or internal not in self.running:
+                continue
+            c = r.prompt[len(r.out) % len(r.prompt)] if r.prompt else "x"
+            r.out += c
+            if r.stream:
+                self.send(r.identity, P.Delta(delta=RequestDelta(r.client_id, c, [ord(c)])))
+            if internal in self.running and len(r.out) >= r.max_tokens:
+                self.finish(internal, "length")
+
+    def run(self) -> None:
+        while not self.stopping:
+            if self.sock.poll(TICK_MS if self.running else 20):
+                while True:
+                    try:
+                        identity, frame = self.sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.handle(identity, frame)
+            self.step()
+            self.forget(self.sessions.expired(time.monotonic()), "idle")
+
+    def close(self) -> None:
+        self.stopping = True
+        self.join()
+        if self.auth:
+            self.auth.stop()
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def server():
+    s = EchoServer()
+    s.start()
+    yield s
+    s.close()
+
+
+def test_generate_many_threads_one_socket(server):
+    with Client(server.address, timeout=30) as c:
+        def one(i: int) -> RequestResult:
+            return c.generate(f"req{i}-", id=f"id{i}", max_tokens=12)
+        with ThreadPoolExecutor(16) as ex:
+            results = list(ex.map(one, range(160)))
+    for i, r in enumerate(results):
+        assert r.id == f"id{i}" and r.text == (f"req{i}-" * 3)[:12] and r.finish_reason == "length"
+    assert server.sessions.expired(time.monotonic() + 3600) == []  # nothing left in flight
+
+
+def test_stream_then_final(server):
+    with Client(server.address, timeout=30) as c:
+        items = list(c.stream("abc", max_tokens=7))
+    *deltas, final = items
+    assert all(isinstance(d, RequestDelta) for d in deltas) and isinstance(final, RequestResult)
+    assert "".join(d.text for d in deltas) == final.text == "abcabca"
+
+
+def test_leaving_stream_aborts_on_daemon(server):
+    with Client(server.address, timeout=30) as c:
+        for item in c.stream("xyz", id="s1", max_tokens=10**6):
+            assert isinstance(item, RequestDelta)
+            break
+        # The server answered the abort with a final that nobody waits for any more.
+        assert c.health().status == "ok"
+        assert c.stats()["running"] == 0
+        assert c.generate("ok", max_tokens=2).text == "ok"
+
+
+def test_abort_from_another_thread_and_timeout(server):
+    with Client(server.address, timeout=30) as c:
+        t = threading.Timer(0.05, c.abort, args=("h1",))
+        t.start()
+        r = c.generate("hang", id="h1")
+        assert r.finish_reason == "abort"
+        with pytest.raises(TimeoutError, match="h2"):
+            c.generate("hang", id="h2", timeout=0.1)
+        assert c.stats()["running"] == 0  # the time-out aborted it on the daemon
+
+
+def test_errors_name_the_field(server):
+    with Client(server.address, timeout=30) as c:
+        r = c.generate("x", temperature=500.0)
+        assert r.finish_reason == "error" and r.error.code == "invalid_request"
+        assert "field `temperature`" in r.error.message and "[0, 100]" in r.error.message
+        r = c.generate(None)
+        assert "exactly one of" in r.error.message
+        with pytest.raises(TypeError):
+            c.generate("x", temprature=1.0)  # a typo never reaches the wire
+
+
+def test_duplicate_id_in_flight(server):
+    with Client(server.address, timeout=30) as c:
+        with ThreadPoolExecutor(1) as ex:
+            first = ex.submit(c.generate, "hang", id="dup")
+            while c.stats()["running"] == 0:  # a round trip per check, no sleep
+                pass
+            with pytest.raises(ValueError, match="already in flight"):
+                c.generate("x", id="dup")
+            c.abort("dup")
+            assert first.result().finish_reason == "abort"
+    # The daemon side refuses a second in-flight id from the same client too.
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(server.address)
+    for _ in range(2):
+        s.send(P.encode(P.Generate(id="d", prompt="hang")))
+    reply = P.decode_reply(s.recv())
+    assert isinstance(reply, P.Final) and reply.result.error.code == "duplicate_id"
+    s.send(P.encode(P.Bye()))
+    s.close(linger=1000)
+    ctx.term()
+    assert ("d", "bye") in server.wait_gone(1)
+
+
+def test_client_close_aborts_inflight(server):
+    c = Client(server.address, timeout=30)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            c.generate("hang", id="bye1")
+        except RequestError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    server_ready = c.stats()  # the generate was sent before this round trip completed
+    assert server_ready["running"] == 1
+    c.close()
+    t.join()
+    assert errors and errors[0].error.code == "client_closed"
+    assert ("bye1", "bye") in server.wait_gone(1)
+
+
+def test_vanished_client_is_noticed(server):
+    # A raw DEALER that disappears without bye: the next send fails (ROUTER_MANDATORY).
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(server.address)
+    s.send(P.encode(P.Generate(id="v1", prompt="abc", max_tokens=10**6, stream=True)))
+    assert isinstance(P.decode_reply(s.recv()), P.Delta)
+    s.close(linger=0)
+    ctx.term()
+    assert ("v1", "unreachable") in server.wait_gone(1)
+
+
+def test_silent_client_times_out():
+    srv = EchoServer(idle_timeout_s=0.3)
+    srv.start()
+    try:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.connect(srv.address)
+        s.send(P.encode(P.Generate(id="quiet", prompt="hang")))  # connected, silent, no pings
+        assert ("quiet", "idle") in srv.wait_gone(1)
+        s.close(linger=0)
+        ctx.term()
+    finally:
+        srv.close()
+
+
+def test_async_client_many_tasks(server):
+    async def main() -> None:
+        async with AsyncClient(server.address, timeout=30) as c:
+            results = await asyncio.gather(*(c.generate(f"t{i}", id=f"a{i}", max_tokens=5) for i in range(64)))
+            for i, r in enumerate(results):
+                assert r.id == f"a{i}" and r.text == (f"t{i}" * 5)[:5]
+            items = [x async for x in c.stream("qr", max_tokens=5)]
+            assert "".join(x.text for x in items[:-1]) == items[-1].text == "qrqrq"
+            async for item in c.stream("hang2", max_tokens=10**6):
+                assert isinstance(item, RequestDelta)
+                break
+            with pytest.raises(TimeoutError):
+                await c.generate("hang", timeout=0.1)
+            r = await c.generate("x", top_p=0.0)
+            assert "field `top_p`" in r.error.message
+            assert (await c.health()).status == "ok"
+            assert (await c.stats())["running"] == 0
+
+    asyncio.run(main())
+
+
+def test_curve_only_known_client_keys(tmp_path):
+    keys = generate_keys(tmp_path / "keys")
+    other = generate_keys(tmp_path / "other")
+    srv = EchoServer(curve_dir=keys)
+    mon = srv.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    srv.start()
+    try:
+        with Client(srv.address, timeout=30, curve_keys_dir=keys) as c:
+            assert c.generate("secure", max_tokens=6).text == "secure"
+        assert recv_monitor_message(mon)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        # Right server key, unknown client key: the ZAP handler refuses the handshake.
+        with Client(srv.address, timeout=0.5, curve_keys_dir=other, curve_server_key=keys / "server.key") as bad:
+            pending = threading.Thread(target=lambda: pytest.raises(TimeoutError, bad.generate, "x"))
+            pending.start()
+            assert mon.poll(10_000) and recv_monitor_message(mon)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            pending.join()
+        with pytest.raises(FileExistsError):
+            generate_keys(keys)
+    finally:
+        mon.close()
+        srv.close()
