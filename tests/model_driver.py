@@ -81,13 +81,15 @@ class Driver:
         self.running: list[Req] = []
         self.finished: list[str] = []
         self.keep: dict[str, Req] = {}
+        self.preempted: list[str] = []
         self.outputs = []
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int,
             params: SamplingParams | None = None, prefix_from: str | None = None,
-            prefix_blocks: int = 0) -> Req:
+            prefix_blocks: int = 0, num_prompt: int | None = None) -> Req:
         sp = params or SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        r = Req(req_id, list(prompt), max_tokens, sp, num_prompt=len(prompt))
+        r = Req(req_id, list(prompt), max_tokens, sp,
+                num_prompt=len(prompt) if num_prompt is None else num_prompt)
         if prefix_from is not None:
             src = self.keep[prefix_from]
             r.blocks = src.blocks[:prefix_blocks]
@@ -119,7 +121,8 @@ class Driver:
         out = self.runner.execute(SchedulerOutput(
             step_id=self.step_id, new_reqs=new, cached_reqs=cached, num_scheduled_tokens=sched,
             total_num_scheduled_tokens=sum(sched.values()), finished_req_ids=self.finished,
-            preempted_req_ids=[]))
+            preempted_req_ids=self.preempted))
+        self.preempted = []
         self.outputs.append(out)
         self.finished = []
         by_id = {r.req_id: r for r in self.running}
@@ -134,6 +137,14 @@ class Driver:
                 self.finished.append(rid)
                 self.keep[rid] = r
         return bool(self.running)
+
+    def preempt(self, req_id: str) -> Req:
+        """Recompute-style preemption: free the blocks; the runner drops the row next step."""
+        r = next(x for x in self.running if x.req_id == req_id)
+        self.running.remove(r)
+        self.free.extend(r.blocks[r.shared:])
+        self.preempted.append(req_id)
+        return r
 
     def release(self, req_id: str) -> None:
         r = self.keep.pop(req_id)

@@ -78,6 +78,7 @@ class ModelRunner:
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)
         self.sampler = Sampler(self.device, config.seed)
         self._signal = None
+        self._signal_stream = None
         self._step_id = 0
 
     # ---- loading ----------------------------------------------------------------------------
@@ -155,8 +156,13 @@ class ModelRunner:
         return max(budget // per_block, 0)
 
     def attach_layer_signal(self, sig) -> None:
-        """After each layer's K/V write, ``sig.publish(step_id, layer)`` (None detaches)."""
+        """After each layer's K/V write, publish (step_id, layer) on ``sig`` (a LayerSignal;
+        None detaches). On CUDA the publication is stream-ordered on a side stream."""
+        if sig is not None and sig.num_layers < self.num_layers:
+            raise ValueError(f"layer signal has {sig.num_layers} layers, the model {self.num_layers}")
         self._signal = sig
+        self._signal_stream = (torch.cuda.Stream(self.device)
+                               if sig is not None and self.device.type == "cuda" else None)
 
     # ---- one step ---------------------------------------------------------------------------
     def _apply_diff(self, sched: SchedulerOutput) -> None:
@@ -215,10 +221,12 @@ class ModelRunner:
                           sample_batch_idx=sample_idx)
 
     def _on_kv_written(self, layer: int) -> None:
-        if self.device.type == "cuda":
-            # Until the stream-ordered host-function path lands, make the write visible first.
-            torch.cuda.current_stream(self.device).synchronize()
-        self._signal.publish(self._step_id, layer)
+        if self._signal_stream is not None:
+            # Stream-ordered: a host function publishes once the layer's KV write is done,
+            # without stalling this thread or the compute stream.
+            ops.enqueue_layer_signal(self._signal.address, self._step_id, layer, self._signal_stream)
+        else:
+            self._signal.publish(self._step_id, layer)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if self.model is None or self.kv_cache is None:
