@@ -75,15 +75,18 @@ static void pipe_attn_item(const pipe_attn_args *a, int64_t b, int64_t tile, int
         const int64_t off = k0 % bs;
         const int64_t n = (k_hi - k0 < bs - off) ? k_hi - k0 : bs - off;
         const int64_t base = ((int64_t)bt[k0 / bs] * bs + off) * kv_row + kvh * D;
-        const float *kr, *vr;
+        const void *kr, *vr;
         int64_t stride;
-        /* One query token reads each key once: stream float32 rows in place. Several tokens
-         * reuse the block, so pack it densely: rows kv_row floats apart alias the same L1
-         * sets (kv_row * 4 is often a multiple of 4 KiB) and thrash. */
-        if (a->dtype == PIPE_F32 && nt == 1) {
-            kr = (const float *)a->k_cache + base;
-            vr = (const float *)a->v_cache + base;
+        int kdtype;
+        /* One query token reads each key once: stream the cache rows in place (the SIMD
+         * loops widen bf16/fp16 in registers). Several tokens reuse the block, so pack it
+         * densely as float32: it is converted once, and rows kv_row elements apart alias
+         * the same L1 sets (kv_row * 4 is often a multiple of 4 KiB) and thrash. */
+        if (nt == 1 && pipe_simd_in_place(D, a->dtype)) {
+            kr = a->k_cache + base * esz;
+            vr = a->v_cache + base * esz;
             stride = kv_row;
+            kdtype = a->dtype;
         } else {
             for (int64_t j = 0; j < n; j++) {
                 pipe_load_row(kf + j * D, a->k_cache + (base + j * kv_row) * esz, D, a->dtype, 1.0f);
@@ -92,12 +95,13 @@ static void pipe_attn_item(const pipe_attn_args *a, int64_t b, int64_t tile, int
             kr = kf;
             vr = vf;
             stride = D;
+            kdtype = PIPE_F32;
         }
         for (int64_t r = 0; r < rows; r++) {
             const int64_t pos = first_pos + t0 + r / group;
             const int64_t nvis = (pos - k0 + 1 < n) ? pos - k0 + 1 : n; /* causal mask */
             if (nvis <= 0) continue;
-            pipe_scores(qf + r * D, kr, stride, nvis, D, s);
+            pipe_scores(qf + r * D, kr, stride, nvis, D, s, kdtype);
             float mx = m[r];
             for (int64_t j = 0; j < nvis; j++) mx = s[j] > mx ? s[j] : mx;
             const float corr = expf(m[r] - mx);
@@ -108,7 +112,7 @@ static void pipe_attn_item(const pipe_attn_args *a, int64_t b, int64_t tile, int
             }
             m[r] = mx;
             l[r] = l[r] * corr + sum;
-            pipe_accumulate(acc + r * D, corr, s, vr, stride, nvis, D);
+            pipe_accumulate(acc + r * D, corr, s, vr, stride, nvis, D, kdtype);
         }
     }
 }
