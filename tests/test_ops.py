@@ -3,6 +3,7 @@ plain-torch references in pipeline.worker.ops_ref, on random paged caches and va
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -204,3 +205,31 @@ def test_bad_layouts_raise_naming_the_field():
     with pytest.raises(TypeError, match="slot_mapping"):
         ops.reshape_and_cache(torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), bt.k_cache,
                               bt.v_cache, torch.tensor([0, 1], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_paged_attention_any_thread_count(threads):
+    """torch.set_num_threads sets the OpenMP pool the kernel shares: 1 thread takes the
+    serial path, 3 threads split a batch-1 context three ways."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        bt = make_batch([(900, 1)], 4, 1, 128, block_size=16, dtype=torch.bfloat16)
+        got, want = run_both(bt, 0.1)
+    finally:
+        torch.set_num_threads(before)
+    assert_close(got, want)
+
+
+def test_missing_extension_falls_back_to_reference_with_one_warning(monkeypatch):
+    monkeypatch.setattr(ops, "_ext", {})
+    monkeypatch.setattr(ops.importlib, "import_module",
+                        lambda name: (_ for _ in ()).throw(ImportError(f"no {name}")))
+    bt = make_batch([(20, 4)], 2, 1, 16, block_size=4, dtype=torch.float32)
+    with pytest.warns(RuntimeWarning, match="cpu_ops is not built"):
+        got, want = run_both(bt, 0.25)
+    assert torch.equal(got, want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call must not warn again
+        ops.paged_attention(bt.q, bt.k_cache, bt.v_cache, bt.cu_seqlens_q, bt.seq_lens,
+                            bt.block_tables, 0.25)
