@@ -5,19 +5,20 @@ PIPELINE_E2E_REQUESTS=1000 PIPELINE_E2E_CONCURRENCY=64.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import pytest
 import zmq
 
 from e2e_helpers import Daemon, make_tiny_model, run_pipe, shm_entries
+from pipeline.async_client import AsyncClient
 from pipeline.client import Client
 from pipeline.entrypoints import protocol as P
 from pipeline.output.types import RequestResult
@@ -57,7 +58,7 @@ MALFORMED = [
 ]
 
 
-def one_request(c: Client, i: int) -> dict:
+async def one_request(c: AsyncClient, i: int) -> dict:
     """Returns what the test checks: kind, the final answer, deltas seen."""
     rid = f"r{i}"
     kind = ("malformed", "stream", "abort", "greedy", "greedy", "greedy", "greedy", "greedy")[i % 8]
@@ -67,55 +68,71 @@ def one_request(c: Client, i: int) -> dict:
         if "prompt_token_ids" in fields:
             del fields["prompt"]
         prompt = fields.pop("prompt", None)
-        return {"kind": kind, "final": c.generate(prompt, id=rid, **fields)}
+        return {"kind": kind, "final": await c.generate(prompt, id=rid, **fields)}
     if kind == "greedy":
-        res = c.generate(prompt_for(i), id=rid, max_tokens=max_tokens, temperature=0,
-                         ignore_eos=True)
+        res = await c.generate(prompt_for(i), id=rid, max_tokens=max_tokens, temperature=0,
+                               ignore_eos=True)
         return {"kind": kind, "final": res, "max_tokens": max_tokens}
     deltas, final = [], None
     aborted = False
     stream_max = 120 if kind == "abort" else max_tokens
-    for item in c.stream(prompt_for(i), id=rid, max_tokens=stream_max, temperature=0,
-                         ignore_eos=True):
+    async for item in c.stream(prompt_for(i), id=rid, max_tokens=stream_max, temperature=0,
+                               ignore_eos=True):
         if isinstance(item, RequestResult):
             final = item
         else:
             deltas.append(item)
             if kind == "abort" and not aborted and len(deltas) >= 2:
-                c.abort(rid)
+                await c.abort(rid)
                 aborted = True
     return {"kind": kind, "final": final, "deltas": deltas, "max_tokens": stream_max}
 
 
-def test_acceptance_mixed_workload(daemon, model):
-    with Client(daemon.address, timeout=300) as c:
-        with ThreadPoolExecutor(CONCURRENCY) as pool:
-            results = list(pool.map(lambda i: one_request(c, i), range(NUM_REQUESTS)))
-        for i, r in enumerate(results):
-            final = r["final"]
-            assert final is not None and final.id == f"r{i}", r
-            if r["kind"] == "malformed":
-                assert final.finish_reason == "error" and final.error is not None, final
-                assert final.error.code == "invalid_request" and "`" in final.error.message
-            elif r["kind"] == "abort":
-                assert final.finish_reason == "abort", final
-                assert len(final.token_ids) < r["max_tokens"]
-            else:
-                assert final.error is None and final.finish_reason == "length", final
-                assert len(final.token_ids) == r["max_tokens"]
-            if r.get("deltas"):
-                assert "".join(d.text for d in r["deltas"]) == final.text
-                assert [t for d in r["deltas"] for t in d.token_ids] == final.token_ids
-        # Aborted requests freed their blocks: everything is free or cached once idle.
+async def run_workload(address: str) -> tuple[list[dict], dict]:
+    """NUM_REQUESTS requests from CONCURRENCY tasks sharing one AsyncClient."""
+    c = AsyncClient(address, timeout=300)
+    try:
+        todo = iter(range(NUM_REQUESTS))
+        results: dict[int, dict] = {}
+
+        async def task() -> None:
+            for i in todo:
+                results[i] = await one_request(c, i)
+
+        await asyncio.gather(*(task() for _ in range(CONCURRENCY)))
+        # Aborted requests freed their blocks: all free or cached once idle. The engine
+        # publishes stats a few times a second, hence the short wait for "idle".
         deadline = time.monotonic() + 10
         while True:
-            stats = c.stats()
+            stats = await c.stats()
             if stats.get("running") == 0 and stats.get("waiting") == 0 or time.monotonic() > deadline:
                 break
-            time.sleep(0.1)
-        assert stats["running"] == 0 and stats["waiting"] == 0, stats
-        assert stats["kv_blocks_used"] == 0, stats
-        assert stats["requests_inflight"] == 0, stats
+            await asyncio.sleep(0.1)
+    finally:
+        await c.close()
+    return [results[i] for i in range(NUM_REQUESTS)], stats
+
+
+def test_acceptance_mixed_workload(daemon, model):
+    results, stats = asyncio.run(run_workload(daemon.address))
+    for i, r in enumerate(results):
+        final = r["final"]
+        assert final is not None and final.id == f"r{i}", r
+        if r["kind"] == "malformed":
+            assert final.finish_reason == "error" and final.error is not None, final
+            assert final.error.code == "invalid_request" and "`" in final.error.message
+        elif r["kind"] == "abort":
+            assert final.finish_reason == "abort", final
+            assert len(final.token_ids) < r["max_tokens"]
+        else:
+            assert final.error is None and final.finish_reason == "length", final
+            assert len(final.token_ids) == r["max_tokens"]
+        if r.get("deltas"):
+            assert "".join(d.text for d in r["deltas"]) == final.text
+            assert [t for d in r["deltas"] for t in d.token_ids] == final.token_ids
+    assert stats["running"] == 0 and stats["waiting"] == 0, stats
+    assert stats["kv_blocks_used"] == 0, stats
+    assert stats["requests_inflight"] == 0, stats
 
     # Greedy answers through the daemon equal `pipeline run`'s for the same prompts.
     greedy = [(i, r) for i, r in enumerate(results) if r["kind"] in ("greedy", "stream")]

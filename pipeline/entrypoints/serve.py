@@ -25,6 +25,7 @@ import zmq
 from pipeline.config import add_engine_args, config_from_args
 from pipeline.entrypoints import protocol as P
 from pipeline.entrypoints.gateway import Answer, Gateway, StartupError
+from pipeline.entrypoints.metrics import Metrics
 from pipeline.entrypoints.sessions import ClientSessions, DuplicateRequestId
 from pipeline.entrypoints.systemd import Notifier
 from pipeline.entrypoints.tokenizer_stage import gateway_request
@@ -70,10 +71,11 @@ class Server:
         self.config = config_from_args(args)
         self.gw = gw_factory(self.config, self._on_output)
         self.sessions = ClientSessions()
-        self.notify = Notifier()
+        self.notify = Notifier.from_env()  # also keeps the stages from talking to systemd
+        self.metrics = Metrics()
+        self.last_loop = time.monotonic()  # the watchdog pings only while the loop turns
         self.stop = threading.Event()
         self.draining: threading.Thread | None = None
-        self.metrics = None
         self.sock: zmq.Socket | None = None
         self.auth = None  # the CURVE authenticator thread, when --curve-keys
         self.counters = {"requests_received": 0, "requests_rejected": 0, "malformed_frames": 0,
@@ -118,8 +120,7 @@ class Server:
             if final:
                 self.counters["requests_finished"] += 1
                 self.counters["requests_failed"] += out.finish_reason == "error"
-                if self.metrics is not None:
-                    self.metrics.observe_result(out)
+                self.metrics.observe_result(out)
             owner = self.sessions.finish(out.id) if final else self.sessions.owner(out.id)
             if owner is None:
                 continue  # its client is gone; the engine was told to abort it
@@ -188,16 +189,28 @@ class Server:
         return {"inflight": self.gw.num_inflight(), "clients_requests": len(self.sessions),
                 "stages": self.gw.stats_stages(), "failure": self.gw.failure}
 
+    def _feed_engine_state(self) -> None:
+        e = self.gw.engine_stats
+        if e:
+            self.metrics.set_engine_state(
+                running=e["running"], waiting=e["waiting"], kv_blocks_used=e["kv_blocks_used"],
+                kv_blocks_cached=e["kv_blocks_cached"], kv_blocks_total=e["kv_blocks_total"],
+                prefix_cache_queries=e["prefix_cache_queried_tokens"],
+                prefix_cache_hits=e["prefix_cache_hit_tokens"], preemptions=e["num_preemptions"])
+
+    def healthy(self) -> bool:
+        return self.gw.failure is None and time.monotonic() - self.last_loop < 5.0
+
     def stats(self) -> dict:
-        snap = dict(self.gw.engine_stats)
-        snap |= {"requests_inflight": self.gw.num_inflight(), **self.counters}
-        if self.metrics is not None:
-            snap |= self.metrics.summary()
-        return snap
+        """Engine counters and gauges (scheduler, KV blocks, step timing), the gateway's
+        counters, and the metrics (TTFT/ITL/e2e histograms) as Prometheus sees them."""
+        self._feed_engine_state()
+        return {**self.metrics.snapshot(), **self.gw.engine_stats,
+                "requests_inflight": self.gw.num_inflight(), **self.counters}
 
     # ---- lifecycle ----
     def _begin_drain(self) -> None:
-        self.notify.send("STOPPING=1", f"STATUS=draining {self.gw.num_inflight()} request(s)")
+        self.notify.stopping(f"draining {self.gw.num_inflight()} request(s)")
         self.draining = threading.Thread(target=self.gw.drain, args=(self.args.drain_timeout,),
                                          name="gateway-drain", daemon=True)
         self.draining.start()
@@ -217,13 +230,13 @@ class Server:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self.wake_r, zmq.POLLIN)
-        watchdog_s = self.notify.watchdog_interval()
         next_tick = 0.0
-        self.notify.send("READY=1", f"STATUS=serving on {self.args.listen}")
+        self.notify.ready(f"serving on {self.args.listen}")
+        self.notify.start_watchdog(self.healthy)
         print(f"[gateway] serving on {self.args.listen}", file=sys.stderr, flush=True)
         while True:
             events = dict(poller.poll(100))
-            now = time.monotonic()
+            now = self.last_loop = time.monotonic()
             if self.wake_r in events:
                 self._route_answers()
             if sock in events:
@@ -239,14 +252,16 @@ class Server:
                         continue
                     self._handle_frame(identity, rest[0], now)
             if now >= next_tick:
-                next_tick = now + (min(1.0, watchdog_s) if watchdog_s else 1.0)
-                for internal in self.sessions.expired(now):
-                    self.gw.abort([internal])
-                if watchdog_s and self.gw.failure is None:
-                    self.notify.send("WATCHDOG=1")
+                next_tick = now + 1.0
+                expired = self.sessions.expired(now)
+                if expired:
+                    self.gw.abort(expired)
+                self._feed_engine_state()
+                self.notify.status(f"serving on {self.args.listen}: "
+                                   f"{self.gw.num_inflight()} request(s) in flight")
             if self.gw.failed.is_set():
                 self._route_answers()  # every in-flight request gets its error answer
-                self.notify.send(f"STATUS=failed: {self.gw.failure}")
+                self.notify.status(f"failed: {self.gw.failure}")
                 return 1
             if self.stop.is_set() and self.draining is None:
                 self._begin_drain()
@@ -255,21 +270,21 @@ class Server:
                 return 0
 
     def run(self) -> int:
-        self.notify.send("STATUS=loading model and starting stages")
+        self.notify.status("loading the model and starting the stages")
         try:
             self.gw.start()
         except (StartupError, ValueError, OSError) as exc:
             print(f"pipeline serve: cannot start: {exc}", file=sys.stderr)
-            self.notify.send(f"STATUS=start-up failed: {exc}")
+            self.notify.status(f"start-up failed: {exc}")
             self.gw.close()
             return 2
         if not is_loopback(self.args.listen) and not self.args.curve_keys:
             print(f"[gateway] WARNING: {self.args.listen} is not loopback and --curve-keys is "
                   "not set: anyone who can reach it can use the model", file=sys.stderr)
         if self.args.metrics_port:
-            from pipeline.entrypoints.metrics import Metrics  # noqa: PLC0415
-            self.metrics = Metrics(stats_fn=lambda: dict(self.gw.engine_stats))
-            self.metrics.start_http(self.args.metrics_port, self.args.metrics_host)
+            port = self.metrics.serve(self.args.metrics_port, self.args.metrics_host)
+            print(f"[gateway] Prometheus metrics on http://{self.args.metrics_host}:{port}/metrics",
+                  file=sys.stderr, flush=True)
         old = {s: signal.signal(s, lambda *_: self.stop.set())
                for s in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -282,6 +297,8 @@ class Server:
                 self.sock.close(linger=1000)
             if self.auth is not None:
                 self.auth.stop()
+            self.metrics.close()
+            self.notify.close()
             os.close(self.wake_r)
             os.close(self.wake_w)
         if code:
