@@ -138,7 +138,8 @@ class IncrementalDetokenizer:
         self._t = table
         self._skip = skip_special_tokens
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._first = not any(self._kept(t) for t in reversed(prompt_token_ids or ()))
+        tail = () if prompt_token_ids is None else prompt_token_ids
+        self._first = not any(self._kept(int(t)) for t in reversed(tail))
         self._strip_left = table.strip[1] if table.strip and self._first else 0
 
     def _kept(self, tid: int) -> bool:

@@ -76,7 +76,7 @@ class OutputProcessor:
             detok=self.table.detokenizer(params.skip_special_tokens, prompt_token_ids),
             stop=StopChecker(params.stop, params.include_stop_str_in_output),
             arrival_time=arrival_time,
-            num_prompt_tokens=num_prompt_tokens or len(prompt_token_ids or ()),
+            num_prompt_tokens=num_prompt_tokens or (0 if prompt_token_ids is None else len(prompt_token_ids)),
             logprobs=[] if params.logprobs is not None else None)
 
     def process(self, batch: EngineOutputs, emit: Emit) -> list[str]:
