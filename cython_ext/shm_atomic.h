@@ -36,6 +36,10 @@
 #ifndef PIPELINE_SHM_ATOMIC_H
 #define PIPELINE_SHM_ATOMIC_H
 
+#if !defined(_GNU_SOURCE) && !defined(_POSIX_C_SOURCE)
+#define _POSIX_C_SOURCE 200809L /* kill, O_CLOEXEC, clock_gettime under strict -std=c11 */
+#endif
+
 #include <errno.h>
 #include <fcntl.h>
 #include <semaphore.h>
@@ -55,6 +59,13 @@
 #define PL_WRAP 0xFFFFFFFFu
 #define PL_REC_HDR 16u
 #define PL_DOORBELL_NAME 192
+
+/* sem_clockwait (glibc >= 2.30, GNU) parks against CLOCK_MONOTONIC: immune to clock steps. */
+#if defined(_GNU_SOURCE) && defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+#define PL_HAVE_CLOCKWAIT 1
+#else
+#define PL_HAVE_CLOCKWAIT 0
+#endif
 
 /* ---- atomics ------------------------------------------------------------------------- */
 static inline uint64_t pl_load_acquire(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
@@ -117,7 +128,7 @@ static inline void pl_parker_cancel(pl_parker *p) { __atomic_store_n(&p->waiting
 static inline void pl_parker_sleep(pl_parker *p, int64_t timeout_ns)
 {
     struct timespec ts;
-#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+#if PL_HAVE_CLOCKWAIT
     clock_gettime(CLOCK_MONOTONIC, &ts);
 #else
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -125,19 +136,17 @@ static inline void pl_parker_sleep(pl_parker *p, int64_t timeout_ns)
     int64_t ns = ts.tv_nsec + (timeout_ns > 0 ? timeout_ns : 0);
     ts.tv_sec += ns / 1000000000LL;
     ts.tv_nsec = ns % 1000000000LL;
-    for (;;) {
-#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
-        int r = sem_clockwait(&p->sem, CLOCK_MONOTONIC, &ts);
+    /* EINTR ends the slice early on purpose: the caller runs the process's signal handlers. */
+#if PL_HAVE_CLOCKWAIT
+    sem_clockwait(&p->sem, CLOCK_MONOTONIC, &ts);
 #else
-        int r = sem_timedwait(&p->sem, &ts);
+    sem_timedwait(&p->sem, &ts);
 #endif
-        if (r == 0 || errno != EINTR)
-            return;
-    }
 }
 
 /* One wait slice: test, spin up to spin_ns, then park up to slice_ns. Returns 1 when cond
- * holds, 0 when the slice ran out (the caller checks peer liveness and its deadline). */
+ * holds, 0 when the slice ran out or a signal arrived (the caller runs signal handlers,
+ * checks peer liveness and its deadline). */
 typedef int (*pl_cond_fn)(const void *ctx);
 
 static inline int pl_wait_slice(pl_parker *p, pl_cond_fn cond, const void *ctx, int64_t spin_ns,

@@ -10,6 +10,7 @@ from libc.errno cimport errno
 from libc.string cimport memcpy, memset, strerror, strncpy
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_FillInfo, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.exc cimport PyErr_CheckSignals
 from posix.unistd cimport getpid
 
 from pipeline.ipc.errors import PeerDied
@@ -291,6 +292,7 @@ cdef class RingView:
             if ok:
                 return
             spin = 0
+            PyErr_CheckSignals()  # SIGTERM/SIGINT handlers run while we block
             who = self._dead_peer()
             if who is not None and not cond(ctx):
                 raise PeerDied(f"ring {self.seg.name}: {who} died", name=self.seg.name)
@@ -411,6 +413,7 @@ def wait_any(list views, object timeout, double spin_us=20.0, double slice_s=0.0
         if ok:
             break
         spin = 0
+        PyErr_CheckSignals()
         for i in range(n):
             v = views[i]
             who = v._dead_peer()
@@ -511,6 +514,7 @@ cdef class SignalView:
             if ok:
                 return
             spin = 0
+            PyErr_CheckSignals()  # SIGTERM/SIGINT handlers run while we block
             pid = self.shm.publisher_pid
             if not pl_pid_alive(pid) and not pl_signal_ready(&w):
                 raise PeerDied(f"layer signal {self.seg.name}: publisher (pid {pid}) died",

@@ -1,0 +1,109 @@
+"""Naming and lifetime: per-instance names, 0600 + exclusive creation, cleanup on exit and
+SIGTERM, sweeping dead instances, a clear error when /dev/shm is too small, and the C header
+compiling as C11 and C++17 (the CUDA callback includes it)."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import subprocess
+from pathlib import Path
+
+import posix_ipc
+import pytest
+from test_ipc_procs import CTX, make_instance_and_wait
+
+from pipeline.ipc import ShmSpaceError
+from pipeline.ipc.names import Instance, list_entries, shm_free_bytes, sweep_stale
+from pipeline.ipc.ring import Ring
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _spawn_instance(leak: bool):
+    parent, child = CTX.Pipe()
+    p = CTX.Process(target=make_instance_and_wait, args=(child, leak), daemon=True)
+    p.start()
+    assert parent.poll(30), "child did not report its instance"
+    return p, parent.recv()
+
+
+def test_names_modes_and_cleanup():
+    inst = Instance("t-names")
+    seg = inst.create_segment("a", 10_000)
+    ring = Ring.create(inst, "r", 4096)
+    sem = inst.create_semaphore("s")
+    entries = list_entries("t-names")
+    assert entries == ["pipeline.t-names.a", "pipeline.t-names.owner", "pipeline.t-names.r",
+                       "sem.pipeline.t-names.s"]
+    for e in entries:
+        assert stat.S_IMODE(os.stat(f"/dev/shm/{e}").st_mode) == 0o600
+    assert seg.size == 10_000 and ring.name == "/pipeline.t-names.r"
+    with pytest.raises(posix_ipc.ExistentialError):
+        inst.create_segment("a", 4096)  # O_CREX: never silently reuse a name
+    inst.cleanup()
+    assert list_entries("t-names") == []
+    # Mappings outlive their names: a running stage keeps working during shutdown.
+    memoryview(seg)[:3] = b"abc"
+    assert bytes(memoryview(seg)[:3]) == b"abc"
+    seg.close()
+    sem.close()
+
+
+def test_bad_names_are_rejected():
+    with pytest.raises(ValueError, match="instance_id='a.b'"):
+        Instance("a.b")
+    with Instance() as inst:
+        with pytest.raises(ValueError, match="what='x/y'"):
+            inst.create_segment("x/y", 64)
+    assert list_entries(inst.id) == []
+
+
+def test_too_small_shm_says_asked_and_free():
+    with Instance() as inst:
+        asked = shm_free_bytes() + (1 << 40)
+        with pytest.raises(ShmSpaceError, match=rf"asked {asked} bytes, /dev/shm has \d+ bytes free"):
+            inst.create_segment("huge", asked)
+        assert list_entries(inst.id) == [f"pipeline.{inst.id}.owner"]
+    assert list_entries(inst.id) == []
+
+
+def test_sigterm_leaves_nothing_behind():
+    p, iid = _spawn_instance(leak=False)
+    assert len(list_entries(iid)) == 6
+    os.kill(p.pid, signal.SIGTERM)
+    p.join(20)
+    assert p.exitcode == -signal.SIGTERM  # still dies by the signal, after cleaning up
+    assert list_entries(iid) == []
+
+
+def test_sweep_stale_removes_only_dead_instances():
+    with Instance() as live:
+        Ring.create(live, "mine", 4096)
+        p, iid = _spawn_instance(leak=True)
+        p.join(20)
+        assert len(list_entries(iid)) == 6
+        removed = sweep_stale()
+        assert set(list_entries(iid)) == set() and len(set(removed) & {f"sem.pipeline.{iid}.sem"}) == 1
+        assert len(list_entries(live.id)) == 2  # the live instance is untouched
+    assert list_entries(live.id) == []
+
+
+@pytest.mark.parametrize("compiler,std,ext", [("gcc", "c11", "c"), ("g++", "c++17", "cpp")])
+def test_header_compiles_as_c_and_cxx_with_documented_layout(tmp_path, compiler, std, ext):
+    if shutil.which(compiler) is None:
+        pytest.skip(f"{compiler} not installed")
+    src = tmp_path / f"t.{ext}"
+    src.write_text(
+        '#include "shm_atomic.h"\n#include <stddef.h>\n'
+        "#ifdef __cplusplus\n#define SA static_assert\n#else\n#define SA _Static_assert\n#endif\n"
+        'SA(offsetof(pl_ring_shm, writer) == 256, "writer line");\n'
+        'SA(offsetof(pl_ring_shm, writer.parker) == 320, "writer parker");\n'
+        'SA(offsetof(pl_ring_shm, readers) == 384 && sizeof(pl_ring_side) == 128, "readers");\n'
+        'SA(offsetof(pl_signal_shm, parker) == 64 && offsetof(pl_signal_shm, seq) == 128, "signal");\n'
+        'SA(sizeof(pl_parker) == 64, "parker");\n'
+        "int main(void) { pipeline_signal_publish((void *)0, -1, 0); return 0; }\n".replace(
+            "pipeline_signal_publish((void *)0, -1, 0)", "(void)pipeline_signal_publish"))
+    subprocess.run([compiler, f"-std={std}", "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
+                    f"-I{ROOT / 'cython_ext'}", str(src)], check=True)
