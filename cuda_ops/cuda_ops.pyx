@@ -23,7 +23,9 @@ cdef extern from "pipeline_cuda.h":
         const int32_t *cu_seqlens_q, const int32_t *seq_lens, const int32_t *block_tables,
         int64_t num_seqs, int64_t num_tokens, int64_t q_stride, int64_t num_heads,
         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-        float scale, int dtype, void *stream) nogil
+        float scale, int dtype, int num_splits, float *workspace, void *stream) nogil
+    int pipeline_cuda_attention_splits(int64_t num_tokens, int64_t num_heads,
+                                       int64_t max_context) nogil
     int pipeline_cuda_copy_blocks(
         void *const *caches, int64_t num_caches, const int64_t *pairs, int64_t num_pairs,
         int64_t block_bytes, void *stream) nogil
@@ -63,17 +65,26 @@ def paged_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_c
                     int64_t num_seqs, int64_t num_tokens, int64_t q_stride,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-                    float scale, int dtype, uintptr_t stream=0) -> int:
-    """Enqueue causal paged attention into ``out``."""
+                    float scale, int dtype, uintptr_t stream=0, int num_splits=1,
+                    uintptr_t workspace=0) -> int:
+    """Enqueue causal paged attention into ``out``. With ``num_splits`` > 1 (see
+    attention_splits) ``workspace`` is a device float32 buffer of
+    num_tokens * num_heads * num_splits * (head_dim + 2) elements."""
     cdef int code
     with nogil:
         code = pipeline_cuda_paged_attention(
             <void *>out, <const void *>q, <const void *>k_cache, <const void *>v_cache,
             <const int32_t *>cu_seqlens_q, <const int32_t *>seq_lens,
             <const int32_t *>block_tables, num_seqs, num_tokens, q_stride, num_heads,
-            num_kv_heads, head_dim, block_size, max_blocks, scale, dtype, <void *>stream)
+            num_kv_heads, head_dim, block_size, max_blocks, scale, dtype, num_splits,
+            <float *>workspace, <void *>stream)
     _check(code, "paged_attention")
     return -1
+
+
+def attention_splits(int64_t num_tokens, int64_t num_heads, int64_t max_context) -> int:
+    """Context splits paged_attention should use for this shape on the current device."""
+    return pipeline_cuda_attention_splits(num_tokens, num_heads, max_context)
 
 
 def copy_blocks(list caches, uintptr_t pairs, int64_t num_pairs, int64_t num_blocks,

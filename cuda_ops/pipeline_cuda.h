@@ -22,6 +22,7 @@ enum {
     PIPELINE_CUDA_EDTYPE = -1,    /* dtype code not 0 (f32), 1 (bf16) or 2 (f16) */
     PIPELINE_CUDA_EHEAD_DIM = -2, /* head_dim above PIPELINE_CUDA_MAX_HEAD_DIM */
     PIPELINE_CUDA_ENOMEM = -3,    /* host allocation for a host-function argument failed */
+    PIPELINE_CUDA_ESPLITS = -4,   /* num_splits < 1, or > 1 without a workspace */
 };
 #define PIPELINE_CUDA_MAX_HEAD_DIM 256
 
@@ -33,15 +34,20 @@ int pipeline_cuda_reshape_and_cache(
     const int64_t *slot_mapping, int64_t num_tokens, int64_t key_stride, int64_t value_stride,
     int64_t num_slots, int64_t num_kv_heads, int64_t head_dim, int dtype, void *stream);
 
+/* How many splits of the context paged attention should use for this batch shape on the
+ * current device (1 = none). max_context bounds every seq_len (max_blocks * block_size). */
+int pipeline_cuda_attention_splits(int64_t num_tokens, int64_t num_heads, int64_t max_context);
+
 /* Causal paged attention over a varlen batch: out [num_tokens, num_heads, head_dim]
  * (contiguous), q rows `q_stride` elements apart. Rows past cu_seqlens_q[num_seqs] are
- * zeroed. */
+ * zeroed. With num_splits > 1, `workspace` is a device float32 buffer of
+ * num_tokens * num_heads * num_splits * (head_dim + 2) elements. */
 int pipeline_cuda_paged_attention(
     void *out, const void *q, const void *k_cache, const void *v_cache,
     const int32_t *cu_seqlens_q, const int32_t *seq_lens, const int32_t *block_tables,
     int64_t num_seqs, int64_t num_tokens, int64_t q_stride, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-    float scale, int dtype, void *stream);
+    float scale, int dtype, int num_splits, float *workspace, void *stream);
 
 /* For each of num_caches caches, copy block pairs[i][0] onto pairs[i][1] (pairs is a
  * device int64 [num_pairs, 2]); blocks are block_bytes long. */

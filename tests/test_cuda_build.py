@@ -97,6 +97,27 @@ def test_paged_attention_cuda_matches_reference(dtype, heads, kv_heads, head_dim
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqs", [[(2000, 1)], [(1000, 1), (777, 1)], [(1200, 5)]])
+def test_paged_attention_cuda_split_context(dtype, seqs):
+    """Few (token, head) pairs: the context is split across blocks and merged."""
+    from test_ops import make_batch
+    import pipeline._ext.cuda_ops as cuda_ops
+    bt = make_batch(seqs, 4, 2, 128, 16, dtype, pad_tokens=2)
+    tokens = bt.q.shape[0]
+    assert cuda_ops.attention_splits(tokens, 4, bt.block_tables.shape[1] * 16) > 1
+    want = ops_ref.paged_attention(bt.q, bt.k_cache, bt.v_cache, bt.cu_seqlens_q, bt.seq_lens,
+                                   bt.block_tables, 0.09, out=torch.zeros_like(bt.q))
+    dev = torch.device("cuda")
+    got = ops.paged_attention(bt.q.to(dev), bt.k_cache.to(dev), bt.v_cache.to(dev),
+                              bt.cu_seqlens_q.to(dev), bt.seq_lens.to(dev),
+                              bt.block_tables.to(dev), 0.09)
+    torch.cuda.synchronize()
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_reshape_and_copy_blocks_cuda_match_reference(dtype):
     g = torch.Generator().manual_seed(3)

@@ -186,12 +186,21 @@ def paged_attention(
     if ext is None:
         return ops_ref.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens,
                                        block_tables, scale, out)
-    bad = ext.paged_attention(
-        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
-        num_seqs, num_tokens, q.stride(0), num_heads, num_kv_heads, head_dim,
-        num_blocks, block_size, block_tables.shape[1], float(scale),
-        _DTYPE_CODE[k_cache.dtype], _stream(device))
+    args = (out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
+            num_seqs, num_tokens, q.stride(0), num_heads, num_kv_heads, head_dim,
+            num_blocks, block_size, block_tables.shape[1], float(scale),
+            _DTYPE_CODE[k_cache.dtype])
+    if device.type == "cuda":
+        # Small decode batches split the context across thread blocks; the partial softmax
+        # states live in a stream-ordered workspace from torch's caching allocator.
+        splits = ext.attention_splits(num_tokens, num_heads, block_tables.shape[1] * block_size)
+        workspace = (torch.empty(num_tokens * num_heads * splits * (head_dim + 2),
+                                 dtype=torch.float32, device=device) if splits > 1 else None)
+        ext.paged_attention(*args, _stream(device), splits,
+                            workspace.data_ptr() if workspace is not None else 0)
+        return out
+    bad = ext.paged_attention(*args)
     if bad >= 0:
         raise ValueError(
             f"sequence {bad}: needs 0 <= q_len <= seq_len <= block_tables.shape[1] * "
