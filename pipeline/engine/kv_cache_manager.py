@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 from array import array
+from collections.abc import Sequence
 
 from pipeline.engine.block_pool import BlockPool, KVBlock
 from pipeline.engine.request import Request
@@ -79,14 +80,14 @@ class KVCacheManager:
 
     # -- allocation ----------------------------------------------------------------------
     def blocks_needed(self, req: Request, num_new_tokens: int,
-                      computed: list[KVBlock] = ()) -> int:  # type: ignore[assignment]
+                      computed: Sequence[KVBlock] = ()) -> int:
         """Free-queue blocks an ``allocate_slots`` with these arguments would consume."""
         total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         new = -(-total // self.block_size) - len(req.blocks) - len(computed)
         return max(new, 0) + sum(1 for b in computed if b.ref_cnt == 0)
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed: list[KVBlock] = ()) -> list[KVBlock] | None:  # type: ignore[assignment]
+                       computed: Sequence[KVBlock] = ()) -> list[KVBlock] | None:
         """Give ``req`` room for ``num_new_tokens`` more KV entries after its computed ones
         (and after ``computed``, a prefix-cache hit taken at admission).
 

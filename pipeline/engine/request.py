@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pipeline.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pipeline.engine.block_pool import KVBlock
 
 
 class RequestStatus(enum.IntEnum):
@@ -53,8 +57,8 @@ class Request:
     num_prompt_tokens: int = 0
     # Tokens whose KV is in the cache (advanced when the worker reports the step done).
     num_computed_tokens: int = 0
-    # Blocks owned, in position order (KVBlock objects of the pool).
-    blocks: list = field(default_factory=list)
+    # Blocks owned, in position order.
+    blocks: list[KVBlock] = field(default_factory=list)
     # Chain hashes of every full block of all_token_ids, computed incrementally.
     block_hashes: list[bytes] = field(default_factory=list)
     # How many leading blocks of ``blocks`` are already in the prefix cache.

@@ -50,6 +50,9 @@ class Scheduler:
                         ("max_model_len", max_model_len)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        if config.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: automatic), got "
+                             f"{config.long_prefill_token_threshold}")
         self.config = config
         self.block_size = block_size
         self.max_model_len = max_model_len
