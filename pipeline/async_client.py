@@ -1,9 +1,10 @@
 """asyncio client of ``pipeline serve``: ``AsyncClient`` (also importable from pipeline.client).
 
 Not a stage: client-side state only. One DEALER socket (zmq.asyncio) multiplexes all
-requests; a reader task routes replies by request id to per-request asyncio queues and a
-pinger task sends the heartbeat, so any number of tasks of one event loop may share it.
-Same protocol, time-out and error rules as ``pipeline.client.Client`` (see its docstring).
+requests; a reader task routes replies by request id to per-request asyncio queues, a pinger
+task sends the heartbeat and a monitor task ends the requests of a lost connection, so any
+number of tasks of one event loop may share it. Same protocol, time-out, error and
+connection-loss rules as ``pipeline.client.Client`` (see its docstring).
 """
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
-from pipeline.client import _CLOSED, DEFAULT_TIMEOUT_S, RequestError, _generate_msg, _new_socket, _route
+from pipeline.client_base import (CLOSED, DEFAULT_TIMEOUT_S, LOST_EVENTS, RequestError, error_result,
+                                  generate_msg, lost_error, new_socket, route)
 from pipeline.entrypoints import protocol as P
 from pipeline.output.types import RequestDelta, RequestResult
 
@@ -30,20 +33,24 @@ class AsyncClient:
                  curve_keys_dir: str | Path | None = None,
                  heartbeat_interval: float = P.HEARTBEAT_INTERVAL_S) -> None:
         self.timeout = timeout
+        self._address = address
         self._ctx = zmq.asyncio.Context()
-        self._sock = _new_socket(self._ctx, address, curve_keys_dir, curve_server_key)
+        self._sock = new_socket(self._ctx, address, curve_keys_dir, curve_server_key)
+        self._mon = self._sock.get_monitor_socket(LOST_EVENTS)
         self._hb = heartbeat_interval
-        self._waiting: dict[str, asyncio.Queue] = {}
+        self._waiting: dict[str, tuple[asyncio.Queue, bool]] = {}  # id -> (queue, is generate)
+        self._sending: dict[str, asyncio.Future] = {}  # sends still waiting for a peer
         self._tasks: list[asyncio.Task] = []
         self._closed = False
 
     async def generate(self, prompt: str | None = None, *, id: str | None = None,
                        timeout: float | None = ..., **fields: Any) -> RequestResult:  # type: ignore[assignment]
-        msg = _generate_msg(prompt, id, False, fields)
+        """One request, its final answer (fields as in ``Client.generate``)."""
+        msg = generate_msg(prompt, id, False, fields)
         t = self.timeout if timeout is ... else timeout
         try:
-            q = await self._submit(msg.id, msg, t)
             async with asyncio.timeout(t):
+                q = await self._submit(msg.id, msg, True)
                 while not isinstance(item := await self._get(q), RequestResult):
                     pass
                 return item
@@ -56,11 +63,12 @@ class AsyncClient:
 
     async def stream(self, prompt: str | None = None, *, id: str | None = None,
                      timeout: float | None = ..., **fields: Any) -> AsyncIterator[RequestDelta | RequestResult]:  # type: ignore[assignment]
-        msg = _generate_msg(prompt, id, True, fields)
+        """Deltas, then the final answer; leaving the loop early aborts the request."""
+        msg = generate_msg(prompt, id, True, fields)
         t = self.timeout if timeout is ... else timeout
-        q = await self._submit(msg.id, msg, t)
         done = False
         try:
+            q = await self._submit(msg.id, msg, True)
             while not done:
                 try:
                     item = await asyncio.wait_for(self._get(q), t)
@@ -75,14 +83,6 @@ class AsyncClient:
     async def abort(self, id: str) -> None:
         await self._send_nowait(P.encode(P.Abort(id=id)))
 
-    async def _send_nowait(self, frame: bytes) -> bool:
-        """Fire-and-forget frames (abort, ping, bye) never wait for a peer to appear."""
-        try:
-            await self._sock.send(frame, zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            return False
-
     async def health(self, timeout: float | None = ...) -> P.HealthReply:  # type: ignore[assignment]
         return await self._call(P.Health(id=uuid.uuid4().hex), timeout)
 
@@ -93,16 +93,18 @@ class AsyncClient:
         if self._closed:
             return
         self._closed = True
-        for task in self._tasks:
+        for task in [*self._tasks, *self._sending.values()]:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         try:
             await self._send_nowait(P.encode(P.Bye()))
         finally:
+            self._sock.disable_monitor()
+            self._mon.close(linger=0)
             self._sock.close()
             self._ctx.term()
-        for q in self._waiting.values():
-            q.put_nowait(RequestError(_CLOSED))
+        for q, _ in self._waiting.values():
+            q.put_nowait(RequestError(CLOSED))
         self._waiting.clear()
 
     async def __aenter__(self) -> AsyncClient:
@@ -113,26 +115,28 @@ class AsyncClient:
 
     async def _call(self, msg: P.Health | P.Stats, timeout: float | None) -> Any:
         t = self.timeout if timeout is ... else timeout
-        q = await self._submit(msg.id, msg, t)
         try:
-            return await asyncio.wait_for(self._get(q), t)
+            async with asyncio.timeout(t):
+                return await self._get(await self._submit(msg.id, msg, False))
         finally:
             self._waiting.pop(msg.id, None)
 
-    async def _submit(self, rid: str, msg: P.ClientMsg, timeout: float | None) -> asyncio.Queue:
+    async def _submit(self, rid: str, msg: P.ClientMsg, is_generate: bool) -> asyncio.Queue:
         if self._closed:
-            raise RequestError(_CLOSED)
+            raise RequestError(CLOSED)
         if not self._tasks:  # started lazily: the loop must be running
-            self._tasks = [asyncio.create_task(self._reader()), asyncio.create_task(self._pinger())]
+            self._tasks = [asyncio.create_task(c) for c in (self._reader(), self._pinger(), self._monitor())]
         if rid in self._waiting:
             raise ValueError(f"id: request {rid!r} is already in flight on this client")
         q: asyncio.Queue = asyncio.Queue()
-        self._waiting[rid] = q
-        try:  # a DEALER send waits while no daemon is connected
-            await asyncio.wait_for(self._sock.send(P.encode(msg)), timeout)
-        except BaseException:
-            self._waiting.pop(rid, None)
-            raise
+        self._waiting[rid] = (q, is_generate)
+        # Not awaited: a DEALER send waits while no daemon is connected, and the caller
+        # must keep waiting on its queue (answer, time-out or lost connection) meanwhile.
+        fut = self._sock.send(P.encode(msg))
+        if not fut.done():
+            self._sending[rid] = fut
+            fut.add_done_callback(lambda f: (self._sending.pop(rid, None),
+                                             f.cancelled() or f.exception()))
         return q
 
     @staticmethod
@@ -144,22 +148,47 @@ class AsyncClient:
 
     async def _forget(self, rid: str, abort: bool) -> None:
         self._waiting.pop(rid, None)
+        unsent = self._sending.pop(rid, None)
+        if unsent is not None:
+            unsent.cancel()
+            return
         if abort and not self._closed:
             await self.abort(rid)
+
+    async def _send_nowait(self, frame: bytes) -> bool:
+        """Fire-and-forget frames (abort, ping, bye) never wait for a peer to appear."""
+        try:
+            await self._sock.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     async def _reader(self) -> None:
         while True:
             frame = await self._sock.recv()
             try:
-                rid, item, last = _route(frame)
+                rid, item, last = route(frame)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
-            q = self._waiting.pop(rid, None) if last else self._waiting.get(rid)
-            if q is not None:
-                q.put_nowait(item)
+            w = self._waiting.pop(rid, None) if last else self._waiting.get(rid)
+            if w is not None:
+                w[0].put_nowait(item)
 
     async def _pinger(self) -> None:
         ping = P.encode(P.Ping())
         while True:
             await self._send_nowait(ping)
             await asyncio.sleep(self._hb)  # the heartbeat period, not a synchronisation
+
+    async def _monitor(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._mon.recv_multipart())["event"]
+            err = lost_error(event, self._address)
+            lost, self._waiting = self._waiting, {}
+            for rid, (q, is_generate) in lost.items():
+                q.put_nowait(error_result(rid, err) if is_generate else RequestError(err))
+                unsent = self._sending.pop(rid, None)
+                if unsent is not None:
+                    unsent.cancel()
+                elif is_generate:  # see Client._connection_lost
+                    await self._send_nowait(P.encode(P.Abort(id=rid)))

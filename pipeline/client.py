@@ -11,7 +11,11 @@ the requests of a client that went away.
 Time-outs: ``generate(timeout=)`` bounds the whole request; ``stream(timeout=)`` bounds the
 wait for each next message. On a time-out the request is aborted on the daemon and
 ``TimeoutError`` raised. Results with ``finish_reason == "error"`` are returned, not raised
-(``result.error`` says why), like pipe mode's JSON lines.
+(``result.error`` says why), like pipe mode's JSON lines. A socket monitor watches the
+connection: when the daemon goes away (or refuses the CURVE handshake) every request in
+flight ends at once with ``error.code`` "connection_lost" ("handshake_failed") instead of
+waiting for its time-out, and may be retried: ZMQ reconnects by itself. ``health()`` and
+``stats()`` raise ``RequestError`` then, and every call does once the client is closed.
 """
 from __future__ import annotations
 
@@ -27,49 +31,21 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
+from pipeline.client_base import (CLOSED, DEFAULT_TIMEOUT_S, LOST_EVENTS, RequestError, error_result,
+                                  generate_msg, lost_error, new_socket, route)
 from pipeline.entrypoints import protocol as P
-from pipeline.entrypoints.curve import client_socket_setup
-from pipeline.output.types import ErrorInfo, RequestDelta, RequestResult
+from pipeline.output.types import RequestDelta, RequestResult
 
-DEFAULT_TIMEOUT_S = 600.0
-_CLOSED = ErrorInfo("client_closed", "the client was closed")
+__all__ = ["AsyncClient", "Client", "RequestError"]
 
 
-class RequestError(RuntimeError):
-    """A non-generate operation failed on the daemon (or the client was closed)."""
-
-    def __init__(self, error: ErrorInfo) -> None:
-        super().__init__(f"{error.code}: {error.message}")
-        self.error = error
-
-
-def _generate_msg(prompt: str | None, rid: str | None, stream: bool, kw: dict[str, Any]) -> P.Generate:
-    return P.Generate(id=rid or uuid.uuid4().hex, prompt=prompt, stream=stream, **kw)
-
-
-def _route(frame: bytes) -> tuple[str | None, object, bool]:
-    """(request id, item for its queue, whether this is its last message)."""
-    msg = P.decode_reply(frame)
-    if isinstance(msg, P.Delta):
-        return msg.delta.id, msg.delta, False
-    if isinstance(msg, P.Final):
-        return msg.result.id, msg.result, True
-    if isinstance(msg, P.Error):
-        return msg.id, RequestError(msg.error), True
-    return msg.id, msg, True
-
-
-def _new_socket(ctx: zmq.Context, address: str, keys_dir: str | Path | None,
-                server_key: bytes | str | Path | None) -> zmq.Socket:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.SNDHWM, 0)  # never block the I/O loop on send
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.LINGER, 1000)  # let the closing bye out
-    if keys_dir is not None or server_key is not None:
-        client_socket_setup(sock, keys_dir, server_key)
-    sock.connect(address)
-    return sock
+def _monitor_event(mon: zmq.Socket) -> int | None:
+    try:
+        return parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))["event"]
+    except zmq.Again:
+        return None
 
 
 class Client:
@@ -81,10 +57,12 @@ class Client:
                  heartbeat_interval: float = P.HEARTBEAT_INTERVAL_S) -> None:
         self.timeout = timeout
         self._ctx = zmq.Context()
-        self._sock = _new_socket(self._ctx, address, curve_keys_dir, curve_server_key)
+        self._sock = new_socket(self._ctx, address, curve_keys_dir, curve_server_key)
+        self._address = address
         self._hb = heartbeat_interval
-        self._out: queue.SimpleQueue[bytes] = queue.SimpleQueue()
-        self._waiting: dict[str, queue.SimpleQueue] = {}
+        self._out: queue.SimpleQueue[tuple[str | None, bytes]] = queue.SimpleQueue()
+        # request id -> (its reply queue, whether it is a generate)
+        self._waiting: dict[str, tuple[queue.SimpleQueue, bool]] = {}
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -97,8 +75,8 @@ class Client:
                  timeout: float | None = ..., **fields: Any) -> RequestResult:  # type: ignore[assignment]
         """One request, its final answer. ``fields``: prompt_token_ids, messages, priority,
         cache_salt and any SamplingParams field (max_tokens, temperature, stop, ...)."""
-        msg = _generate_msg(prompt, id, False, fields)
-        q = self._submit(msg.id, P.encode(msg))
+        msg = generate_msg(prompt, id, False, fields)
+        q = self._submit(msg.id, P.encode(msg), True)
         deadline = self._deadline(timeout)
         while True:
             item = self._get(q, msg.id, deadline and deadline - time.monotonic())
@@ -107,9 +85,10 @@ class Client:
 
     def stream(self, prompt: str | None = None, *, id: str | None = None,
                timeout: float | None = ..., **fields: Any) -> Iterator[RequestDelta | RequestResult]:  # type: ignore[assignment]
-        """Deltas as they come, then the final answer. Leaving the loop early aborts it."""
-        msg = _generate_msg(prompt, id, True, fields)
-        q = self._submit(msg.id, P.encode(msg))
+        """Deltas as they come, then the final answer. The request is sent on the first
+        iteration; leaving the loop early (break, exception, garbage collection) aborts it."""
+        msg = generate_msg(prompt, id, True, fields)
+        q = self._submit(msg.id, P.encode(msg), True)
         wait = self.timeout if timeout is ... else timeout
         done = False
         try:
@@ -153,18 +132,19 @@ class Client:
         return None if t is None else time.monotonic() + t
 
     def _call(self, msg: P.Health | P.Stats, timeout: float | None) -> Any:
-        q = self._submit(msg.id, P.encode(msg))
+        q = self._submit(msg.id, P.encode(msg), False)
         return self._get(q, msg.id, self.timeout if timeout is ... else timeout, abort=False)
 
-    def _submit(self, rid: str, frame: bytes) -> queue.SimpleQueue:
+    def _submit(self, rid: str, frame: bytes, is_generate: bool) -> queue.SimpleQueue:
         q: queue.SimpleQueue = queue.SimpleQueue()
-        with self._lock:
+        with self._lock:  # registered and queued atomically: see _connection_lost
             if self._closed:
-                raise RequestError(_CLOSED)
+                raise RequestError(CLOSED)
             if rid in self._waiting:
                 raise ValueError(f"id: request {rid!r} is already in flight on this client")
-            self._waiting[rid] = q
-        self._send(frame)
+            self._waiting[rid] = (q, is_generate)
+            self._out.put((rid, frame))
+        self._wake()
         return q
 
     def _get(self, q: queue.SimpleQueue, rid: str, timeout: float | None, abort: bool = True) -> object:
@@ -184,7 +164,7 @@ class Client:
             self.abort(rid)
 
     def _send(self, frame: bytes) -> None:
-        self._out.put(frame)
+        self._out.put((None, frame))
         self._wake()
 
     def _wake(self) -> None:
@@ -196,9 +176,11 @@ class Client:
     def _io_loop(self) -> None:
         sock, poller = self._sock, zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
+        mon = sock.get_monitor_socket(LOST_EVENTS)
+        poller.register(mon, zmq.POLLIN)
         # A DEALER blocks on send while it has no peer (daemon down, handshake refused):
         # never block here, keep unsent frames and wait for POLLOUT instead.
-        backlog: collections.deque[bytes] = collections.deque()
+        backlog: collections.deque[tuple[str | None, bytes]] = collections.deque()
         ping = P.encode(P.Ping())
         next_ping = 0.0
         try:
@@ -212,12 +194,8 @@ class Client:
                 events = dict(poller.poll(max(next_ping - now, 0.0) * 1000))
                 if self._wake_r in events:
                     os.read(self._wake_r, 65536)
-                while True:
-                    try:
-                        backlog.append(self._out.get_nowait())
-                    except queue.Empty:
-                        break
-                while backlog and self._try_send(backlog[0]):
+                self._drain_out(backlog)
+                while backlog and self._try_send(backlog[0][1]):
                     backlog.popleft()
                 while events.get(sock, 0) & zmq.POLLIN:
                     try:
@@ -225,14 +203,44 @@ class Client:
                     except zmq.Again:
                         break
                     self._deliver(frame)
+                if mon in events:
+                    while (ev := _monitor_event(mon)) is not None:
+                        self._connection_lost(ev, backlog)
             self._try_send(P.encode(P.Bye()))
         finally:
+            sock.disable_monitor()
+            mon.close(linger=0)
             sock.close()
             with self._lock:
                 waiting, self._waiting = self._waiting, {}
                 self._closed = True
-            for q in waiting.values():
-                q.put(RequestError(_CLOSED))
+            for q, _ in waiting.values():
+                q.put(RequestError(CLOSED))
+
+    def _drain_out(self, backlog: collections.deque[tuple[str | None, bytes]]) -> None:
+        while True:
+            try:
+                backlog.append(self._out.get_nowait())
+            except queue.Empty:
+                return
+
+    def _connection_lost(self, event: int, backlog: collections.deque[tuple[str | None, bytes]]) -> None:
+        """The daemon went away or refused us: every request in flight ends now with an
+        error instead of at its time-out (the caller may retry). Unsent frames are dropped;
+        for sent generates an abort is queued, so a frame that ZMQ still holds and delivers
+        after reconnecting is cancelled there at once."""
+        with self._lock:
+            self._drain_out(backlog)
+            lost, self._waiting = self._waiting, {}
+        unsent = {rid for rid, _ in backlog if rid is not None}
+        kept = [(rid, f) for rid, f in backlog if rid is None or rid not in lost]
+        backlog.clear()
+        backlog.extend(kept)
+        err = lost_error(event, self._address)
+        for rid, (q, is_generate) in lost.items():
+            q.put(error_result(rid, err) if is_generate else RequestError(err))
+            if is_generate and rid not in unsent:
+                backlog.append((None, P.encode(P.Abort(id=rid))))
 
     def _try_send(self, frame: bytes) -> bool:
         try:
@@ -243,13 +251,13 @@ class Client:
 
     def _deliver(self, frame: bytes) -> None:
         try:
-            rid, item, last = _route(frame)
+            rid, item, last = route(frame)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return  # not our protocol (a newer daemon?): nobody to route it to
         with self._lock:
-            q = self._waiting.pop(rid, None) if last else self._waiting.get(rid)
-        if q is not None:  # else: a request given up on (time-out, abandoned stream)
-            q.put(item)
+            w = self._waiting.pop(rid, None) if last else self._waiting.get(rid)
+        if w is not None:  # else: a request given up on (time-out, abandoned stream)
+            w[0].put(item)
 
 
 

@@ -302,14 +302,50 @@ def test_curve_only_known_client_keys(tmp_path):
         with Client(srv.address, timeout=30, curve_keys_dir=keys) as c:
             assert c.generate("secure", max_tokens=6).text == "secure"
         assert recv_monitor_message(mon)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
-        # Right server key, unknown client key: the ZAP handler refuses the handshake.
-        with Client(srv.address, timeout=0.5, curve_keys_dir=other, curve_server_key=keys / "server.key") as bad:
-            pending = threading.Thread(target=lambda: pytest.raises(TimeoutError, bad.generate, "x"))
-            pending.start()
-            assert mon.poll(10_000) and recv_monitor_message(mon)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-            pending.join()
+        # Right server key, unknown client key: the ZAP handler refuses the handshake, and
+        # the client says so instead of waiting for its time-out.
+        with Client(srv.address, timeout=30, curve_keys_dir=other, curve_server_key=keys / "server.key") as bad:
+            r = bad.generate("x")
+            assert r.finish_reason == "error" and r.error.code == "handshake_failed"
+        assert mon.poll(10_000) and recv_monitor_message(mon)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        assert srv.running == {}
         with pytest.raises(FileExistsError):
             generate_keys(keys)
     finally:
         mon.close()
         srv.close()
+
+
+def test_daemon_gone_ends_requests_at_once():
+    srv = EchoServer()
+    srv.start()
+    with Client(srv.address, timeout=60) as c:
+        with ThreadPoolExecutor(4) as ex:
+            waiting = [ex.submit(c.generate, "hang", id=f"g{i}") for i in range(3)]
+            while c.stats()["running"] < 3:
+                pass
+            stats_wait = ex.submit(c.stats)  # may be answered or lost, never hangs
+            srv.close()  # the daemon disappears (its TCP connections close)
+            for f in waiting:
+                r = f.result()
+                assert r.finish_reason == "error" and r.error.code == "connection_lost"
+            try:
+                stats_wait.result()
+            except RequestError as exc:
+                assert exc.error.code == "connection_lost"
+
+
+def test_async_daemon_gone_ends_requests_at_once():
+    srv = EchoServer()
+    srv.start()
+
+    async def main() -> None:
+        async with AsyncClient(srv.address, timeout=60) as c:
+            tasks = [asyncio.create_task(c.generate("hang", id=f"g{i}")) for i in range(3)]
+            while (await c.stats())["running"] < 3:
+                pass
+            await asyncio.to_thread(srv.close)
+            for r in await asyncio.gather(*tasks):
+                assert r.finish_reason == "error" and r.error.code == "connection_lost"
+
+    asyncio.run(main())

@@ -1,0 +1,74 @@
+"""Shared by ``pipeline.client.Client`` and ``pipeline.async_client.AsyncClient``: socket
+set-up, request building, reply routing and the errors a client reports by itself.
+
+Not a stage; no state. See client.py for the client-side behaviour and protocol.py for the wire.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from pipeline.entrypoints import protocol as P
+from pipeline.entrypoints.curve import client_socket_setup
+from pipeline.output.types import ErrorInfo, RequestResult, Timings, Usage
+
+DEFAULT_TIMEOUT_S = 600.0
+CLOSED = ErrorInfo("client_closed", "the client was closed")
+
+
+class RequestError(RuntimeError):
+    """A non-generate operation failed on the daemon (or the client was closed)."""
+
+    def __init__(self, error: ErrorInfo) -> None:
+        super().__init__(f"{error.code}: {error.message}")
+        self.error = error
+
+
+def generate_msg(prompt: str | None, rid: str | None, stream: bool, kw: dict[str, Any]) -> P.Generate:
+    return P.Generate(id=rid or uuid.uuid4().hex, prompt=prompt, stream=stream, **kw)
+
+
+def route(frame: bytes) -> tuple[str | None, object, bool]:
+    """(request id, item for its queue, whether this is its last message)."""
+    msg = P.decode_reply(frame)
+    if isinstance(msg, P.Delta):
+        return msg.delta.id, msg.delta, False
+    if isinstance(msg, P.Final):
+        return msg.result.id, msg.result, True
+    if isinstance(msg, P.Error):
+        return msg.id, RequestError(msg.error), True
+    return msg.id, msg, True
+
+
+LOST_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def lost_error(event: int, address: str) -> ErrorInfo:
+    if event == zmq.EVENT_DISCONNECTED:
+        return ErrorInfo("connection_lost", f"lost the connection to {address}; "
+                                            "requests in flight there are gone")
+    return ErrorInfo("handshake_failed", f"{address} refused the connection "
+                                         "(CURVE keys not accepted, or not a pipeline daemon)")
+
+
+def error_result(rid: str, error: ErrorInfo) -> RequestResult:
+    now = time.time()
+    return RequestResult(id=rid, text="", token_ids=[], finish_reason="error", usage=Usage(),
+                         timings=Timings(arrival_time=now, finish_time=now), error=error)
+
+
+def new_socket(ctx: zmq.Context, address: str, keys_dir: str | Path | None,
+                server_key: bytes | str | Path | None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDHWM, 0)  # never block the I/O loop on send
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 1000)  # let the closing bye out
+    if keys_dir is not None or server_key is not None:
+        client_socket_setup(sock, keys_dir, server_key)
+    sock.connect(address)
+    return sock
