@@ -22,7 +22,7 @@ NUM_CLIENTS = 8
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("e2e") / "tiny")
+    return make_tiny_model(tmp_path_factory.getbasetemp() / "e2e-tiny")  # one per session
 
 
 def load(d: Daemon) -> tuple[list[threading.Thread], dict[str, tuple[float, RequestResult]]]:

@@ -11,7 +11,7 @@ from e2e_helpers import ENGINE_FLAGS, PIPELINE, ROOT, env, make_tiny_model, shm_
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("e2e") / "tiny")
+    return make_tiny_model(tmp_path_factory.getbasetemp() / "e2e-tiny")  # one per session
 
 
 def pipe(model, lines, *flags):
@@ -23,7 +23,7 @@ def pipe(model, lines, *flags):
     return p.returncode, [json.loads(x) for x in out.splitlines() if x.strip()], err
 
 
-def test_mixed_lines_ordered(model):
+def test_mixed_lines_ordered_and_streamed(model):
     long_prompt = list(range(3, 303))  # 300 tokens > --max-model-len 256
     lines = [
         "The for statement",
@@ -40,12 +40,16 @@ def test_mixed_lines_ordered(model):
         "",
         json.dumps({"id": "greedy2", "prompt": "The for statement", "max_tokens": 8,
                     "temperature": 0, "ignore_eos": True}),
+        *(json.dumps({"id": f"s{i}", "prompt": "x" * (i + 1), "max_tokens": 6 + i,
+                      "temperature": 0.8, "seed": i, "ignore_eos": True, "stream": True})
+          for i in range(3)),
     ]
     rc, answers, err = pipe(model, lines, "--ordered", "--max-tokens", "6")
     assert rc == 1, err  # some requests failed
-    ids = [a["id"] for a in answers]
-    assert ids == ["0", "greedy", "7", "chat", "4", "unknown", "range", "long", "greedy2"], err
-    by_id = {a["id"]: a for a in answers}
+    finals = [a for a in answers if "finish_reason" in a]
+    assert [a["id"] for a in finals] == ["0", "greedy", "7", "chat", "4", "unknown", "range",
+                                         "long", "greedy2", "s0", "s1", "s2"], err
+    by_id = {a["id"]: a for a in finals}
     for rid, n in (("0", 6), ("greedy", 8), ("7", 5), ("chat", 4), ("greedy2", 8)):
         a = by_id[rid]
         assert a["error"] is None and a["finish_reason"] in ("length", "stop"), a
@@ -61,23 +65,17 @@ def test_mixed_lines_ordered(model):
         a = by_id[rid]
         assert a["finish_reason"] == "error" and a["token_ids"] == [], a
         assert field in a["error"]["message"], a["error"]
-    assert by_id["long"]["error"]["message"].count("256")
-
-
-def test_stream_deltas_add_up(model):
-    lines = [json.dumps({"id": f"s{i}", "prompt": "x" * (i + 1), "max_tokens": 6 + i,
-                         "temperature": 0.8, "seed": i, "ignore_eos": True}) for i in range(4)]
-    rc, answers, err = pipe(model, lines, "--stream")
-    assert rc == 0, err
-    finals = {a["id"]: a for a in answers if "finish_reason" in a}
-    assert sorted(finals) == ["s0", "s1", "s2", "s3"]
-    for rid, final in finals.items():
-        deltas = [a for a in answers if a["id"] == rid and "finish_reason" not in a]
-        assert deltas, rid
+    assert "256" in by_id["long"]["error"]["message"]
+    # Streamed requests: deltas first, and they add up to the final answer exactly.
+    for i in range(3):
+        final = by_id[f"s{i}"]
+        deltas = [a for a in answers if a["id"] == f"s{i}" and "finish_reason" not in a]
+        assert deltas and len(final["token_ids"]) == 6 + i
         assert "".join(d["text"] for d in deltas) == final["text"]
         assert [t for d in deltas for t in d["token_ids"]] == final["token_ids"]
-        # Each request's deltas come before its final answer.
         assert answers.index(final) > max(answers.index(d) for d in deltas)
+    assert not [a for a in answers if a["id"] in by_id and a["id"][0] != "s"
+                and "finish_reason" not in a], "deltas of requests that did not ask to stream"
 
 
 def test_bad_model_path_fails_clearly(tmp_path):
@@ -85,4 +83,4 @@ def test_bad_model_path_fails_clearly(tmp_path):
                        input="hello\n", capture_output=True, text=True, timeout=120, cwd=ROOT,
                        env=env())
     assert p.returncode == 2
-    assert "cannot start" in p.stderr and "missing" in p.stderr
+    assert "cannot start" in p.stderr and "missing" in p.stderr and "config.json" in p.stderr

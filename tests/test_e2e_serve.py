@@ -30,7 +30,7 @@ WORDS = "the for statement is used to iterate over the elements of a sequence".s
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("e2e") / "tiny")
+    return make_tiny_model(tmp_path_factory.getbasetemp() / "e2e-tiny")  # one per session
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.errors import PeerDied
 from pipeline.ipc.names import Instance, list_entries, sweep_stale
 from pipeline.ipc.ring import Doorbell, Ring, wait_any
+from pipeline.models.config import load_model_config
 from pipeline.output.stage import ANSWER_TYPES, error_result
 from pipeline.output.types import RequestDelta, RequestResult
 
@@ -89,6 +90,8 @@ class Gateway:
 
     # ---- start-up ----
     def start(self, timeout_s: float = 600.0) -> ModelInfo:
+        # A bad path or an unsupported checkpoint fails here, before any process starts.
+        load_model_config(self.config.model)
         removed = sweep_stale()
         if removed:
             self.log(f"removed {len(removed)} stale shared-memory entries of dead instances")

@@ -104,9 +104,8 @@ class AnswerWriter:
     def __call__(self, out: Answer) -> None:
         with self.lock:
             user_id = self.user_ids.get(out.id, out.id)
-            if isinstance(out, RequestDelta):
-                if self.stream:
-                    self._write(self.enc.encode(msgspec.structs.replace(out, id=user_id)))
+            if isinstance(out, RequestDelta):  # only requests that asked to stream get them
+                self._write(self.enc.encode(msgspec.structs.replace(out, id=user_id)))
                 return
             index = int(out.id)
             del self.user_ids[out.id]
