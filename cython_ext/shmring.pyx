@@ -142,6 +142,32 @@ cdef class Segment:
             munmap(self.base, <size_t>self.size)
 
 
+cdef enum:
+    SPIN_PROBE_EVERY = 32
+
+
+cdef inline int64_t _spin_for(int64_t cur, int *skipped, int64_t budget) noexcept nogil:
+    # Spinning turned off by _adapt_spin is retried now and then: the load may have gone.
+    if cur == 0 and budget > 0:
+        skipped[0] += 1
+        if skipped[0] >= SPIN_PROBE_EVERY:
+            skipped[0] = 0
+            return budget // 4
+    return cur
+
+
+cdef inline void _adapt_spin(int64_t *cur, int64_t budget, int64_t spun, int64_t waited) noexcept nogil:
+    # Keep spinning while the spin is what ends the waits. On a box whose cores are busy a
+    # spinning waiter steals the CPU its peer needs and loses to parking: waits that end only
+    # after parking halve the spin down to nothing.
+    if spun > 0 and waited <= spun:
+        cur[0] = min(budget, max(cur[0], spun) * 2)
+    elif cur[0] > budget // 16:
+        cur[0] = cur[0] // 2
+    else:
+        cur[0] = 0
+
+
 cdef class RingView:
     """One process's end of a ring: the writer, or reader `reader_index` of 1..N readers."""
     cdef Segment seg
@@ -151,6 +177,9 @@ cdef class RingView:
     cdef int claimed
     cdef public int64_t spin_ns
     cdef public int64_t slice_ns
+    cdef public bint adaptive_spin
+    cdef int64_t spin_cur
+    cdef int spin_skipped
 
     @staticmethod
     def segment_size(uint32_t num_readers, uint64_t capacity) -> int:
@@ -214,12 +243,18 @@ cdef class RingView:
             self.r.reader_parker = <pl_parker *>(<char *>bell.base + 64)
         elif not writer:
             self.r.reader_parker = &shm.readers[reader_index].parker
-        self.spin_ns = <int64_t>(spin_us * 1000)
+        self.spin_ns = self.spin_cur = <int64_t>(spin_us * 1000)
         self.slice_ns = <int64_t>(slice_s * 1e9)
+        self.adaptive_spin = True
 
     @property
     def name(self) -> str:
         return self.seg.name
+
+    @property
+    def spin_now_ns(self) -> int:
+        """The spin budget the next wait will use (adapted from recent waits)."""
+        return self.spin_cur if self.adaptive_spin else self.spin_ns
 
     @property
     def doorbell_name(self) -> str:
@@ -271,7 +306,11 @@ cdef class RingView:
         return None
 
     cdef _wait(self, object timeout, bint writing):
-        cdef int64_t now = pl_now_ns(), deadline = -1, sl, spin = self.spin_ns
+        cdef int64_t now = pl_now_ns(), start = now, deadline = -1, sl
+        cdef int64_t spin = self.spin_ns, spun
+        if self.adaptive_spin:
+            spin = _spin_for(self.spin_cur, &self.spin_skipped, self.spin_ns)
+        spun = spin
         cdef pl_parker *p = &self.r.shm.writer.parker if writing else self.r.reader_parker
         cdef pl_cond_fn cond = pl_ring_writable if writing else pl_ring_readable
         cdef const void *ctx = &self.r
@@ -290,6 +329,8 @@ cdef class RingView:
             with nogil:
                 ok = pl_wait_slice(p, cond, ctx, spin, sl)
             if ok:
+                if self.adaptive_spin:
+                    _adapt_spin(&self.spin_cur, self.spin_ns, spun, pl_now_ns() - start)
                 return
             spin = 0
             PyErr_CheckSignals()  # SIGTERM/SIGINT handlers run while we block
@@ -374,16 +415,17 @@ def layout_doorbell(Segment seg) -> None:
     (<uint64_t *>seg.base)[0] = PL_DOORBELL_MAGIC
 
 
-def wait_any(list views, object timeout, double spin_us=20.0, double slice_s=0.05) -> list:
+def wait_any(list views, object timeout) -> list:
     """Indices of the reader views that hold a message, blocking until one does.
 
     Every view must be a reader of a ring whose reader parker is the same doorbell segment, so
-    one park covers all of them; writers post that doorbell."""
+    one park covers all of them; writers post that doorbell. Spins with the first view's budget."""
     cdef int n = len(views), i, ok
     cdef RingView v
     cdef pl_ring *ptrs[256]
     cdef pl_ring_set s
-    cdef int64_t now = pl_now_ns(), deadline = -1, sl, spin = <int64_t>(spin_us * 1000)
+    cdef int64_t now = pl_now_ns(), start = now, deadline = -1, sl, spin
+    cdef RingView first
     if n == 0 or n > 256:
         raise ValueError(f"wait_any needs 1..256 rings, got {n}")
     for i in range(n):
@@ -392,7 +434,12 @@ def wait_any(list views, object timeout, double spin_us=20.0, double slice_s=0.0
             raise ValueError(f"ring {v.seg.name}: wait_any needs open reader ends")
         v._ready()
         ptrs[i] = &v.r
-    cdef pl_parker *p = (<RingView>views[0]).r.reader_parker
+    first = views[0]
+    cdef pl_parker *p = first.r.reader_parker
+    spin = first.spin_ns
+    if first.adaptive_spin:
+        spin = _spin_for(first.spin_cur, &first.spin_skipped, first.spin_ns)
+    cdef int64_t spun = spin
     s.rings, s.n = ptrs, n
     if n > 1:
         for i in range(n):
@@ -403,7 +450,7 @@ def wait_any(list views, object timeout, double spin_us=20.0, double slice_s=0.0
     if timeout is not None:
         deadline = now + <int64_t>(float(timeout) * 1e9)
     while not pl_ring_set_any(&s):
-        sl = views[0].slice_ns
+        sl = first.slice_ns
         if deadline >= 0:
             if deadline - now <= 0:
                 raise TimeoutError(f"no message on {n} rings within {timeout} s")
@@ -411,6 +458,8 @@ def wait_any(list views, object timeout, double spin_us=20.0, double slice_s=0.0
         with nogil:
             ok = pl_wait_slice(p, pl_ring_set_any, &s, spin, sl)
         if ok:
+            if first.adaptive_spin:
+                _adapt_spin(&first.spin_cur, first.spin_ns, spun, pl_now_ns() - start)
             break
         spin = 0
         PyErr_CheckSignals()

@@ -91,10 +91,10 @@ class Ring(shmring.RingView):
         self.close()
 
 
-def wait_any(rings: Sequence[Ring], timeout: float | None = None,
-             spin_us: float = DEFAULT_SPIN_US) -> list[Ring]:
+def wait_any(rings: Sequence[Ring], timeout: float | None = None) -> list[Ring]:
     """Block until at least one of `rings` (reader ends sharing one Doorbell) holds a message;
-    return those that do. TimeoutError past `timeout`, PeerDied if a writer died."""
+    return those that do. Spins with rings[0]'s budget, then parks on the doorbell.
+    TimeoutError past `timeout`, PeerDied if a writer died."""
     views = list(rings)
-    ready = shmring.wait_any(views, timeout, spin_us)
+    ready = shmring.wait_any(views, timeout)
     return [views[i] for i in ready]
