@@ -181,6 +181,30 @@ def test_malformed_frames_each_get_one_answer(daemon):
     assert daemon.proc.poll() is None  # still serving
 
 
+def test_client_gone_mid_request_aborts(daemon):
+    """A client that vanishes (no bye, socket closed) gets its requests aborted, not leaked."""
+    with Client(daemon.address, timeout=30) as c:
+        aborted_before = c.stats()["requests_finished"].get("abort", 0)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(daemon.address)
+    sock.send(P.encode(P.Generate(id="gone", prompt="x", max_tokens=240, temperature=0,
+                                  ignore_eos=True, stream=True)))
+    assert sock.poll(60_000), "no first delta"
+    assert isinstance(P.decode_reply(sock.recv()), P.Delta)
+    sock.close(0)  # ZMQ drops the peer; the daemon's next send to it fails
+    with Client(daemon.address, timeout=30) as c:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            stats = c.stats()
+            if stats["requests_inflight"] == 0 and stats["running"] == 0:
+                break
+            time.sleep(0.1)
+        assert stats["requests_inflight"] == 0 and stats["running"] == 0, stats
+        assert stats["kv_blocks_used"] == 0, stats
+        assert stats["clients_dropped"] >= 1, stats
+        assert stats["requests_finished"]["abort"] == aborted_before + 1, stats
+
+
 def test_sigterm_drains_then_exits_clean(daemon):
     """Last in the module: in-flight requests finish, new ones are refused, shm is gone."""
     with Client(daemon.address, timeout=120) as c:
