@@ -44,7 +44,7 @@ def test_nvcc_compiles(source: Path, tmp_path: Path):
 
 def test_cuda_sources_present():
     names = {p.name for p in CU_SOURCES}
-    assert {"kernels.cu", "layer_signal.cu"} <= names
+    assert {"kernels.cu", "attention.cu", "layer_signal.cu"} <= names
 
 
 @pytest.mark.parametrize("lang", ["c", "c++"])

@@ -3,8 +3,14 @@
 CPU tensors go to ``pipeline._ext.cpu_ops`` (C over OpenMP, GIL released), CUDA tensors to
 ``pipeline._ext.cuda_ops`` (kernels launched on the current stream). When an extension is
 not built the plain-torch versions in ``ops_ref`` run instead, after a one-time warning.
-This module owns no state besides the cached extension handles; it validates shapes,
-dtypes, devices and contiguity so the kernels can trust raw pointers.
+This module owns no state besides the cached extension handles and the last validated
+attention metadata; it validates shapes, dtypes, devices and contiguity so the kernels can
+trust raw pointers. Index values (slots, block ids, lengths) are checked by the CPU kernels,
+which report the first bad one; on CUDA they are not (that would need a device sync): bad
+slots are skipped there, other bad values give wrong results.
+
+The CPU kernels run on the OpenMP pool torch uses (one libgomp per process), so
+``torch.set_num_threads`` sizes both.
 
 Layouts: ``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``;
 ``q`` is ``[T, num_heads, head_dim]``, key/value ``[T, num_kv_heads, head_dim]`` (rows may be
