@@ -92,7 +92,22 @@ def test_real_model_preemption_gives_identical_greedy_outputs():
             outs = llm.generate(prompts, sp)
             results[num_blocks] = ([o.token_ids for o in outs], llm.stats()["num_preemptions"])
             iid = llm.config.instance_id
+            if num_blocks == 48:
+                # Prefix and output caching with the real worker: a second turn that repeats
+                # prompt + answer starts from cached KV past the prompt, and the KV it reuses
+                # gives the same greedy continuation as computing everything.
+                first = outs[0]
+                turn2 = first.prompt_token_ids + first.token_ids
+                again = llm.generate([turn2], SamplingParams(max_tokens=4, temperature=0.0,
+                                                             ignore_eos=True))[0]
+                assert again.num_cached_tokens > len(first.prompt_token_ids)
+        assert not [n for n in os.listdir("/dev/shm") if iid in n]
     assert results[48][1] == 0 and results[10][1] > 0
     assert results[10][0] == results[48][0]
     assert all(len(t) == 16 for t in results[10][0])
-    assert not [n for n in os.listdir("/dev/shm") if iid in n]
+    with LLM(device="cpu", dtype="float32", block_size=8, num_blocks=48, max_model_len=64,
+             enable_prefix_caching=False) as llm:
+        fresh = llm.generate([turn2], SamplingParams(max_tokens=4, temperature=0.0,
+                                                     ignore_eos=True))[0]
+        assert fresh.num_cached_tokens == 0
+    assert again.token_ids == fresh.token_ids
