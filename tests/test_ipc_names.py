@@ -15,7 +15,8 @@ import pytest
 from test_ipc_procs import CTX, make_instance_and_wait
 
 from pipeline.ipc import ShmSpaceError
-from pipeline.ipc.names import Instance, list_entries, shm_free_bytes, sweep_stale
+from pipeline.ipc.names import (Instance, create_segment, list_entries, shm_free_bytes, sweep_stale,
+                                 unlink_segment)
 from pipeline.ipc.ring import Ring
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +72,7 @@ def test_too_small_shm_says_asked_and_free():
 
 def test_sigterm_leaves_nothing_behind():
     p, iid = _spawn_instance(leak=False)
-    assert len(list_entries(iid)) == 6
+    assert len(list_entries(iid)) == 7
     os.kill(p.pid, signal.SIGTERM)
     p.join(20)
     assert p.exitcode == -signal.SIGTERM  # still dies by the signal, after cleaning up
@@ -83,7 +84,7 @@ def test_sweep_stale_removes_only_dead_instances():
         Ring.create(live, "mine", 4096)
         p, iid = _spawn_instance(leak=True)
         p.join(20)
-        assert len(list_entries(iid)) == 6
+        assert len(list_entries(iid)) == 7
         removed = sweep_stale()
         assert set(list_entries(iid)) == set() and len(set(removed) & {f"sem.pipeline.{iid}.sem"}) == 1
         assert len(list_entries(live.id)) == 2  # the live instance is untouched
@@ -107,3 +108,14 @@ def test_header_compiles_as_c_and_cxx_with_documented_layout(tmp_path, compiler,
             "pipeline_signal_publish((void *)0, -1, 0)", "(void)pipeline_signal_publish"))
     subprocess.run([compiler, f"-std={std}", "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
                     f"-I{ROOT / 'cython_ext'}", str(src)], check=True)
+
+
+def test_orphans_without_owner_record():
+    # A default id names its creator: debris of a dead creator goes, a live one's stays.
+    name = f"/pipeline.{os.getpid()}-abc.x"
+    seg = create_segment(name, 4096)
+    sweep_stale()
+    assert list_entries(f"{os.getpid()}-abc") == [f"pipeline.{os.getpid()}-abc.x"]
+    unlink_segment(name)
+    seg.close()
+    assert list_entries(f"{os.getpid()}-abc") == []

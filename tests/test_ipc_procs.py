@@ -102,7 +102,7 @@ def make_instance_and_wait(conn, leak: bool) -> None:
     """Creates one of everything, reports its instance id, then blocks until killed."""
     import os
     from pipeline.ipc.broadcast import BroadcastRing
-    from pipeline.ipc.names import Instance
+    from pipeline.ipc.names import Instance, create_segment
     from pipeline.ipc.ring import Doorbell
     from pipeline.ipc.signal import LayerSignal
     inst = Instance()
@@ -111,6 +111,7 @@ def make_instance_and_wait(conn, leak: bool) -> None:
     BroadcastRing.create(inst, "b", 4096, 2)
     LayerSignal.create(inst, "sig", 4)
     inst.create_semaphore("sem")
+    create_segment(f"/pipeline.{inst.id}.loose", 4096)  # outside the Instance, like a KV pool
     conn.send(inst.id)
     if leak:
         os._exit(0)  # skips atexit: leaves everything behind for sweep_stale

@@ -14,6 +14,7 @@ import re
 import secrets
 import signal
 import threading
+import time
 from types import FrameType
 
 import posix_ipc
@@ -25,6 +26,7 @@ SHM_DIR = "/dev/shm"
 PREFIX = "pipeline."
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _WHAT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,96}$")
+ORPHAN_GRACE_S = 600.0  # age after which entries without an owner record count as debris
 
 
 def _start_time(pid: int) -> int | None:
@@ -57,7 +59,22 @@ def shm_free_bytes() -> int:
 
 
 def create_segment(name: str, size: int) -> Segment:
-    """Create `name` exclusively (mode 0600), reserve its pages and map it pre-faulted."""
+    """Create `name` exclusively (mode 0600), reserve its pages and map it pre-faulted.
+
+    Outside an `Instance` (e.g. a worker's KV pool named under its gateway's instance id) the
+    name is still unlinked when this process exits or gets SIGTERM; `unlink_segment` earlier."""
+    seg = _create(name, size)
+    _install_hooks()
+    _loose[name] = os.getpid()
+    return seg
+
+
+def unlink_segment(name: str) -> None:
+    _unlink(name, "shm")
+    _loose.pop(name, None)
+
+
+def _create(name: str, size: int) -> Segment:
     if size <= 0:
         raise ValueError(f"segment size={size} must be > 0")
     free = shm_free_bytes()
@@ -110,7 +127,7 @@ class Instance:
         self.owner_pid = os.getpid()
         self._created: list[tuple[str, str]] = []
         self._lock = threading.Lock()
-        owner = create_segment(self.name("owner"), 64)
+        owner = _create(self.name("owner"), 64)
         record = f"{self.owner_pid} {_start_time(self.owner_pid) or 0}\n".encode()
         memoryview(owner)[: len(record)] = record
         owner.close()
@@ -123,7 +140,7 @@ class Instance:
 
     def create_segment(self, what: str, size: int) -> Segment:
         name = self.name(what)
-        seg = create_segment(name, size)
+        seg = _create(name, size)
         with self._lock:
             self._created.append((name, "shm"))
         return seg
@@ -167,14 +184,27 @@ def list_entries(instance_id: str | None = None) -> list[str]:
     return sorted(n for n in names if n.startswith(want) or n.startswith("sem." + want))
 
 
-def _owner_alive(instance_id: str) -> bool:
+def _owner_alive(instance_id: str, entries: list[str]) -> bool:
     try:
         with open(f"{SHM_DIR}/{PREFIX}{instance_id}.owner", "rb") as f:
             pid, start = (int(x) for x in f.read(64).rstrip(b"\0").split())
+        return pid_alive(pid, start or None)
     except (FileNotFoundError, ValueError):
-        # The record is created first and unlinked last: without it, what remains is debris.
-        return False
-    return pid_alive(pid, start or None)
+        pass
+    # No owner record (it is created first and unlinked last): debris of a crash during
+    # cleanup, or segments made outside an Instance. A default id names its creator's pid;
+    # for any other id only old entries are taken for debris.
+    m = re.match(r"^(\d+)-[0-9a-f]+$", instance_id)
+    if m:
+        return pid_alive(int(m.group(1)))
+    now = time.time()
+    for e in entries:
+        try:
+            if now - os.stat(f"{SHM_DIR}/{e}").st_mtime < ORPHAN_GRACE_S:
+                return True
+        except FileNotFoundError:
+            pass
+    return False
 
 
 def sweep_stale() -> list[str]:
@@ -185,7 +215,7 @@ def sweep_stale() -> list[str]:
         base = entry[4:] if entry.startswith("sem.") else entry
         by_id.setdefault(base[len(PREFIX):].split(".", 1)[0], []).append(entry)
     for iid, entries in by_id.items():
-        if _owner_alive(iid):
+        if _owner_alive(iid, entries):
             continue
         for entry in sorted(entries, key=lambda e: e.endswith(".owner")):
             if entry.startswith("sem."):
@@ -202,9 +232,16 @@ _prev_sigterm: object = None
 _hooks_installed = False
 
 
+_loose: dict[str, int] = {}  # segments made by create_segment outside an Instance -> creator
+
+
 def _register(inst: Instance) -> None:
-    global _hooks_installed, _prev_sigterm
     _live.append(inst)
+    _install_hooks()
+
+
+def _install_hooks() -> None:
+    global _hooks_installed, _prev_sigterm
     if _hooks_installed:
         return
     atexit.register(_cleanup_all)
@@ -221,6 +258,9 @@ def _unregister(inst: Instance) -> None:
 def _cleanup_all() -> None:
     for inst in list(_live):
         inst.cleanup()
+    for name, pid in list(_loose.items()):
+        if pid == os.getpid():
+            unlink_segment(name)
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
