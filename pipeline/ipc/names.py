@@ -4,7 +4,8 @@ An `Instance` owns the name prefix `/pipeline.<instance_id>.` and every segment 
 semaphore created under it. Its owner record `/pipeline.<id>.owner` (created first, unlinked
 last) holds the creating pid and that process's start time, so `sweep_stale()` can tell a dead
 instance from a live one even when a pid was reused. Cleanup runs on `cleanup()`, at normal
-exit and on SIGTERM, only in the process that created the instance (never in forked children).
+exit and on SIGTERM, only in the process that created the instance (never in forked children);
+the same holds for segments made with the module-level `create_segment` outside an Instance.
 """
 from __future__ import annotations
 

@@ -18,7 +18,10 @@ MAX_LAYERS = 4096
 
 class LayerSignal(shmring.SignalView):
     """publish(step, layer); wait(step, layer, timeout) returns once that layer of that step,
-    or of a later one, was published; published(layer) -> last step or -1."""
+    or of a later one, was published; published(layer) -> last step or -1.
+
+    One publisher, publishing steps in increasing order, and one waiting process: the parker
+    has a single waiter slot (a second waiter still returns, up to slice_s late)."""
 
     @classmethod
     def create(cls, instance: Instance, what: str, num_layers: int, spin_us: float = 0.0,
