@@ -19,8 +19,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pipeline.client_base import (CLOSED, DEFAULT_TIMEOUT_S, LOST_EVENTS, RequestError, error_result,
-                                  generate_msg, lost_error, new_socket, route)
+from pipeline.client_base import (CLOSED, DEFAULT_TIMEOUT_S, MONITOR_EVENTS, Connection, RequestError,
+                                  error_result, generate_msg, new_socket, route)
 from pipeline.entrypoints import protocol as P
 from pipeline.output.types import RequestDelta, RequestResult
 
@@ -33,10 +33,10 @@ class AsyncClient:
                  curve_keys_dir: str | Path | None = None,
                  heartbeat_interval: float = P.HEARTBEAT_INTERVAL_S) -> None:
         self.timeout = timeout
-        self._address = address
+        self._conn = Connection(address)
         self._ctx = zmq.asyncio.Context()
         self._sock = new_socket(self._ctx, address, curve_keys_dir, curve_server_key)
-        self._mon = self._sock.get_monitor_socket(LOST_EVENTS)
+        self._mon = self._sock.get_monitor_socket(MONITOR_EVENTS)
         self._hb = heartbeat_interval
         self._waiting: dict[str, tuple[asyncio.Queue, bool]] = {}  # id -> (queue, is generate)
         self._sending: dict[str, asyncio.Future] = {}  # sends still waiting for a peer
@@ -129,6 +129,9 @@ class AsyncClient:
         if rid in self._waiting:
             raise ValueError(f"id: request {rid!r} is already in flight on this client")
         q: asyncio.Queue = asyncio.Queue()
+        if self._conn.refused is not None:  # see Connection.on_event
+            q.put_nowait(error_result(rid, self._conn.refused) if is_generate else RequestError(self._conn.refused))
+            return q
         self._waiting[rid] = (q, is_generate)
         # Not awaited: a DEALER send waits while no daemon is connected, and the caller
         # must keep waiting on its queue (answer, time-out or lost connection) meanwhile.
@@ -183,7 +186,9 @@ class AsyncClient:
     async def _monitor(self) -> None:
         while True:
             event = parse_monitor_message(await self._mon.recv_multipart())["event"]
-            err = lost_error(event, self._address)
+            err = self._conn.on_event(event)
+            if err is None:
+                continue
             lost, self._waiting = self._waiting, {}
             for rid, (q, is_generate) in lost.items():
                 q.put_nowait(error_result(rid, err) if is_generate else RequestError(err))

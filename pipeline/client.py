@@ -33,10 +33,10 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from pipeline.client_base import (CLOSED, DEFAULT_TIMEOUT_S, LOST_EVENTS, RequestError, error_result,
-                                  generate_msg, lost_error, new_socket, route)
+from pipeline.client_base import (CLOSED, DEFAULT_TIMEOUT_S, MONITOR_EVENTS, Connection, RequestError,
+                                  error_result, generate_msg, new_socket, route)
 from pipeline.entrypoints import protocol as P
-from pipeline.output.types import RequestDelta, RequestResult
+from pipeline.output.types import ErrorInfo, RequestDelta, RequestResult
 
 __all__ = ["AsyncClient", "Client", "RequestError"]
 
@@ -58,7 +58,7 @@ class Client:
         self.timeout = timeout
         self._ctx = zmq.Context()
         self._sock = new_socket(self._ctx, address, curve_keys_dir, curve_server_key)
-        self._address = address
+        self._conn = Connection(address)
         self._hb = heartbeat_interval
         self._out: queue.SimpleQueue[tuple[str | None, bytes]] = queue.SimpleQueue()
         # request id -> (its reply queue, whether it is a generate)
@@ -176,7 +176,7 @@ class Client:
     def _io_loop(self) -> None:
         sock, poller = self._sock, zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
-        mon = sock.get_monitor_socket(LOST_EVENTS)
+        mon = sock.get_monitor_socket(MONITOR_EVENTS)
         poller.register(mon, zmq.POLLIN)
         # A DEALER blocks on send while it has no peer (daemon down, handshake refused):
         # never block here, keep unsent frames and wait for POLLOUT instead.
@@ -205,7 +205,10 @@ class Client:
                     self._deliver(frame)
                 if mon in events:
                     while (ev := _monitor_event(mon)) is not None:
-                        self._connection_lost(ev, backlog)
+                        if (err := self._conn.on_event(ev)) is not None:
+                            self._connection_lost(err, backlog)
+                if self._conn.refused is not None and self._waiting:
+                    self._connection_lost(self._conn.refused, backlog)
             self._try_send(P.encode(P.Bye()))
         finally:
             sock.disable_monitor()
@@ -224,7 +227,7 @@ class Client:
             except queue.Empty:
                 return
 
-    def _connection_lost(self, event: int, backlog: collections.deque[tuple[str | None, bytes]]) -> None:
+    def _connection_lost(self, err: ErrorInfo, backlog: collections.deque[tuple[str | None, bytes]]) -> None:
         """The daemon went away or refused us: every request in flight ends now with an
         error instead of at its time-out (the caller may retry). Unsent frames are dropped;
         for sent generates an abort is queued, so a frame that ZMQ still holds and delivers
@@ -236,7 +239,6 @@ class Client:
         kept = [(rid, f) for rid, f in backlog if rid is None or rid not in lost]
         backlog.clear()
         backlog.extend(kept)
-        err = lost_error(event, self._address)
         for rid, (q, is_generate) in lost.items():
             q.put(error_result(rid, err) if is_generate else RequestError(err))
             if is_generate and rid not in unsent:

@@ -44,16 +44,31 @@ def route(frame: bytes) -> tuple[str | None, object, bool]:
     return msg.id, msg, True
 
 
-LOST_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                  | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | REFUSED_EVENTS
 
 
-def lost_error(event: int, address: str) -> ErrorInfo:
-    if event == zmq.EVENT_DISCONNECTED:
-        return ErrorInfo("connection_lost", f"lost the connection to {address}; "
-                                            "requests in flight there are gone")
-    return ErrorInfo("handshake_failed", f"{address} refused the connection "
-                                         "(CURVE keys not accepted, or not a pipeline daemon)")
+class Connection:
+    """What the socket monitor says about the link to the daemon (client-side state)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.refused: ErrorInfo | None = None  # set while the daemon refuses our handshake
+
+    def on_event(self, event: int) -> ErrorInfo | None:
+        """The error that ends the requests in flight, if this event ends them."""
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.refused = None
+            return None
+        if event & REFUSED_EVENTS:
+            # ZMQ may stop retrying after a refusal: later requests must not hang either.
+            self.refused = ErrorInfo("handshake_failed", f"{self.address} refused the connection "
+                                     "(CURVE keys not accepted, or not a pipeline daemon)")
+            return self.refused
+        # A refused handshake is followed by a disconnect: keep reporting the refusal.
+        return self.refused or ErrorInfo("connection_lost", f"lost the connection to {self.address}; "
+                                                            "requests in flight there are gone")
 
 
 def error_result(rid: str, error: ErrorInfo) -> RequestResult:
