@@ -35,6 +35,34 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model for the decode-step reference")
     p.add_argument("--no-model", action="store_true", help="skip the real decode-step reference")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--preemption-check", type=int, default=0, metavar="N",
+                   help="also run N greedy requests through the real model with a pool small "
+                        "enough to preempt and one large enough not to; report preemptions "
+                        "and whether outputs are identical (minutes on CPU)")
+
+
+def preemption_check(n: int, a: argparse.Namespace) -> dict:
+    from pipeline.llm import LLM  # noqa: PLC0415
+
+    prompts = [f"Request {i}: write a long story about the number {i * 13}" for i in range(n)]
+    sp = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+    bs = a.block_size
+    per_req = -(-128 // bs)
+    runs = {}
+    for num_blocks in (n * per_req + 8, max(per_req, n * per_req // 5)):
+        t0 = time.perf_counter()
+        with LLM(a.model, device=a.device, dtype="float32", block_size=bs, max_model_len=128,
+                 num_blocks=num_blocks, max_num_seqs=n, max_num_batched_tokens=1024) as llm:
+            outs = llm.generate(prompts, sp)
+            st = llm.stats()
+        runs[num_blocks] = ([o.token_ids for o in outs], st["num_preemptions"],
+                            time.perf_counter() - t0)
+    (big, small) = runs
+    same = sum(x == y for x, y in zip(runs[big][0], runs[small][0]))
+    return {"requests": n, "big_pool_blocks": big, "small_pool_blocks": small,
+            "preemptions_small_pool": runs[small][1], "preemptions_big_pool": runs[big][1],
+            "identical_outputs": f"{same}/{n}", "small_pool_s": runs[small][2],
+            "big_pool_s": runs[big][2]}
 
 
 def _requests(n: int, prompt_len: int, shared: int, max_tokens: int,
@@ -149,6 +177,11 @@ def main(a: argparse.Namespace) -> int:
         if d is not None:
             rows[n]["model_decode_step_ms"] = d * 1e3
             rows[n]["sched_share_of_decode_pct"] = 100 * rows[n]["step_ms"] / (d * 1e3)
+    if a.preemption_check:
+        pc = rep.add("preemption check (real model, greedy)", **preemption_check(a.preemption_check, a))
+        rep.target("outputs identical under preemption", pc["identical_outputs"],
+                   f"{a.preemption_check}/{a.preemption_check}",
+                   pc["identical_outputs"] == f"{a.preemption_check}/{a.preemption_check}")
     per_tok = bench_hashing(a.block_size)
     rep.add("block hashing", hash_ns_per_token=per_tok * 1e9, block_size=a.block_size)
     big, small = max(sizes), min(sizes)
