@@ -160,7 +160,7 @@ static inline int pl_wait_slice(pl_parker *p, pl_cond_fn cond, const void *ctx, 
             pl_cpu_relax();
             if (cond(ctx))
                 return 1;
-            if ((i & 63) == 0 && pl_now_ns() >= until)
+            if ((i & 15) == 0 && pl_now_ns() >= until)
                 break;
         }
     }
