@@ -139,3 +139,19 @@ def test_prefix_hit_stops_at_first_miss_and_spares_the_last_token():
     diverge = _req([0, 1, 2, 3, 99, 5, 6, 7, 8])
     m.hash_new_blocks(diverge)
     assert m.get_computed_blocks(diverge)[1] == 4
+
+
+def test_a_hash_collision_never_hands_out_foreign_kv():
+    m = KVCacheManager(16, 4, hash_key=b"k")
+    owner = _req([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    m.hash_new_blocks(owner)
+    m.allocate_slots(owner, 9)
+    owner.num_computed_tokens = 9
+    m.cache_computed_blocks(owner)
+    probe = _req([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    m.hash_new_blocks(probe)
+    assert m.get_computed_blocks(probe)[1] == 8
+    # Forge a collision: the second block's hash now maps to different content.
+    owner.blocks[1].block_key = owner.blocks[1].block_key[:-4] + b"\0\0\0\0"
+    hits, n = m.get_computed_blocks(probe)
+    assert n == 4 and hits == owner.blocks[:1]

@@ -70,10 +70,11 @@ class KVCacheManager:
             return [], 0
         limit = min(len(req.block_hashes), (req.num_tokens - 1) // self.block_size)
         hits: list[KVBlock] = []
-        lookup = self.pool.lookup
+        cached = self.pool.cached
         for i in range(limit):
-            b = lookup(req.block_hashes[i], self._block_key(req, i))
-            if b is None:
+            b = cached.get(req.block_hashes[i])
+            # The exact bytes are built only on a hash hit, to verify it.
+            if b is None or b.block_key != self._block_key(req, i):
                 break
             hits.append(b)
         return hits, len(hits) * self.block_size
