@@ -1,9 +1,9 @@
 """asyncio client of ``pipeline serve``: ``AsyncClient`` (also importable from pipeline.client).
 
 Not a stage: client-side state only. One DEALER socket (zmq.asyncio) multiplexes all
-requests; a reader task routes replies by request id to per-request asyncio queues, a pinger
-task sends the heartbeat and a monitor task ends the requests of a lost connection, so any
-number of tasks of one event loop may share it. Same protocol, time-out, error and
+requests; an I/O task routes replies by request id to per-request asyncio queues and watches
+the socket monitor (ending the requests of a lost connection), a pinger task sends the
+heartbeat, so any number of tasks of one event loop may share it. Same protocol, time-out, error and
 connection-loss rules as ``pipeline.client.Client`` (see its docstring).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from zmq.utils.monitor import parse_monitor_message
 from pipeline.client_base import (CLOSED, DEFAULT_TIMEOUT_S, MONITOR_EVENTS, Connection, RequestError,
                                   error_result, generate_msg, new_socket, route)
 from pipeline.entrypoints import protocol as P
-from pipeline.output.types import RequestDelta, RequestResult
+from pipeline.output.types import ErrorInfo, RequestDelta, RequestResult
 
 
 class AsyncClient:
@@ -125,7 +125,7 @@ class AsyncClient:
         if self._closed:
             raise RequestError(CLOSED)
         if not self._tasks:  # started lazily: the loop must be running
-            self._tasks = [asyncio.create_task(c) for c in (self._reader(), self._pinger(), self._monitor())]
+            self._tasks = [asyncio.create_task(c) for c in (self._io(), self._pinger())]
         if rid in self._waiting:
             raise ValueError(f"id: request {rid!r} is already in flight on this client")
         q: asyncio.Queue = asyncio.Queue()
@@ -166,16 +166,36 @@ class AsyncClient:
         except zmq.Again:
             return False
 
-    async def _reader(self) -> None:
+    async def _io(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._mon, zmq.POLLIN)
         while True:
-            frame = await self._sock.recv()
-            try:
-                rid, item, last = route(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-            w = self._waiting.pop(rid, None) if last else self._waiting.get(rid)
-            if w is not None:
-                w[0].put_nowait(item)
+            events = dict(await poller.poll())
+            # Answers first: a daemon's last answers precede the disconnect they cause.
+            while True:
+                try:
+                    frame = await self._sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._deliver(frame)
+            if self._mon in events:
+                while True:
+                    try:
+                        event = parse_monitor_message(await self._mon.recv_multipart(zmq.NOBLOCK))["event"]
+                    except zmq.Again:
+                        break
+                    if (err := self._conn.on_event(event)) is not None:
+                        await self._connection_lost(err)
+
+    def _deliver(self, frame: bytes) -> None:
+        try:
+            rid, item, last = route(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        w = self._waiting.pop(rid, None) if last else self._waiting.get(rid)
+        if w is not None:
+            w[0].put_nowait(item)
 
     async def _pinger(self) -> None:
         ping = P.encode(P.Ping())
@@ -183,17 +203,13 @@ class AsyncClient:
             await self._send_nowait(ping)
             await asyncio.sleep(self._hb)  # the heartbeat period, not a synchronisation
 
-    async def _monitor(self) -> None:
-        while True:
-            event = parse_monitor_message(await self._mon.recv_multipart())["event"]
-            err = self._conn.on_event(event)
-            if err is None:
-                continue
-            lost, self._waiting = self._waiting, {}
-            for rid, (q, is_generate) in lost.items():
-                q.put_nowait(error_result(rid, err) if is_generate else RequestError(err))
-                unsent = self._sending.pop(rid, None)
-                if unsent is not None:
-                    unsent.cancel()
-                elif is_generate:  # see Client._connection_lost
-                    await self._send_nowait(P.encode(P.Abort(id=rid)))
+    async def _connection_lost(self, err: ErrorInfo) -> None:
+        """See Client._connection_lost."""
+        lost, self._waiting = self._waiting, {}
+        for rid, (q, is_generate) in lost.items():
+            q.put_nowait(error_result(rid, err) if is_generate else RequestError(err))
+            unsent = self._sending.pop(rid, None)
+            if unsent is not None:
+                unsent.cancel()
+            elif is_generate:
+                await self._send_nowait(P.encode(P.Abort(id=rid)))

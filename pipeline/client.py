@@ -197,7 +197,9 @@ class Client:
                 self._drain_out(backlog)
                 while backlog and self._try_send(backlog[0][1]):
                     backlog.popleft()
-                while events.get(sock, 0) & zmq.POLLIN:
+                # Answers first: a daemon's last answers precede the disconnect they cause,
+                # and the poll may have seen the monitor's event but not yet those frames.
+                while sock in events or mon in events:
                     try:
                         frame = sock.recv(zmq.NOBLOCK)
                     except zmq.Again:
