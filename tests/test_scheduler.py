@@ -268,7 +268,7 @@ def test_seed001_preempted_in_flight_caches_nothing():
     r5 = w.execute(so5)  # C writes its KV into A's old block
     assert a_block in s.requests["C"].blocks
     outs = s.update_from_output(so4, r4)  # A's stale result arrives
-    assert all(o.req_id != "A" for o in outs)
+    assert all(o.req_id != "A" for o in outs) and s.stats()["stale_results_dropped"] == 1
     assert a_hash not in s.kv.pool.cached and a_block.block_hash != a_hash
     e.record(outs)
     e.record(s.update_from_output(so5, r5))

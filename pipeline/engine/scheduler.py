@@ -77,6 +77,7 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_computed_tokens = 0  # prompt, recomputed and decode tokens run by the worker
         self.num_generated_tokens = 0
+        self.num_stale_results = 0  # results for requests preempted/aborted while in flight
 
     # -- admission and abort ------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
@@ -263,6 +264,7 @@ class Scheduler:
             req = requests.get(rid)
             # Stale: aborted, finished, preempted (maybe re-admitted) since it was scheduled.
             if req is None or req.scheduled_step != step:
+                self.num_stale_results += 1
                 continue
             req.scheduled_step = -1
             computed = req.num_computed_tokens + n
@@ -319,6 +321,7 @@ class Scheduler:
                 "prompt_tokens": self.num_prompt_tokens,
                 "computed_tokens": self.num_computed_tokens,
                 "generation_tokens": self.num_generated_tokens,
+                "stale_results_dropped": self.num_stale_results,
                 "reserve_blocks_per_running": self._reserve}
 
     def check_invariants(self) -> list[str]:
