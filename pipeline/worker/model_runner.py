@@ -53,6 +53,9 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: torch.device) -
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        if config.tensor_parallel_size != 1:
+            raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size}: the model runner "
+                             f"does not shard weights yet; only 1 is supported")
         self.config = config
         self.rank = rank
         dev = config.resolved_device()
@@ -91,6 +94,8 @@ class ModelRunner:
         model.rotary.reset()
         model.tie_weights()
         load_weights(model, self.config.model)
+        if self.device.type == "cpu":
+            model.transpose_weights()
         self.model = model.eval()
         nparams = sum(p.numel() for p in model.parameters())
         print(f"model: {mc.architecture} {nparams / 1e6:.1f}M params, {self.dtype}, {self.device}, "
