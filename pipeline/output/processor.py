@@ -110,12 +110,12 @@ class OutputProcessor:
     def abort(self, req_id: str, finish_reason: str = "abort",
               error: ErrorInfo | None = None) -> RequestResult | None:
         """Finish a request here (client gone, stage died, time-out). None if already over;
-        later engine outputs for it are dropped."""
+        later engine outputs for it are dropped. Its text is what was already released:
+        a held-back possible stop-string prefix or incomplete character is dropped, so the
+        final text still equals the concatenated deltas."""
         st = self._reqs.get(req_id)
         if st is None:
             return None
-        tail = st.detok.flush()
-        st.text.append(st.stop.feed(tail, check=False)[0])
         return self._finish(st, finish_reason, None, error, self.clock())
 
     def abort_all(self, error: ErrorInfo | None = None) -> list[RequestResult]:
