@@ -58,22 +58,31 @@ class LLM:
         self._ids = itertools.count()
 
     def _init_tokenizer(self, model_dir: Path) -> None:
-        from tokenizers import Tokenizer  # noqa: PLC0415
-
         from pipeline.output.detokenizer import DetokenizerTable  # noqa: PLC0415
         from pipeline.output.processor import OutputProcessor  # noqa: PLC0415
+        from pipeline.worker.tokenizer import Tokenizer  # noqa: PLC0415
 
-        path = model_dir / "tokenizer.json"
-        if not path.is_file():
-            raise ValueError(f"no tokenizer.json in {model_dir}; pass skip_tokenizer_init=True "
-                             f"and token-id prompts")
-        self.tokenizer = Tokenizer.from_file(str(path))
-        self.processor = OutputProcessor(DetokenizerTable(self.tokenizer))
+        try:
+            self.tokenizer = Tokenizer(model_dir)
+        except FileNotFoundError as exc:
+            raise ValueError(f"{exc}; pass skip_tokenizer_init=True and token-id prompts") from None
+        self.processor = OutputProcessor(DetokenizerTable(self.tokenizer.tok))
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True was set)")
-        return self.tokenizer.encode(prompt).ids
+        return self.tokenizer.encode(prompt)
+
+    def chat(self, conversations: list[list[dict]] | list[dict],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             **kw: Any) -> list[RequestOutput]:
+        """Like ``generate`` on chat messages rendered with the model's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True was set)")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        ids = [self.tokenizer.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(ids, sampling_params, **kw)
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -111,3 +111,15 @@ def test_real_model_preemption_gives_identical_greedy_outputs():
                                                      ignore_eos=True))[0]
         assert fresh.num_cached_tokens == 0
     assert again.token_ids == fresh.token_ids
+
+
+def test_chat_renders_the_template_then_generates():
+    llm = fake_llm()
+    msgs = [{"role": "user", "content": "Hi there"}]
+    if llm.tokenizer.chat_template is None:
+        with pytest.raises(ValueError, match="chat template"):
+            llm.chat(msgs)
+        return
+    out = llm.chat(msgs, SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert out.prompt_token_ids == llm.tokenizer.apply_chat_template(msgs)
+    assert len(out.token_ids) == 3
