@@ -20,12 +20,13 @@ class StopChecker:
     option of that name); otherwise the output ends right before it.
     """
 
-    __slots__ = ("stops", "include", "max_len", "_tail", "stopped_on")
+    __slots__ = ("stops", "include", "max_len", "_last_chars", "_tail", "stopped_on")
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
         self.stops: tuple[str, ...] = tuple(s for s in stop if s)
         self.include = include_stop_str_in_output
         self.max_len = max((len(s) for s in self.stops), default=0)
+        self._last_chars = tuple({s[-1] for s in self.stops})
         self._tail = ""
         self.stopped_on: str | None = None
 
@@ -52,7 +53,8 @@ class StopChecker:
         # hit ends in the new text. The hit that completes first wins (ties: the longer one),
         # which makes the result independent of how the text was split into deltas.
         hit_at, hit_end, hit = -1, -1, None
-        for s in self.stops:
+        # A hit ends in the new text, so it needs a stop string's last char there.
+        for s in self.stops if any(c in delta for c in self._last_chars) else ():
             i = buf.find(s)
             if i >= 0 and (hit is None or i + len(s) < hit_end or (i + len(s) == hit_end and i < hit_at)):
                 hit_at, hit_end, hit = i, i + len(s), s
