@@ -69,7 +69,11 @@ TABLES = {k: DetokenizerTable(t) for k, t in TOKENIZERS.items()}
 
 def stream(kind: str, ids: list[int], skip: bool = True, prompt: list[int] | None = None) -> str:
     d = TABLES[kind].detokenizer(skip_special_tokens=skip, prompt_token_ids=prompt)
-    return "".join(d.add_token(i) for i in ids) + d.flush()
+    parts = []
+    for i in ids:
+        parts.append(d.add_token(i))
+        assert d.pending_bytes <= 3  # bounded state: per-token work never grows with the output
+    return "".join(parts) + d.flush()
 
 
 def check(kind: str, ids: list[int], skip: bool) -> None:

@@ -161,6 +161,12 @@ class IncrementalDetokenizer:
             text = self._strip(text)
         return text
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes held back (an incomplete character): at most 3, which is what keeps every
+        token's cost independent of the output length."""
+        return len(self._utf8.getstate()[0])
+
     def add_tokens(self, token_ids: Iterable[int]) -> str:
         return "".join([self.add_token(t) for t in token_ids])
 
