@@ -23,6 +23,7 @@
  * threads costs more than it saves, and far more when the cores are oversubscribed. */
 #define PIPE_PAR_MIN_FMAS (1 << 18)
 #define PIPE_NEG_BIG (-1e30f) /* finite: exp(a - b) stays 0 or 1, never NaN */
+#define PIPE_ENOMEM (-2)      /* returned when per-call scratch cannot be allocated */
 
 typedef struct {
     const char *q, *k_cache, *v_cache;
@@ -117,14 +118,15 @@ static void pipe_attn_item(const pipe_attn_args *a, int64_t b, int64_t tile, int
     }
 }
 
-/* Returns the index of a malformed sequence, or -1 once `out` [T, H, D] is written.
- * Rows of `out` past cu_seqlens_q[num_seqs] (padding) are zeroed. */
+/* Returns the index of a malformed sequence, PIPE_ENOMEM, or -1 once `out` [T, H, D] is
+ * written. Rows of `out` past cu_seqlens_q[num_seqs] (padding) are zeroed. */
 static int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) {
     const int64_t bad = pipe_attn_validate(a);
     if (bad >= 0) return bad;
     const int64_t B = a->num_seqs, H = a->num_heads, D = a->head_dim, Hkv = a->num_kv_heads;
     const int64_t group = H / Hkv, esz = pipe_dtype_size(a->dtype), bs = a->block_size;
-    int64_t *tile_end = (int64_t *)malloc((size_t)B * sizeof(int64_t));
+    int64_t *tile_end = (int64_t *)malloc((size_t)(B > 0 ? B : 1) * sizeof(int64_t));
+    if (tile_end == NULL) return PIPE_ENOMEM;
     int64_t tiles = 0, max_ctx = 0, fmas = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t q_len = a->cu_seqlens_q[b + 1] - a->cu_seqlens_q[b];
@@ -143,16 +145,25 @@ static int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) 
         if (nsplit < 1) nsplit = 1;
     }
     float *part = NULL; /* per (token, head, split): m, l, acc[D] */
-    if (nsplit > 1) part = (float *)malloc((size_t)(a->num_tokens * H * nsplit * (D + 2)) * sizeof(float));
+    if (nsplit > 1) {
+        part = (float *)malloc((size_t)(a->num_tokens * H * nsplit * (D + 2)) * sizeof(float));
+        if (part == NULL) nsplit = 1; /* fall back to one pass per item */
+    }
+    int oom = 0;
     const int64_t max_rows = PIPE_QTILE * group;
     #pragma omp parallel if (par && items * nsplit > 1)
     {
         float *scratch = (float *)malloc((size_t)(2 * max_rows * D + 2 * max_rows + bs + 2 * bs * D) * sizeof(float));
+        if (scratch == NULL) {
+            #pragma omp atomic write
+            oom = 1;
+        }
         float *qf = scratch, *acc = qf + max_rows * D, *m = acc + max_rows * D;
         float *l = m + max_rows, *s = l + max_rows, *kf = s + bs, *vf = kf + bs * D;
         int64_t b = 0;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items * nsplit; it++) {
+            if (scratch == NULL) continue; /* this call fails with PIPE_ENOMEM */
             const int64_t split = it % nsplit, kvh = (it / nsplit) % Hkv, gt = it / nsplit / Hkv;
             if (b >= B || gt >= tile_end[b] || (b > 0 && gt < tile_end[b - 1])) {
                 int64_t lo = 0, hi = B - 1; /* first b with tile_end[b] > gt */
@@ -182,6 +193,7 @@ static int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) 
             const int64_t used = a->cu_seqlens_q[B] - a->cu_seqlens_q[0];
             #pragma omp for schedule(static)
             for (int64_t row = 0; row < used * H; row++) {
+                if (scratch == NULL) continue;
                 const int64_t flat = a->cu_seqlens_q[0] * H + row;
                 const float *p = part + flat * nsplit * (D + 2);
                 float mx = PIPE_NEG_BIG, sum = 0.0f;
@@ -199,6 +211,7 @@ static int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) 
     }
     free(part);
     free(tile_end);
+    if (oom) return PIPE_ENOMEM;
     const int64_t pad_from = a->cu_seqlens_q[B];
     if (pad_from < a->num_tokens)
         memset(out + pad_from * H * D * esz, 0, (size_t)((a->num_tokens - pad_from) * H * D * esz));

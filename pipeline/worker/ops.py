@@ -207,6 +207,8 @@ def paged_attention(
                             workspace.data_ptr() if workspace is not None else 0)
         return out
     bad = ext.paged_attention(*args)
+    if bad == -2:
+        raise MemoryError("paged_attention: no memory for the per-call scratch buffers")
     if bad >= 0:
         raise ValueError(
             f"sequence {bad}: needs 0 <= q_len <= seq_len <= block_tables.shape[1] * "
