@@ -97,7 +97,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         ids: list[str] = []
-        meta: dict[str, tuple[str | None, list[int]]] = {}
+        meta: dict[str, tuple[str | None, list[int], float]] = {}
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 rid = self._add(p, sp, priority[i] if priority else 0, cache_salt, meta)
@@ -126,18 +126,21 @@ class LLM:
         if self.processor is not None:
             self.processor.add_request(rid, sp, now, prompt_token_ids=tokens[-8:],
                                        num_prompt_tokens=len(tokens))
-        meta[rid] = (text, tokens)
+        meta[rid] = (text, tokens, now)
         return rid
 
     def _run(self, meta: dict) -> dict[str, RequestOutput]:
-        from pipeline.output.types import RequestResult  # noqa: PLC0415
+        from pipeline.output.types import RequestResult, Timings  # noqa: PLC0415
 
         results: dict[str, RequestOutput] = {}
+        # Without a token processor (no tokenizer) the timings are kept here.
         raw: dict[str, list[int]] = {rid: [] for rid in meta}
+        timings = {rid: Timings(arrival_time=arrival) for rid, (_, _, arrival) in meta.items()}
+        last: dict[str, float] = {}
 
         def emit(r) -> None:
             if isinstance(r, RequestResult):
-                text, toks = meta[r.id]
+                text, toks, _ = meta[r.id]
                 results[r.id] = RequestOutput(r.id, text, toks, r.text, r.token_ids,
                                               r.finish_reason, r.usage.cached_tokens, r.timings,
                                               r.stop_reason, r.logprobs)
@@ -147,13 +150,25 @@ class LLM:
             so = sched.schedule()
             outs = sched.update_from_output(so, worker.execute(so))
             if self.processor is None:
+                now = time.time()
                 for o in outs:
                     raw[o.req_id] += o.new_token_ids
+                    t = timings[o.req_id]
+                    if o.new_token_ids:
+                        if t.first_token_time is None:
+                            t.first_token_time, t.ttft = now, now - t.arrival_time
+                        else:
+                            t.itl.append(now - last[o.req_id])
+                        last[o.req_id] = now
                     if o.finish_reason is not None:
-                        text, toks = meta[o.req_id]
+                        text, toks, _ = meta[o.req_id]
+                        t.first_scheduled_time = o.first_scheduled_time or None
+                        if t.first_scheduled_time:
+                            t.queue_time = t.first_scheduled_time - t.arrival_time
+                        t.finish_time, t.e2e = now, now - t.arrival_time
                         results[o.req_id] = RequestOutput(o.req_id, text, toks, "", raw[o.req_id],
                                                           o.finish_reason, o.num_cached_tokens,
-                                                          None, o.stop_reason)
+                                                          t, o.stop_reason)
                 continue
             stopped = self.processor.process(EngineOutputs(outs, time.time()), emit)
             if stopped:  # a stop string ended them: the engine frees their blocks now

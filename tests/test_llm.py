@@ -123,3 +123,17 @@ def test_chat_renders_the_template_then_generates():
     out = llm.chat(msgs, SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert out.prompt_token_ids == llm.tokenizer.apply_chat_template(msgs)
     assert len(out.token_ids) == 3
+
+
+def test_without_a_tokenizer_token_ids_and_timings_still_work():
+    llm = LLM("/nonexistent", worker=FakeWorker(64, 4, 128, VOCAB, [1]), skip_tokenizer_init=True)
+    out = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert out.text == "" and len(out.token_ids) == 5 and out.finish_reason == "length"
+    assert out.metrics.ttft is not None and len(out.metrics.itl) == 4
+    assert out.metrics.e2e >= out.metrics.ttft >= 0
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        llm.generate(["text"])
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate([[4]], SamplingParams(stop=["x"]))
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        LLM("/nonexistent", worker=FakeWorker(64, 4, 128, VOCAB, [1]))

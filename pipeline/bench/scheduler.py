@@ -41,6 +41,26 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "and whether outputs are identical (minutes on CPU)")
 
 
+def ttft_check(a: argparse.Namespace, prompt_len: int = 1024) -> dict:
+    """Time to first token of a long prompt, cold and then with all but its tail cached."""
+    from pipeline.llm import LLM  # noqa: PLC0415
+
+    sp = SamplingParams(max_tokens=1)
+    with LLM(a.model, device=a.device, block_size=a.block_size, max_model_len=2048,
+             max_num_seqs=4, max_num_batched_tokens=2048, skip_tokenizer_init=True) as llm:
+        v = llm.worker.vocab_size
+        base = [(i * 7919) % (v - 3) + 3 for i in range(prompt_len)]
+        llm.generate([[3] * 16], sp)  # warm the kernels up
+        cold = llm.generate([base], sp)[0]
+        warm = llm.generate([base[:-16] + [5] * 16], sp)[0]
+    return {"prompt_tokens": prompt_len, "ttft_cold_ms": _ttft(cold) * 1e3,
+            "ttft_prefix_cached_ms": _ttft(warm) * 1e3, "cached_tokens": warm.num_cached_tokens}
+
+
+def _ttft(out) -> float:
+    return out.metrics.ttft if out.metrics is not None else float("nan")
+
+
 def preemption_check(n: int, a: argparse.Namespace) -> dict:
     from pipeline.llm import LLM  # noqa: PLC0415
 
@@ -177,6 +197,11 @@ def main(a: argparse.Namespace) -> int:
         if d is not None:
             rows[n]["model_decode_step_ms"] = d * 1e3
             rows[n]["sched_share_of_decode_pct"] = 100 * rows[n]["step_ms"] / (d * 1e3)
+    if not a.no_model:
+        try:
+            rep.add("prefix cache TTFT (real model)", **ttft_check(a))
+        except Exception as exc:
+            print(f"TTFT check failed: {exc!r}", file=sys.stderr)
     if a.preemption_check:
         pc = rep.add("preemption check (real model, greedy)", **preemption_check(a.preemption_check, a))
         rep.target("outputs identical under preemption", pc["identical_outputs"],
