@@ -20,7 +20,7 @@ def pipe(model, lines, *flags):
                          text=True, cwd=ROOT, env=env())
     out, err = p.communicate("\n".join(lines) + "\n", timeout=240)
     assert shm_entries(f"{p.pid:x}") == [], "shared memory outlived the run"
-    return p.returncode, [json.loads(x) for x in out.splitlines() if x.strip()], err
+    return p.returncode, [json.loads(x) for x in out.splitlines()], err
 
 
 def test_mixed_lines_ordered_and_streamed(model):

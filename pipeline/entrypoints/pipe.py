@@ -3,9 +3,11 @@
 Each stdin line is a plain prompt or a JSON object (``id``, ``prompt`` | ``prompt_token_ids``
 | ``messages``, sampling fields). Lines are submitted as they are read (bounded by
 ``--max-inflight`` so a huge file does not sit in memory), so the engine stays busy while the
-input streams. Each answer is one JSON line (RequestResult); ``--stream`` also writes the
-deltas; ``--ordered`` writes answers in input order. Owns the output ordering buffer and the
-progress bar. Exit status 1 if any request failed, 2 if the engine could not start.
+input streams. Each answer is one JSON line (RequestResult); streaming requests (``--stream``
+for all, or ``"stream": true`` per line) also get delta lines (``id``, ``text``,
+``token_ids``) as they come; ``--ordered`` writes final answers in input order. Owns the output ordering buffer and the
+progress bar. Exit status 1 if any request failed or a stage died, 2 if the engine could not
+start, 130 after Ctrl-C/SIGTERM (in-flight requests drain, the rest get an "abort" answer).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ MAX_LINE_BYTES = 8 << 20
 def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.add_argument("--ordered", action="store_true", help="write answers in input order")
-    p.add_argument("--stream", action="store_true", help="also write deltas as they come")
+    p.add_argument("--stream", action="store_true", help="stream every request: delta lines as they come")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="default max_tokens for lines that do not set it")
     p.add_argument("--temperature", type=float, default=None,
@@ -117,9 +119,7 @@ class AnswerWriter:
                 self._write(line)
             else:
                 self.pending[index] = line
-                while self.next_index in self.pending:
-                    self._write(self.pending.pop(self.next_index))
-                    self.next_index += 1
+                self._flush_ordered()
             if self.progress:
                 rate = self.tokens / max(time.monotonic() - self.t0, 1e-9)
                 sys.stderr.write(f"\r{self.done}/{self.submitted} done, {self.failed} failed, "
@@ -131,15 +131,18 @@ class AnswerWriter:
         self.out.write(line + b"\n")
         self.out.flush()
 
+    def _flush_ordered(self) -> None:
+        while self.next_index in self.pending:
+            line = self.pending.pop(self.next_index)
+            if line:  # b"": a blank input line, which has no answer
+                self._write(line)
+            self.next_index += 1
+
     def skip(self, index: int) -> None:
         """Input index that produced no request (blank line): keep --ordered moving."""
         with self.lock:
             self.pending[index] = b""
-            while self.next_index in self.pending:
-                line = self.pending.pop(self.next_index)
-                if line:
-                    self._write(line)
-                self.next_index += 1
+            self._flush_ordered()
 
     def wait_all(self, stop: threading.Event) -> None:
         with self.lock:
@@ -220,4 +223,6 @@ def main(args: argparse.Namespace) -> int:
     if gw.failure is not None:
         print(f"pipeline run: {gw.failure}", file=sys.stderr)
         return 1
+    if interrupted.is_set():
+        return 130  # as a shell reports a run stopped by Ctrl-C
     return 1 if writer.failed else 0
