@@ -106,11 +106,7 @@ static void pipe_attn_item(const pipe_attn_args *a, int64_t b, int64_t tile, int
             float mx = m[r];
             for (int64_t j = 0; j < nvis; j++) mx = s[j] > mx ? s[j] : mx;
             const float corr = expf(m[r] - mx);
-            float sum = 0.0f;
-            for (int64_t j = 0; j < nvis; j++) {
-                s[j] = expf(s[j] - mx);
-                sum += s[j];
-            }
+            const float sum = pipe_exp_sum(s, nvis, mx);
             m[r] = mx;
             l[r] = l[r] * corr + sum;
             pipe_accumulate(acc + r * D, corr, s, vr, stride, nvis, D, kdtype);

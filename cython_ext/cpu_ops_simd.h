@@ -111,6 +111,44 @@ PIPE_INLINE void pipe_accumulate_avx2(float *restrict acc, float corr, const flo
 }
 #endif
 
+/* s[j] = exp(s[j] - mx) for j < n; returns the sum. The AVX2 exp reduces to 2^k * e^r,
+ * |r| <= ln2/2, with a degree-6 Taylor polynomial (relative error ~2e-7); inputs are
+ * clamped at -87 so the 2^k scale stays a normal float (e^-87 ~ 1e-38, a weight of 0). */
+static inline float pipe_exp_sum(float *s, int64_t n, float mx) {
+    int64_t j = 0;
+    float sum = 0.0f;
+#ifdef PIPE_HAVE_AVX2
+    const __m256 vmx = _mm256_set1_ps(mx), lo = _mm256_set1_ps(-87.0f);
+    const __m256 log2e = _mm256_set1_ps(1.44269504f), ln2_hi = _mm256_set1_ps(0.693359375f);
+    const __m256 ln2_lo = _mm256_set1_ps(-2.12194440e-4f), one = _mm256_set1_ps(1.0f);
+    __m256 vsum = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) {
+        const __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx), lo);
+        const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, log2e),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 r = _mm256_fnmadd_ps(k, ln2_lo, _mm256_fnmadd_ps(k, ln2_hi, x));
+        __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+        p = _mm256_fmadd_ps(p, r, one);
+        p = _mm256_fmadd_ps(p, r, one);
+        const __m256i scale = _mm256_slli_epi32(
+            _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+        const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+        _mm256_storeu_ps(s + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    sum = pipe_hsum8(vsum);
+#endif
+    for (; j < n; j++) {
+        s[j] = expf(s[j] - mx);
+        sum += s[j];
+    }
+    return sum;
+}
+
 /* Can pipe_scores/pipe_accumulate read rows of `dtype` in place (else pack to float32)? */
 static inline int pipe_simd_in_place(int64_t D, int dtype) {
 #ifdef PIPE_HAVE_AVX2
