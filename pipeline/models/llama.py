@@ -61,14 +61,17 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) RoPE with a cos/sin table over every usable position."""
+    """Neox-style (rotate-half) RoPE with a cos/sin table over every usable position.
+
+    Tables are stored full-width as ``cos = [c, c]`` and ``sin = [-s, s]`` so that
+    ``x * cos + roll(x, D/2) * sin`` is rotate-half RoPE in four ops."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.rope, self.head_dim, self.max_positions = config.rope, config.head_dim, max_positions
         half = config.head_dim // 2
-        self.register_buffer("cos", torch.empty(max_positions, half), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, half), persistent=False)
+        self.register_buffer("cos", torch.empty(max_positions, 2 * half), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, 2 * half), persistent=False)
         self.reset()
 
     def reset(self) -> None:
@@ -78,7 +81,8 @@ class RotaryEmbedding(nn.Module):
         dev = self.cos.device
         inv_freq = rope_inv_freq(self.rope, self.head_dim).to(dev)
         freqs = torch.arange(self.max_positions, dtype=torch.float32, device=dev)[:, None] * inv_freq[None, :]
-        self.cos, self.sin = freqs.cos(), freqs.sin()
+        cos, sin = freqs.cos(), freqs.sin()
+        self.cos, self.sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
@@ -87,8 +91,8 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        rotated = torch.roll(x, x.shape[-1] // 2, dims=-1)
+        return torch.addcmul(x * cos, rotated, sin)
 
 
 class DecoderLayer(nn.Module):
@@ -122,9 +126,12 @@ class DecoderLayer(nn.Module):
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        else:
+            qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        # One rotation for q and k together; q and k are views of its result.
+        qk = RotaryEmbedding.apply(qk, cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if on_kv_written is not None:
             on_kv_written()
