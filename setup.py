@@ -36,8 +36,13 @@ def find_nvcc() -> str | None:
 
 
 def cuda_home(nvcc: str) -> str:
-    real = os.path.realpath(nvcc)
-    return str(Path(real).parent.parent)
+    # nvcc may be a wrapper script outside the toolkit: trust only a home with the headers.
+    cands = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
+             str(Path(os.path.realpath(nvcc)).parent.parent), "/usr/local/cuda"]
+    for c in cands:
+        if c and os.path.exists(os.path.join(c, "include", "cuda_runtime.h")):
+            return c
+    return "/usr/local/cuda"
 
 
 def cuda_arches() -> list[str]:
@@ -86,7 +91,7 @@ def extensions() -> list[Extension]:
                 f"pipeline._ext.{name}", [os.path.relpath(pyx, ROOT)],
                 include_dirs=[str(ROOT / "cuda_ops"), str(ROOT / "cython_ext"), f"{home}/include"],
                 library_dirs=[str(EXT_DIR), f"{home}/lib64"],
-                libraries=[CUDA_LIB, "cudart"],
+                libraries=[CUDA_LIB],  # cudart is linked statically into the library
                 runtime_library_dirs=["$ORIGIN", f"{home}/lib64"],
                 extra_compile_args=["-O2"],
             ))

@@ -1,6 +1,5 @@
 # cython: language_level=3
 # distutils: language = c++
-# distutils: library_dirs = /usr/local/cuda/lib64
 """Worker stage, CUDA ops: Cython entry points over libpipeline_cuda.so (pipeline_cuda.h).
 
 Same signatures as ``pipeline._ext.cpu_ops`` so ``pipeline.worker.ops`` dispatches to either
