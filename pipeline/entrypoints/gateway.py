@@ -12,7 +12,6 @@ import multiprocessing as mp
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_sentinels
 from typing import Callable
 
@@ -21,12 +20,13 @@ import psutil
 
 from pipeline.config import EngineConfig
 from pipeline.engine.messages import AbortRequest
-from pipeline.entrypoints.stages import (EXIT_PEER_DIED, ModelInfo, StageSpec, Unpacker,
-                                         pack, stage_process)
+from pipeline.entrypoints.stages import (EXIT_PEER_DIED, ModelInfo, Stage, StageSpec, Unpacker,
+                                         describe_exit, pack, spawn_stage, unlink_entries,
+                                         wait_ready)
 from pipeline.entrypoints.tokenizer_stage import GatewayRequest
 from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.errors import PeerDied
-from pipeline.ipc.names import Instance, list_entries, sweep_stale
+from pipeline.ipc.names import Instance, sweep_stale
 from pipeline.ipc.ring import Doorbell, Ring, wait_any
 from pipeline.models.config import load_model_config
 from pipeline.output.stage import ANSWER_TYPES, error_result
@@ -48,18 +48,6 @@ RING_ROLES = {
 }
 SHARED_DOORBELLS = ("gateway", "engine", "output")
 STEPS_CAPACITY = 32 * MiB
-
-
-class StartupError(RuntimeError):
-    """A stage could not start (bad model path, bad config, too little memory...)."""
-
-
-@dataclass(slots=True)
-class Stage:
-    spec: StageSpec
-    process: mp.process.BaseProcess
-    ctrl: object
-    info: dict = field(default_factory=dict)
 
 
 Answer = RequestDelta | RequestResult
@@ -108,11 +96,10 @@ class Gateway:
             self.steps = BroadcastRing.create(self.instance, "steps", STEPS_CAPACITY, tp)
             names = {r: ring.name for r, ring in self.rings.items()} | {"steps": self.steps.name}
             ctx = mp.get_context("spawn")
-            workers = [self._spawn(ctx, f"worker{r}", "worker", names, rank=r) for r in range(tp)]
-            info = self._wait_ready(workers, timeout_s)
-            self.model = msgspec.convert(info, ModelInfo)
+            workers = [self._spawn(ctx, f"worker{r}", "worker", names, r) for r in range(tp)]
+            self.model = msgspec.convert(wait_ready(workers, timeout_s), ModelInfo)
             rest = [self._spawn(ctx, k, k, names) for k in ("engine", "tokenizer", "output")]
-            self._wait_ready(rest, timeout_s)
+            wait_ready(rest, timeout_s)
         except BaseException:
             self.close()
             raise
@@ -125,44 +112,10 @@ class Gateway:
         return self.model
 
     def _spawn(self, ctx, name: str, kind: str, rings: dict[str, str], rank: int = 0) -> Stage:
-        spec = StageSpec(name=name, kind=kind, config=self.config, rings=rings, rank=rank,
-                         model=self.model)
-        parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=stage_process, name=f"pipeline-{name}",
-                           args=(msgspec.msgpack.encode(spec), child), daemon=False)
-        proc.start()
-        child.close()
-        stage = Stage(spec, proc, parent)
+        stage = spawn_stage(ctx, StageSpec(name=name, kind=kind, config=self.config, rings=rings,
+                                           rank=rank, model=self.model))
         self.stages.append(stage)
         return stage
-
-    def _wait_ready(self, stages: list[Stage], timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        pending = {s.ctrl: s for s in stages}
-        info: dict = {}
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise StartupError(f"{', '.join(s.spec.name for s in pending.values())} "
-                                   f"did not become ready within {timeout_s:.0f}s")
-            objs = list(pending) + [s.process.sentinel for s in pending.values()]
-            for obj in wait_sentinels(objs, timeout=min(left, 1.0)):
-                stage = pending.get(obj) or next(
-                    (s for s in pending.values() if s.process.sentinel == obj), None)
-                if stage is None or stage.ctrl not in pending:
-                    continue
-                try:
-                    kind, payload = stage.ctrl.recv()
-                except (EOFError, OSError):
-                    stage.process.join(1.0)
-                    raise StartupError(f"{stage.spec.name} exited during start-up "
-                                       f"({_describe_exit(stage.process.exitcode)})") from None
-                if kind != "ready":
-                    raise StartupError(f"{stage.spec.name} failed to start: {payload}")
-                stage.info = payload
-                info |= payload
-                del pending[stage.ctrl]
-        return info
 
     # ---- requests ----
     def submit(self, req: GatewayRequest) -> bool:
@@ -251,7 +204,7 @@ class Gateway:
             dead = [s for s in self.stages if not s.process.is_alive()]
             first = next((s for s in dead if s.process.exitcode != EXIT_PEER_DIED), dead[0])
             self._fail(f"stage {first.spec.name} (pid {first.process.pid}) died: "
-                       f"{_describe_exit(first.process.exitcode)}")
+                       f"{describe_exit(first.process.exitcode)}")
             return
 
     def _fail(self, message: str) -> None:
@@ -321,32 +274,5 @@ class Gateway:
             self.instance.cleanup()
             # Segments a stage created itself (the worker's KV cache) and could not unlink
             # because it was killed belong to this instance too.
-            for entry in list_entries(self.instance.id):
-                _unlink_entry(entry)
+            unlink_entries(self.instance.id)
             self.instance = None
-
-
-def _unlink_entry(entry: str) -> None:
-    import posix_ipc  # noqa: PLC0415
-
-    try:
-        if entry.startswith("sem."):
-            posix_ipc.unlink_semaphore("/" + entry[4:])
-        else:
-            posix_ipc.unlink_shared_memory("/" + entry)
-    except posix_ipc.ExistentialError:
-        pass
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        import signal  # noqa: PLC0415
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    if code == EXIT_PEER_DIED:
-        return "stopped because a peer stage died"
-    return f"exit code {code}"

@@ -21,8 +21,9 @@ import time
 import msgspec
 
 from pipeline.config import add_engine_args, config_from_args
-from pipeline.entrypoints.gateway import Answer, Gateway, StartupError
+from pipeline.entrypoints.gateway import Answer, Gateway
 from pipeline.entrypoints.protocol import Generate, ProtocolError, request_from_json, sampling_params
+from pipeline.entrypoints.stages import StartupError
 from pipeline.entrypoints.tokenizer_stage import GatewayRequest, gateway_request
 from pipeline.output.stage import error_result
 from pipeline.output.types import RequestDelta

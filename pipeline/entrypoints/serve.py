@@ -24,13 +24,14 @@ import zmq
 
 from pipeline.config import add_engine_args, config_from_args
 from pipeline.entrypoints import protocol as P
-from pipeline.entrypoints.gateway import Answer, Gateway, StartupError
+from pipeline.entrypoints.gateway import Answer, Gateway
 from pipeline.entrypoints.metrics import Metrics
+from pipeline.entrypoints.stages import StartupError
 from pipeline.entrypoints.sessions import ClientSessions, DuplicateRequestId
 from pipeline.entrypoints.systemd import Notifier
 from pipeline.entrypoints.tokenizer_stage import gateway_request
 from pipeline.output.stage import error_result
-from pipeline.output.types import ErrorInfo, RequestResult
+from pipeline.output.types import RequestResult
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7001"
 

@@ -4,8 +4,9 @@ Every stage (tokenizer, engine, worker per TP rank, token processor) runs in its
 process started by the gateway with the multiprocessing 'spawn' context. The process gets
 a StageSpec (msgspec-encoded) and one end of a control pipe on which it reports, exactly
 once, either ``("ready", info)`` or ``("error", message)``. After that the pipe is silent:
-all traffic goes through the shared-memory rings named in the spec. This module owns no
-state beyond the process-wide signal set-up of the stage it starts.
+all traffic goes through the shared-memory rings named in the spec. The gateway side
+(spawn_stage, wait_ready) is here too. This module owns no state beyond the process-wide
+signal set-up of the stage it starts.
 """
 from __future__ import annotations
 
@@ -14,8 +15,12 @@ import importlib
 import os
 import signal
 import sys
+import time
 import traceback
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_objects
+from multiprocessing.process import BaseProcess
 from typing import Callable
 
 import msgspec
@@ -143,3 +148,84 @@ def stage_process(spec_bytes: bytes, ctrl: Connection) -> None:
 
 def log(spec: StageSpec, msg: str) -> None:
     print(f"[{spec.name}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- gateway side: starting and watching stage processes ----
+class StartupError(RuntimeError):
+    """A stage could not start (bad model path, bad config, too little memory...)."""
+
+
+@dataclass(slots=True)
+class Stage:
+    spec: StageSpec
+    process: BaseProcess
+    ctrl: Connection
+    info: dict = field(default_factory=dict)
+
+
+def spawn_stage(ctx, spec: StageSpec) -> Stage:
+    """Start one stage process (``ctx``: the 'spawn' multiprocessing context)."""
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=stage_process, name=f"pipeline-{spec.name}",
+                       args=(msgspec.msgpack.encode(spec), child), daemon=False)
+    proc.start()
+    child.close()
+    return Stage(spec, proc, parent)
+
+
+def wait_ready(stages: list[Stage], timeout_s: float) -> dict:
+    """Wait for each stage's ready report (merged infos), or raise StartupError naming it."""
+    deadline = time.monotonic() + timeout_s
+    pending = {s.ctrl: s for s in stages}
+    info: dict = {}
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StartupError(f"{', '.join(s.spec.name for s in pending.values())} "
+                               f"did not become ready within {timeout_s:.0f}s")
+        by_sentinel = {s.process.sentinel: s for s in pending.values()}
+        for obj in wait_objects([*pending, *by_sentinel], timeout=min(left, 1.0)):
+            stage = pending.get(obj) or by_sentinel.get(obj)
+            if stage is None or stage.ctrl not in pending:
+                continue
+            try:
+                kind, payload = stage.ctrl.recv()
+            except (EOFError, OSError):
+                stage.process.join(1.0)
+                raise StartupError(f"{stage.spec.name} exited during start-up "
+                                   f"({describe_exit(stage.process.exitcode)})") from None
+            if kind != "ready":
+                raise StartupError(f"{stage.spec.name} failed to start: {payload}")
+            stage.info = payload
+            info |= payload
+            del pending[stage.ctrl]
+    return info
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    if code == EXIT_PEER_DIED:
+        return "stopped because a peer stage died"
+    return f"exit code {code}"
+
+
+def unlink_entries(instance_id: str) -> None:
+    """Unlink what is left of an instance, e.g. the KV segment of a killed worker."""
+    import posix_ipc  # noqa: PLC0415
+
+    from pipeline.ipc.names import list_entries  # noqa: PLC0415
+
+    for entry in list_entries(instance_id):
+        try:
+            if entry.startswith("sem."):
+                posix_ipc.unlink_semaphore("/" + entry[4:])
+            else:
+                posix_ipc.unlink_shared_memory("/" + entry)
+        except posix_ipc.ExistentialError:
+            pass
