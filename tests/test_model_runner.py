@@ -155,8 +155,11 @@ def test_bad_step_plans_are_rejected(runner):
     with pytest.raises(ValueError, match="'ghost' is not in the worker's batch"):
         runner.execute(SchedulerOutput(1, [], [CachedRequestData("ghost", [], 0)], {"ghost": 1}, 1, [], []))
     new = NewRequestData("a", ids_to_bytes(PROMPT[:5]), 5, SamplingParams(), [0], 0)
-    with pytest.raises(ValueError, match="scheduled up to token 6 but only 5 are known"):
+    with pytest.raises(ValueError, match="up to token 6; it has 5 known tokens"):
         runner.execute(SchedulerOutput(2, [new], [], {"a": 6}, 6, [], []))
+    long = NewRequestData("b", ids_to_bytes(PROMPT), len(PROMPT), SamplingParams(), [0, 1], 0)
+    with pytest.raises(ValueError, match="up to token 37; it has 37 known tokens and 2 blocks of 16"):
+        runner.execute(SchedulerOutput(3, [long], [], {"b": 37}, 37, ["a"], []))
 
 
 def test_bfloat16_runs_with_a_bf16_cache(model_dir):

@@ -197,11 +197,16 @@ class ModelRunner:
         n = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(rows))
         start = b.num_computed_tokens[rows]
         seq_lens = start + n
-        over = np.nonzero(seq_lens > b.num_tokens[rows])[0]
-        if len(over):
-            i = int(over[0])
-            raise ValueError(f"step {sched.step_id}: request {b.req_ids[rows[i]]!r} scheduled up to "
-                             f"token {int(seq_lens[i])} but only {int(b.num_tokens[rows[i]])} are known")
+        # Cheap vectorised guards: a bad plan would otherwise sample garbage or write K/V
+        # into another request's blocks.
+        bad = np.nonzero((n <= 0) | (seq_lens > b.num_tokens[rows])
+                         | (seq_lens > b.num_blocks[rows] * bs))[0]
+        if len(bad):
+            i, r = int(bad[0]), int(rows[bad[0]])
+            raise ValueError(
+                f"step {sched.step_id}: request {b.req_ids[r]!r} scheduled {int(n[i])} tokens up to "
+                f"token {int(seq_lens[i])}; it has {int(b.num_tokens[r])} known tokens and "
+                f"{int(b.num_blocks[r])} blocks of {bs}")
         cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(n, out=cu[1:])
         total = int(cu[-1])
