@@ -278,6 +278,16 @@ cdef class RingView:
     def reader_pid(self, int i=0) -> int:
         return self.r.shm.readers[i].pid
 
+    def reader_parked(self, int i=0) -> bool:
+        """Whether reader i is (about to be) blocked on its semaphore: for diagnostics."""
+        cdef pl_parker *p = &self.r.shm.readers[i].parker
+        if i == <int>self.r.reader and self.r.reader_parker != NULL:
+            p = self.r.reader_parker
+        return pl_load_acquire(&p.waiting) != 0
+
+    def writer_parked(self) -> bool:
+        return pl_load_acquire(&self.r.shm.writer.parker.waiting) != 0
+
     cdef inline _ready(self):
         if self.seg.base == NULL:
             raise ValueError(f"ring {self.seg.name} is closed")

@@ -8,6 +8,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import posix_ipc
@@ -73,6 +74,12 @@ def test_too_small_shm_says_asked_and_free():
 def test_sigterm_leaves_nothing_behind():
     p, iid = _spawn_instance(leak=False)
     assert len(list_entries(iid)) == 7
+    ring = Ring.attach(f"/pipeline.{iid}.r", "writer", claim=False)
+    deadline = time.monotonic() + 30
+    while not ring.reader_parked() and time.monotonic() < deadline:
+        pass  # until the child blocks in recv(): its handler must run from there
+    assert ring.reader_parked()
+    ring.close()
     os.kill(p.pid, signal.SIGTERM)
     p.join(20)
     assert p.exitcode == -signal.SIGTERM  # still dies by the signal, after cleaning up
