@@ -258,6 +258,7 @@ cdef class RingView:
 
     @property
     def doorbell_name(self) -> str:
+        self._live()
         return (<bytes>self.r.shm.hdr.doorbell).decode()
 
     @property
@@ -273,29 +274,42 @@ cdef class RingView:
         return self.r.num_readers
 
     def writer_pid(self) -> int:
+        self._live()
         return self.r.shm.writer.pid
 
     def reader_pid(self, int i=0) -> int:
+        self._reader_ok(i)
         return self.r.shm.readers[i].pid
 
     def reader_parked(self, int i=0) -> bool:
         """Whether reader i is (about to be) blocked on its semaphore: for diagnostics."""
+        self._reader_ok(i)
         cdef pl_parker *p = &self.r.shm.readers[i].parker
         if i == <int>self.r.reader and self.r.reader_parker != NULL:
             p = self.r.reader_parker
         return pl_load_acquire(&p.waiting) != 0
 
     def writer_parked(self) -> bool:
+        self._live()
         return pl_load_acquire(&self.r.shm.writer.parker.waiting) != 0
 
-    cdef inline _ready(self):
+    cdef inline _live(self):
         if self.seg.base == NULL:
             raise ValueError(f"ring {self.seg.name} is closed")
+
+    cdef _reader_ok(self, int i):
+        self._live()
+        if not 0 <= i < <int>self.r.num_readers:
+            raise ValueError(f"reader index {i} out of range 0..{self.r.num_readers - 1}")
+
+    cdef inline _ready(self):
+        self._live()
         if not self.claimed:
             self.claim()
 
     def claim(self) -> None:
         """Record this process as the writer or as reader `reader_index` (done on first use)."""
+        self._live()
         if self.is_writer:
             self.r.shm.writer.pid = getpid()
         else:
@@ -522,6 +536,7 @@ cdef class SignalView:
 
     @property
     def num_layers(self) -> int:
+        self.seg._check()
         return self.shm.num_layers
 
     @property
@@ -529,6 +544,7 @@ cdef class SignalView:
         return self.seg.address
 
     def claim_publisher(self) -> None:
+        self.seg._check()
         self.shm.publisher_pid = getpid()
         self.claimed = 1
 
