@@ -296,8 +296,6 @@ def train(args: argparse.Namespace) -> None:
         opt.step()
         sched.step()
         acc += loss.item()
-        if args.log_every == 1:
-            print(f"step {step} {time.time() - t0:.1f}s", flush=True)
         if step % args.log_every == 0 or step == args.steps:
             k = step % args.log_every or args.log_every
             row = {"step": step, "train_loss": round(acc / k, 4), "elapsed_s": round(time.time() - t0, 1)}
@@ -330,6 +328,7 @@ def main() -> None:
     ap.add_argument("--out", default="pipeline/default_model", help="checkpoint directory to write")
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--seed", type=int, default=0)
+    # One thread: two OpenMP threads stall whenever another job holds one of the two cores.
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
@@ -345,7 +344,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    sample(args) if args.sample else train(args)
+    if args.sample:
+        sample(args)
+    else:
+        train(args)
 
 
 if __name__ == "__main__":
