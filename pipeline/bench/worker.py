@@ -33,7 +33,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="timed windows per figure; the best counts (robust to a busy machine)")
     p.add_argument("--prefill-tokens", type=int, default=512, help="tokens in the prefill step")
-    p.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads for both sides; 0: the worker's default (cores - 1)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="cpu: this process's CPU time (with --threads 1: tokens per core-second, "
                         "immune to other processes taking the cores)")
@@ -181,8 +182,10 @@ def main(args: argparse.Namespace) -> int:
     global _clock
     _clock = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.threads:
-        torch.set_num_threads(args.threads)
+        os.environ["PIPELINE_WORKER_THREADS"] = str(args.threads)
     batches = [int(x) for x in args.batch_sizes.split(",") if x]
+    from pipeline.worker.model_runner import worker_threads
+    torch.set_num_threads(worker_threads())  # transformers and memcpy get the worker's threads
     bw = memcpy_bandwidth()
     with tempfile.TemporaryDirectory(prefix="pipeline-bench-worker-") as tmp:
         model_dir = args.model

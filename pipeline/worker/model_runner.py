@@ -7,6 +7,7 @@ Owns: the model weights, the KV cache memory (KVCache), the InputBatch and the S
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -40,15 +41,42 @@ class StepInputs:
     sample_batch_idx: np.ndarray  # [S] index into rows of each sampled request
 
 
+def cpu_has_fast_bf16() -> bool:
+    """bf16 matmuls are only fast with native support (AVX512-BF16 or AMX); elsewhere oneDNN
+    emulates them, about 20x slower than float32 on an AVX2-only core."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool({"avx512_bf16", "amx_bf16"} & flags)
+    except OSError:
+        pass
+    return False
+
+
 def resolve_dtype(requested: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
     if requested != "auto":
         if requested not in _DTYPES:
             raise ValueError(f"--dtype must be one of auto, {', '.join(_DTYPES)}, got {requested!r}")
         return _DTYPES[requested]
     ckpt = _DTYPES.get(checkpoint_dtype, torch.float32)
-    if device.type == "cpu" and ckpt == torch.float16:
-        return torch.float32  # CPU half matmuls are slow and lossy; bf16/fp32 are native
+    if device.type == "cpu" and ckpt != torch.float32 and not (ckpt == torch.bfloat16 and cpu_has_fast_bf16()):
+        return torch.float32  # half types without native CPU support are emulated and slow
     return ckpt
+
+
+def worker_threads() -> int:
+    """Torch CPU threads for the worker: ``PIPELINE_WORKER_THREADS`` if set, else the usable
+    cores minus one left to the other stages. OpenMP teams larger than the cores actually
+    free stall at every barrier (a 40x slower decode step was measured on 2 shared cores)."""
+    env = os.environ.get("PIPELINE_WORKER_THREADS", "")
+    if env:
+        n = int(env)
+        if n < 1:
+            raise ValueError(f"PIPELINE_WORKER_THREADS must be >= 1, got {env!r}")
+        return n
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 class ModelRunner:
@@ -60,6 +88,8 @@ class ModelRunner:
         self.rank = rank
         dev = config.resolved_device()
         self.device = torch.device(f"cuda:{rank}") if dev == "cuda" else torch.device("cpu")
+        if self.device.type == "cpu":
+            torch.set_num_threads(worker_threads())
         self.model_config = mc = load_model_config(config.model)
         self.dtype = resolve_dtype(config.dtype, mc.torch_dtype, self.device)
         self.block_size = config.resolved_block_size()
