@@ -8,13 +8,14 @@ the values of ``pydoc_data.topics`` and writes a checkpoint exactly as transform
 Usage::
 
     nice -n 5 .venv/bin/python tools/train_default_model.py --out pipeline/default_model \
-        [--steps 1200] [--seed 0] [--threads 2] [--curve docs/default_model_curve.json]
+        [--steps 800] [--seed 0] [--threads 1] [--curve /tmp/curve.json]
     .venv/bin/python tools/train_default_model.py --sample pipeline/default_model \
         [--prompts tools/sample_prompts.txt]
 
 The run is deterministic for a given seed, thread count, torch build and CPython version
 (``pydoc_data.topics`` changes between CPython releases). ``--sample`` loads a written
-checkpoint into the training model and prints greedy and temperature-0.8 completions.
+checkpoint into the training model and prints greedy and temperature-0.8 completions of
+each prompt (plain lines, or JSON lines with a "prompt" field as ``pipeline run`` reads).
 """
 
 from __future__ import annotations
@@ -314,7 +315,8 @@ def train(args: argparse.Namespace) -> None:
 def sample(args: argparse.Namespace) -> None:
     model, tok = load_checkpoint(Path(args.sample))
     eos = tok.token_to_id(EOS)
-    prompts = [p for p in Path(args.prompts).read_text().splitlines() if p.strip()]
+    lines = [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
+    prompts = [json.loads(ln)["prompt"] if ln.lstrip().startswith("{") else ln for ln in lines]
     gen = torch.Generator().manual_seed(args.seed)
     for p in prompts:
         ids = tok.encode(p).ids
