@@ -44,18 +44,26 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_args)
         if not self.config.instance_id:
             self.config.instance_id = f"llm{id(self):x}"
-        if worker is None:
-            from pipeline.worker.model_runner import ModelRunner  # noqa: PLC0415 (torch)
-            worker = ModelRunner(self.config)
-            worker.load()
-        self.worker = worker
-        self.scheduler = Scheduler(self.config, worker.num_blocks, worker.block_size,
-                                   worker.max_model_len)
+        self.worker = None
         self.tokenizer = None
         self.processor = None
-        if not skip_tokenizer_init:
-            self._init_tokenizer(Path(model))
         self._ids = itertools.count()
+        owned = worker is None
+        try:
+            if owned:
+                from pipeline.worker.model_runner import ModelRunner  # noqa: PLC0415 (torch)
+                worker = ModelRunner(self.config)
+                self.worker = worker
+                worker.load()
+            self.worker = worker
+            self.scheduler = Scheduler(self.config, worker.num_blocks, worker.block_size,
+                                       worker.max_model_len)
+            if not skip_tokenizer_init:
+                self._init_tokenizer(Path(model))
+        except BaseException:
+            if owned:  # release the KV cache (shared memory) of a half-built engine
+                self.close()
+            raise
 
     def _init_tokenizer(self, model_dir: Path) -> None:
         from pipeline.output.detokenizer import DetokenizerTable  # noqa: PLC0415
