@@ -66,9 +66,13 @@ def shm_entries(instance_id: str) -> list[str]:
 class Daemon:
     """`pipeline serve` in a subprocess; `address` is where clients connect."""
 
-    def __init__(self, model: Path, *flags: str) -> None:
+    def __init__(self, model: Path, *flags: str, curve_keys: Path | None = None) -> None:
         self.port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
+        # What a client needs to get in (CURVE daemons admit only known client keys).
+        self.client_kw = {"curve_keys_dir": curve_keys} if curve_keys else {}
+        if curve_keys:
+            flags = (*flags, "--curve-keys", str(curve_keys))
         self.log = open(f"/tmp/pipeline-e2e-{self.port}.log", "w+")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [*PIPELINE, "serve", "--model", str(model), "--listen", self.address,
@@ -85,7 +89,7 @@ class Daemon:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.output()}")
             if "serving on" in self.output():
-                with Client(self.address, timeout=10) as c:
+                with Client(self.address, timeout=10, **self.client_kw) as c:
                     assert c.health().status == "ok"
                 return
             time.sleep(0.2)
@@ -94,7 +98,7 @@ class Daemon:
     def stage_pids(self) -> dict[str, int]:
         from pipeline.client import Client
 
-        with Client(self.address, timeout=10) as c:
+        with Client(self.address, timeout=10, **self.client_kw) as c:
             return {s["stage"]: s["pid"] for s in c.health().detail["stages"]}
 
     def output(self) -> str:

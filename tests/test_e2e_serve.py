@@ -12,15 +12,17 @@ import random
 import signal
 import threading
 import time
+import urllib.request
 
 import msgspec
 import pytest
 import zmq
 
-from e2e_helpers import Daemon, make_tiny_model, run_pipe, shm_entries
+from e2e_helpers import Daemon, free_port, make_tiny_model, run_pipe, shm_entries
 from pipeline.async_client import AsyncClient
 from pipeline.client import Client
 from pipeline.entrypoints import protocol as P
+from pipeline.entrypoints.curve import client_socket_setup, generate_keys
 from pipeline.output.types import RequestResult
 
 NUM_REQUESTS = int(os.environ.get("PIPELINE_E2E_REQUESTS", "96"))
@@ -34,14 +36,25 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def daemon(model):
-    d = Daemon(model, "--drain-timeout", "60")
+def daemon(model, tmp_path_factory):
+    # CURVE and Prometheus on: every test of the module goes through them.
+    keys = generate_keys(tmp_path_factory.mktemp("keys") / "curve")
+    d = Daemon(model, "--drain-timeout", "60", "--metrics-port", str(free_port()),
+               curve_keys=keys)
     try:
         d.wait_ready()
         yield d
     finally:
         if d.proc.poll() is None:
             d.stop(signal.SIGKILL)
+
+
+def dealer(daemon: Daemon) -> zmq.Socket:
+    """A raw protocol socket holding the client keys."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    client_socket_setup(sock, daemon.client_kw["curve_keys_dir"])
+    sock.connect(daemon.address)
+    return sock
 
 
 def prompt_for(i: int) -> str:
@@ -88,9 +101,9 @@ async def one_request(c: AsyncClient, i: int) -> dict:
     return {"kind": kind, "final": final, "deltas": deltas, "max_tokens": stream_max}
 
 
-async def run_workload(address: str) -> tuple[list[dict], dict]:
+async def run_workload(daemon: Daemon) -> tuple[list[dict], dict]:
     """NUM_REQUESTS requests from CONCURRENCY tasks sharing one AsyncClient."""
-    c = AsyncClient(address, timeout=300)
+    c = AsyncClient(daemon.address, timeout=300, **daemon.client_kw)
     try:
         todo = iter(range(NUM_REQUESTS))
         results: dict[int, dict] = {}
@@ -114,7 +127,7 @@ async def run_workload(address: str) -> tuple[list[dict], dict]:
 
 
 def test_acceptance_mixed_workload(daemon, model):
-    results, stats = asyncio.run(run_workload(daemon.address))
+    results, stats = asyncio.run(run_workload(daemon))
     for i, r in enumerate(results):
         final = r["final"]
         assert final is not None and final.id == f"r{i}", r
@@ -146,9 +159,7 @@ def test_acceptance_mixed_workload(daemon, model):
 
 
 def test_malformed_frames_each_get_one_answer(daemon):
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(daemon.address)
+    sock = dealer(daemon)
     frames = [
         b"\xc1not msgpack",
         msgspec.msgpack.encode({"op": "generate", "v": 1, "id": "a", "prompt": "x",
@@ -181,18 +192,35 @@ def test_malformed_frames_each_get_one_answer(daemon):
     assert daemon.proc.poll() is None  # still serving
 
 
+def test_curve_keys_and_prometheus(daemon, tmp_path):
+    # A client with other keys is not let in.
+    strangers = generate_keys(tmp_path / "other")
+    with pytest.raises((TimeoutError, RuntimeError)):
+        with Client(daemon.address, timeout=3, curve_keys_dir=strangers,
+                    curve_server_key=daemon.client_kw["curve_keys_dir"] / "server.key") as c:
+            c.health()
+    port = int(daemon_flag(daemon, "--metrics-port"))
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    assert "pipeline_kv_blocks_total" in text and "pipeline_requests_finished" in text
+
+
+def daemon_flag(daemon: Daemon, flag: str) -> str:
+    args = daemon.proc.args
+    return args[args.index(flag) + 1]
+
+
 def test_client_gone_mid_request_aborts(daemon):
     """A client that vanishes (no bye, socket closed) gets its requests aborted, not leaked."""
-    with Client(daemon.address, timeout=30) as c:
+    with Client(daemon.address, timeout=30, **daemon.client_kw) as c:
         aborted_before = c.stats()["requests_finished"].get("abort", 0)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.connect(daemon.address)
+    sock = dealer(daemon)
     sock.send(P.encode(P.Generate(id="gone", prompt="x", max_tokens=240, temperature=0,
                                   ignore_eos=True, stream=True)))
     assert sock.poll(60_000), "no first delta"
     assert isinstance(P.decode_reply(sock.recv()), P.Delta)
     sock.close(0)  # ZMQ drops the peer; the daemon's next send to it fails
-    with Client(daemon.address, timeout=30) as c:
+    with Client(daemon.address, timeout=30, **daemon.client_kw) as c:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             stats = c.stats()
@@ -207,7 +235,7 @@ def test_client_gone_mid_request_aborts(daemon):
 
 def test_sigterm_drains_then_exits_clean(daemon):
     """Last in the module: in-flight requests finish, new ones are refused, shm is gone."""
-    with Client(daemon.address, timeout=120) as c:
+    with Client(daemon.address, timeout=120, **daemon.client_kw) as c:
         started = threading.Event()
         out: list[RequestResult] = []
 
