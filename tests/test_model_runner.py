@@ -174,7 +174,7 @@ def test_bfloat16_runs_with_a_bf16_cache(model_dir):
 
 
 def test_dtype_auto_avoids_emulated_half_types_on_cpu():
-    from pipeline.worker.model_runner import cpu_has_fast_bf16, resolve_dtype
+    from pipeline.worker.device import cpu_has_fast_bf16, resolve_dtype
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", "float16", cpu) == torch.float32
     assert resolve_dtype("auto", "bfloat16", cpu) == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)

@@ -184,7 +184,7 @@ def main(args: argparse.Namespace) -> int:
     if args.threads:
         os.environ["PIPELINE_WORKER_THREADS"] = str(args.threads)
     batches = [int(x) for x in args.batch_sizes.split(",") if x]
-    from pipeline.worker.model_runner import worker_threads
+    from pipeline.worker.device import worker_threads
     torch.set_num_threads(worker_threads())  # transformers and memcpy get the worker's threads
     bw = memcpy_bandwidth()
     with tempfile.TemporaryDirectory(prefix="pipeline-bench-worker-") as tmp:

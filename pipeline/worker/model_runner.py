@@ -7,7 +7,6 @@ Owns: the model weights, the KV cache memory (KVCache), the InputBatch and the S
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -21,11 +20,11 @@ from pipeline.models.config import load_model_config
 from pipeline.models.llama import AttentionMetadata, CausalLM
 from pipeline.models.loader import load_weights
 from pipeline.worker import ops
+from pipeline.worker.device import resolve_dtype, worker_threads
 from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.kv_cache import KVCache, bytes_per_block
 from pipeline.worker.sampler import Sampler, build_metadata
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
@@ -39,44 +38,6 @@ class StepInputs:
     num_scheduled: np.ndarray  # [B]
     logits_indices: torch.Tensor  # [S] token index of each sampled request's last token
     sample_batch_idx: np.ndarray  # [S] index into rows of each sampled request
-
-
-def cpu_has_fast_bf16() -> bool:
-    """bf16 matmuls are only fast with native support (AVX512-BF16 or AMX); elsewhere oneDNN
-    emulates them, about 20x slower than float32 on an AVX2-only core."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool({"avx512_bf16", "amx_bf16"} & flags)
-    except OSError:
-        pass
-    return False
-
-
-def resolve_dtype(requested: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    if requested != "auto":
-        if requested not in _DTYPES:
-            raise ValueError(f"--dtype must be one of auto, {', '.join(_DTYPES)}, got {requested!r}")
-        return _DTYPES[requested]
-    ckpt = _DTYPES.get(checkpoint_dtype, torch.float32)
-    if device.type == "cpu" and ckpt != torch.float32 and not (ckpt == torch.bfloat16 and cpu_has_fast_bf16()):
-        return torch.float32  # half types without native CPU support are emulated and slow
-    return ckpt
-
-
-def worker_threads() -> int:
-    """Torch CPU threads for the worker: ``PIPELINE_WORKER_THREADS`` if set, else the usable
-    cores minus one left to the other stages. OpenMP teams larger than the cores actually
-    free stall at every barrier (a 40x slower decode step was measured on 2 shared cores)."""
-    env = os.environ.get("PIPELINE_WORKER_THREADS", "")
-    if env:
-        n = int(env)
-        if n < 1:
-            raise ValueError(f"PIPELINE_WORKER_THREADS must be >= 1, got {env!r}")
-        return n
-    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 class ModelRunner:
