@@ -319,3 +319,19 @@ def test_admission_reserve_resets_on_preemption_and_decays():
     assert any(preempted)
     for was_preempted, before, after in zip(preempted[1:], reserves, reserves[1:]):
         assert after == 1.0 if was_preempted else after <= before
+
+
+def test_preempted_request_resumes_before_later_arrivals():
+    e = Engine(num_blocks=6, budget=32)
+    e.add("A", [1, 2, 3, 4], max_tokens=12, ignore_eos=True)
+    e.add("B", [5, 6, 7, 8], max_tokens=12, ignore_eos=True)
+    while not e.step().preempted_req_ids:
+        pass
+    assert e.sched.requests["B"].status == RequestStatus.PREEMPTED  # the newest admitted
+    e.add("C", [9, 10, 11], max_tokens=2, ignore_eos=True)
+    admitted = []
+    while e.sched.has_unfinished_requests():
+        admitted += [n.req_id for n in e.step().new_reqs]
+    assert admitted.index("B") < admitted.index("C")
+    # On resume B prefilled prompt + generated tokens; none was emitted twice or skipped.
+    assert e.tokens["B"] == reference(e.worker, [5, 6, 7, 8], max_tokens=12, ignore_eos=True)[0]
