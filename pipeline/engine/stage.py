@@ -49,7 +49,6 @@ class EngineLoop:
         self.steps = BroadcastRing.attach_writer(spec.rings["steps"])  # engine -> workers
         self.outputs = Ring.attach(spec.rings["outputs"], "writer")  # engine -> token processor
         self.stats_ring = Ring.attach(spec.rings["stats"], "writer")  # engine -> gateway
-        self.timeout = spec.ring_timeout_s
         self.invariants_checked = True
         self.unpack = Unpacker({b"E": EngineRequest, b"A": AbortRequest})
         self.encode = msgspec.msgpack.Encoder().encode

@@ -64,7 +64,6 @@ class TokenizerLoop:
         self.register = Ring.attach(spec.rings["register"], "writer")
         self.requests = Ring.attach(spec.rings["requests"], "writer")
         self.unpack = Unpacker({b"Q": GatewayRequest, b"A": AbortRequest})
-        self.timeout = spec.ring_timeout_s
 
     def prompt_ids(self, req: GatewayRequest) -> list[int]:
         given = [f for f in ("prompt", "prompt_token_ids", "messages")
@@ -109,36 +108,38 @@ class TokenizerLoop:
                                  f"{req.sampling_params.max_tokens} = {need} exceeds "
                                  f"max_model_len ({limit})")
 
+    def _reject(self, req: GatewayRequest, code: str, message: str) -> None:
+        res = error_result(req.req_id, code, message, arrival_time=req.arrival_time)
+        self.rejects.send(pack(b"R", res))
+
     def handle(self, req: GatewayRequest) -> None:
         try:
             ids = self.prompt_ids(req)
             self.validate(req, ids)
         except (InvalidRequest, ValueError, TypeError, KeyError) as exc:
-            res = error_result(req.req_id, "invalid_request", str(exc),
-                               arrival_time=req.arrival_time)
-            self.rejects.send(pack(b"R", res), timeout=self.timeout * 30)
+            self._reject(req, "invalid_request", str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the stage
+            self._reject(req, "tokenizer_error", f"{type(exc).__name__}: {exc}")
             return
         token_bytes = ids_to_bytes(ids)
         reg = OutputRegistration(req_id=req.req_id, prompt_token_ids=token_bytes,
                                  sampling_params=req.sampling_params, stream=req.stream,
-                                 arrival_time=req.arrival_time, eos_token_ids=self.eos)
-        self.register.send(pack(b"G", reg), timeout=self.timeout * 30)
+                                 arrival_time=req.arrival_time)
+        # Sends block while a ring is full (back-pressure); PeerDied if its reader died.
+        self.register.send(pack(b"G", reg))
         ereq = EngineRequest(req_id=req.req_id, prompt_token_ids=token_bytes,
                              sampling_params=req.sampling_params,
                              arrival_time=req.arrival_time or time.time(),
                              eos_token_ids=self.eos, priority=req.priority,
                              cache_salt=req.cache_salt)
-        self.requests.send(pack(b"E", ereq), timeout=self.timeout * 30)
+        self.requests.send(pack(b"E", ereq))
 
     def run_forever(self) -> None:
         while True:
-            try:
-                buf = self.inbox.recv(timeout=None)  # PeerDied if the gateway is gone
-            except TimeoutError:
-                continue
-            msg = self.unpack(buf)
+            msg = self.unpack(self.inbox.recv(timeout=None))  # PeerDied if the gateway is gone
             if isinstance(msg, AbortRequest):
-                self.requests.send(pack(b"A", msg), timeout=self.timeout * 30)
+                self.requests.send(pack(b"A", msg))
             else:
                 self.handle(msg)
 

@@ -31,7 +31,6 @@ class OutputRegistration(msgspec.Struct, array_like=True, kw_only=True):
     sampling_params: SamplingParams
     stream: bool
     arrival_time: float
-    eos_token_ids: list[int] = []
 
 
 def error_result(req_id: str, code: str, message: str, *, finish_reason: str = "error",

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 
-from pipeline.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+import msgspec
+
+from pipeline.engine.sched_output import SchedulerOutput
 from pipeline.engine.stage import RESULT_HEADER
 from pipeline.entrypoints.stages import ReadyFn, StageSpec, log
 from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.ring import Ring
-import msgspec
 
 
 def run(spec: StageSpec, ready: ReadyFn) -> None:
@@ -24,11 +25,11 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
     t0 = time.perf_counter()
     runner = ModelRunner(cfg, spec.rank)
     runner.load()
-    kv_bytes = int(getattr(runner, "kv_cache_bytes", 0) or 0)
-    log(spec, f"weights loaded in {time.perf_counter() - t0:.1f}s; KV cache: "
-              f"{runner.num_blocks} blocks of {runner.block_size} tokens"
-              + (f" ({kv_bytes / 2**20:.1f} MiB)" if kv_bytes else "")
-              + f", max_model_len {runner.max_model_len}")
+    kv_bytes = runner.kv_cache_bytes
+    log(spec, f"loaded in {time.perf_counter() - t0:.1f}s: {runner.num_blocks} KV blocks of "
+              f"{runner.block_size} tokens ({kv_bytes / 2**20:.1f} MiB, "
+              f"{runner.num_blocks * runner.block_size} tokens), max_model_len "
+              f"{runner.max_model_len}")
     steps = BroadcastRing.attach(spec.rings["steps"], spec.rank)
     results = Ring.attach(spec.rings["results"], "writer") if spec.rank == 0 else None
     ready({"num_blocks": runner.num_blocks, "block_size": runner.block_size,
@@ -43,8 +44,6 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
             sched = decode(buf)
             out = runner.execute(sched)
             if results is not None:
-                if out is None:
-                    out = ModelRunnerOutput(step_id=sched.step_id, req_ids=[], sampled_token_ids=[])
                 results.send(RESULT_HEADER.pack(time.perf_counter() - t0) + encode(out))
     finally:
         runner.close()
