@@ -75,11 +75,18 @@ class Request:
     stop_reason: int | str | None = None
     # Set by the scheduler once the worker holds the request (drop it there on finish).
     sent_to_worker: bool = False
+    # Fast pre-check for check_stop: tokens that may end it, and the length that does.
+    stop_ids: frozenset[int] = frozenset()
+    max_num_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        sp = self.sampling_params
+        self.stop_ids = frozenset(sp.stop_token_ids).union(
+            () if sp.ignore_eos else self.eos_token_ids)
+        self.max_num_tokens = self.num_prompt_tokens + sp.max_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -286,7 +286,10 @@ class Scheduler:
             self.num_generated_tokens += 1
             if caching and len(toks) % bs == 0:
                 kv.hash_new_blocks(req)
-            done = req.check_stop(max_len)
+            n_toks = len(toks)
+            # Inline pre-check: most tokens can end nothing, skip the full stop rules.
+            done = (tok in req.stop_ids or n_toks >= req.max_num_tokens
+                    or n_toks >= max_len) and req.check_stop(max_len)
             lp = logprobs.get(rid) if logprobs else None
             outputs.append(EngineOutput(rid, [tok], FINISH_REASONS.get(req.status) if done else None,
                                         req.stop_reason, [lp] if lp else None,
