@@ -118,15 +118,19 @@ def load_weights(model: CausalLM, model_dir: str | Path, quiet: bool = False) ->
     dtype = model.embed_tokens.dtype
     total = 0
     t0 = time.perf_counter()
+    last = t0
     for i, path in enumerate(files, 1):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():
+            keys = list(f.keys())
+            for j, key in enumerate(keys, 1):
                 t = f.get_tensor(key)
                 total += t.numel() * t.element_size()
                 asm.add(key, t.to(dtype))
-        if not quiet:
-            print(f"loading weights: shard {i}/{len(files)} {path.name} "
-                  f"({total / 2**20:.1f} MiB, {time.perf_counter() - t0:.1f}s)",
-                  file=sys.stderr, flush=True)
+                now = time.perf_counter()
+                # A line per shard, and one every few seconds inside a big shard.
+                if not quiet and (j == len(keys) or now - last >= 5.0):
+                    last = now
+                    print(f"loading weights: shard {i}/{len(files)} {path.name}: tensor {j}/{len(keys)} "
+                          f"({total / 2**20:.1f} MiB, {now - t0:.1f}s)", file=sys.stderr, flush=True)
     asm.finish()
     return total
