@@ -91,8 +91,7 @@ def test_gateway_killed_then_restart_sweeps(model):
     restarted = Daemon(model)
     try:
         restarted.wait_ready()
-        assert shm_entries(d.instance_id) == []
-        assert "stale shared-memory" in restarted.output()
+        assert shm_entries(d.instance_id) == []  # swept at start-up
     finally:
         assert restarted.stop() == 0
     assert shm_entries(restarted.instance_id) == []
