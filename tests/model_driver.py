@@ -20,7 +20,8 @@ _ids = itertools.count()
 
 
 def instance_id() -> str:
-    return f"t{os.getpid():x}m{next(_ids)}"
+    # "<pid>-<hex>": sweep_stale leaves it alone while this process lives.
+    return f"{os.getpid()}-{next(_ids):x}"
 
 
 def tiny_hf_model(arch: str, path: str, seed: int = 0, max_shard_size: str | None = None, **overrides):

@@ -7,6 +7,7 @@ Owns: the model weights, the KV cache memory (KVCache), the InputBatch and the S
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -94,7 +95,8 @@ class ModelRunner:
         self.num_blocks = self._decide_num_blocks()
         self.kv_cache = KVCache(mc.num_layers, self.num_blocks, self.block_size, mc.num_kv_heads,
                                 mc.head_dim, self.dtype, self.device,
-                                self.config.instance_id or f"{id(self):x}", self.rank)
+                                # "<pid>-<hex>" is the id form sweep_stale ties to a live pid.
+                                self.config.instance_id or f"{os.getpid()}-{id(self):x}", self.rank)
         self.kv_cache_bytes = self.kv_cache.spec.total_bytes
         print(f"kv cache: {self.num_blocks} blocks x {self.block_size} tokens "
               f"({self.kv_cache_bytes / 2**20:.1f} MiB)", file=sys.stderr, flush=True)
