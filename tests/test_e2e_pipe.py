@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 
 import pytest
@@ -84,3 +85,26 @@ def test_bad_model_path_fails_clearly(tmp_path):
                        env=env())
     assert p.returncode == 2
     assert "cannot start" in p.stderr and "missing" in p.stderr and "config.json" in p.stderr
+
+
+def test_ctrl_c_drains_then_aborts_the_rest(model):
+    """SIGINT: stop reading, give in-flight requests --drain-timeout, abort the rest with an
+    answer each, exit 130, leave no shared memory."""
+    p = subprocess.Popen([*PIPELINE, "run", "--model", str(model), *ENGINE_FLAGS,
+                          "--drain-timeout", "0"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=ROOT, env=env())
+    for i in range(6):
+        p.stdin.write(json.dumps({"id": f"c{i}", "prompt": "x", "max_tokens": 250,
+                                  "ignore_eos": True, "stream": i == 0}) + "\n")
+    p.stdin.flush()  # stdin stays open: the run would otherwise wait for more lines
+    first = json.loads(p.stdout.readline())  # a delta of c0: requests are running
+    assert first["id"] == "c0" and "finish_reason" not in first
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    finals = [a for a in map(json.loads, out.splitlines()) if "finish_reason" in a]
+    assert sorted(a["id"] for a in finals) == [f"c{i}" for i in range(6)], err
+    assert {a["finish_reason"] for a in finals} == {"abort"}, finals
+    assert p.returncode == 130, err
+    assert "draining" in err
+    assert shm_entries(f"{p.pid:x}") == []
