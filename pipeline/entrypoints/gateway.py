@@ -21,8 +21,8 @@ import psutil
 from pipeline.config import EngineConfig
 from pipeline.engine.messages import AbortRequest
 from pipeline.entrypoints.stages import (EXIT_PEER_DIED, ModelInfo, Stage, StageSpec, Unpacker,
-                                         describe_exit, pack, spawn_stage, unlink_entries,
-                                         wait_ready)
+                                         describe_exit, last_words, pack, spawn_stage,
+                                         unlink_entries, wait_ready)
 from pipeline.entrypoints.tokenizer_stage import GatewayRequest
 from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.errors import PeerDied
@@ -203,8 +203,9 @@ class Gateway:
             time.sleep(0.05)
             dead = [s for s in self.stages if not s.process.is_alive()]
             first = next((s for s in dead if s.process.exitcode != EXIT_PEER_DIED), dead[0])
+            why = last_words(first)
             self._fail(f"stage {first.spec.name} (pid {first.process.pid}) died: "
-                       f"{describe_exit(first.process.exitcode)}")
+                       f"{describe_exit(first.process.exitcode)}" + (f" ({why})" if why else ""))
             return
 
     def _fail(self, message: str) -> None:

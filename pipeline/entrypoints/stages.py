@@ -108,12 +108,8 @@ def stage_process(spec_bytes: bytes, ctrl: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     spec = msgspec.msgpack.decode(spec_bytes, type=StageSpec)
-    reported = False
-
     def ready(info: dict) -> None:
-        nonlocal reported
         ctrl.send(("ready", info))
-        reported = True
 
     code = 0
     try:
@@ -127,11 +123,10 @@ def stage_process(spec_bytes: bytes, ctrl: Connection) -> None:
         code = exc.code if isinstance(exc.code, int) else 0
     except BaseException as exc:  # noqa: BLE001 - reported to the gateway, then exit non-zero
         msg = f"{type(exc).__name__}: {exc}"
-        if not reported:
-            try:
-                ctrl.send(("error", msg))
-            except OSError:
-                pass
+        try:  # before ready: why start-up failed; after: why the stage died
+            ctrl.send(("error", msg))
+        except OSError:
+            pass
         if not isinstance(exc, (ValueError, OSError)):  # those already say what is wrong
             traceback.print_exc()
         print(f"[{spec.name}] failed: {msg}", file=sys.stderr, flush=True)
@@ -200,6 +195,18 @@ def wait_ready(stages: list[Stage], timeout_s: float) -> dict:
             info |= payload
             del pending[stage.ctrl]
     return info
+
+
+def last_words(stage: Stage) -> str | None:
+    """The error a dead stage reported on its control pipe, if it had time to."""
+    try:
+        while stage.ctrl.poll(0):
+            kind, payload = stage.ctrl.recv()
+            if kind == "error":
+                return str(payload)
+    except (EOFError, OSError):
+        pass
+    return None
 
 
 def describe_exit(code: int | None) -> str:
