@@ -63,14 +63,14 @@ def is_loopback(endpoint: str) -> bool:
 
 
 class Server:
-    def __init__(self, args: argparse.Namespace, gw_factory=Gateway) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.answers: queue.SimpleQueue[Answer] = queue.SimpleQueue()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
         self.config = config_from_args(args)
-        self.gw = gw_factory(self.config, self._on_output)
+        self.gw = Gateway(self.config, self._on_output)
         self.sessions = ClientSessions()
         self.notify = Notifier.from_env()  # also keeps the stages from talking to systemd
         self.metrics = Metrics()
@@ -186,7 +186,7 @@ class Server:
         return "draining" if self.stop.is_set() else "ok"
 
     def health_detail(self) -> dict:
-        return {"inflight": self.gw.num_inflight(), "clients_requests": len(self.sessions),
+        return {"inflight": self.gw.num_inflight(), "client_requests": len(self.sessions),
                 "stages": self.gw.stats_stages(), "failure": self.gw.failure}
 
     def _feed_engine_state(self) -> None:
