@@ -66,7 +66,8 @@ def shm_entries(instance_id: str) -> list[str]:
 class Daemon:
     """`pipeline serve` in a subprocess; `address` is where clients connect."""
 
-    def __init__(self, model: Path, *flags: str, curve_keys: Path | None = None) -> None:
+    def __init__(self, model: Path, *flags: str, curve_keys: Path | None = None,
+                 extra_env: dict | None = None) -> None:
         self.port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         # What a client needs to get in (CURVE daemons admit only known client keys).
@@ -77,7 +78,7 @@ class Daemon:
         self.proc = subprocess.Popen(
             [*PIPELINE, "serve", "--model", str(model), "--listen", self.address,
              *ENGINE_FLAGS, *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env())
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env() | (extra_env or {}))
         # config_from_args names the instance after the gateway's pid.
         self.instance_id = f"{self.proc.pid:x}"
 

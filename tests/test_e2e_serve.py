@@ -10,6 +10,7 @@ import json
 import os
 import random
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -259,3 +260,28 @@ def test_sigterm_drains_then_exits_clean(daemon):
     assert [r.finish_reason for r in out] == ["length"] * 4, out
     assert daemon.proc.wait(60) == 0, daemon.output()
     assert shm_entries(daemon.instance_id) == []
+
+
+def test_systemd_notify_protocol(model, tmp_path):
+    """Type=notify: READY=1 once serving, WATCHDOG=1 keep-alives, STOPPING=1 on SIGTERM."""
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(120)
+    d = Daemon(model, extra_env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"})
+    seen: list[str] = []
+    try:
+        while not any(m.startswith("READY=1") for m in seen):
+            seen.append(sock.recv(4096).decode())
+        while "WATCHDOG=1" not in seen:
+            seen.append(sock.recv(4096).decode())
+        d.proc.send_signal(signal.SIGTERM)
+        while not any(m.startswith("STOPPING=1") for m in seen):
+            seen.append(sock.recv(4096).decode())
+        assert d.proc.wait(60) == 0, d.output()
+    finally:
+        if d.proc.poll() is None:
+            d.stop(signal.SIGKILL)
+        sock.close()
+    assert seen[0].startswith("STATUS=") and "serving on" in next(m for m in seen if "READY=1" in m)
+    assert shm_entries(d.instance_id) == []
