@@ -127,7 +127,7 @@ class Gateway:
             if refusal is None:
                 self.inflight[req.req_id] = req.stream
         if refusal is not None:
-            self.on_output(error_result(req.req_id, "unavailable", refusal))
+            self._answer(error_result(req.req_id, "unavailable", refusal))
             return False
         try:
             with self.submit_lock:
@@ -136,7 +136,7 @@ class Gateway:
         except (PeerDied, TimeoutError) as exc:
             with self.lock:
                 if self.inflight.pop(req.req_id, None) is not None:
-                    self.on_output(error_result(req.req_id, "unavailable",
+                    self._answer(error_result(req.req_id, "unavailable",
                                                 f"tokenizer stage unavailable: {exc}"))
             return False
 
@@ -151,6 +151,14 @@ class Gateway:
             except (PeerDied, TimeoutError):
                 pass  # the supervisor answers everything when a stage is gone
 
+    def _answer(self, out: Answer) -> None:
+        # A front end that fails to take an answer (stdout closed, ...) must not stop the
+        # threads that answer everyone else.
+        try:
+            self.on_output(out)
+        except Exception as exc:  # noqa: BLE001
+            self.log(f"dropped the answer of {out.id}: {type(exc).__name__}: {exc}")
+
     def num_inflight(self) -> int:
         with self.lock:
             return len(self.inflight)
@@ -164,7 +172,7 @@ class Gateway:
                 del self.inflight[out.id]
                 if not self.inflight:
                     self.idle.notify_all()
-            self.on_output(out)
+            self._answer(out)
 
     def _receive_loop(self) -> None:
         answers, rejects, stats = self.rings["answers"], self.rings["rejects"], self.rings["stats"]
@@ -215,7 +223,7 @@ class Gateway:
             self.failure = message
             self.accepting = False
             for req_id in self.inflight:
-                self.on_output(error_result(req_id, "stage_died", message))
+                self._answer(error_result(req_id, "stage_died", message))
             self.inflight.clear()
             self.idle.notify_all()
         self.log(message)
@@ -235,7 +243,7 @@ class Gateway:
         with self.lock:
             self.idle.wait_for(lambda: not self.inflight or self.failure is not None, 2.0)
             for req_id in self.inflight:
-                self.on_output(error_result(req_id, "abort", "aborted: the server shut down",
+                self._answer(error_result(req_id, "abort", "aborted: the server shut down",
                                             finish_reason="abort"))
             self.inflight.clear()
         return len(left)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -81,8 +82,11 @@ def parse_line(line: str, default_id: str, defaults: dict, model=None) -> Gatewa
 class AnswerWriter:
     """Writes answers as JSON lines; maps internal ids (line numbers) back to the user's."""
 
-    def __init__(self, out, ordered: bool, stream: bool, progress: bool) -> None:
+    def __init__(self, out, ordered: bool, stream: bool, progress: bool,
+                 stop: threading.Event) -> None:
         self.out = out
+        self.stop = stop  # set when stdout is gone: nobody reads the answers any more
+        self.broken = False
         self.ordered = ordered
         self.stream = stream
         self.progress = progress
@@ -129,8 +133,18 @@ class AnswerWriter:
             self.all_done.notify_all()
 
     def _write(self, line: bytes) -> None:
-        self.out.write(line + b"\n")
-        self.out.flush()
+        if self.broken:
+            return
+        try:
+            self.out.write(line + b"\n")
+            self.out.flush()
+        except (BrokenPipeError, ValueError):  # e.g. `pipeline run ... | head -1`
+            self.broken = True
+            # Later flushes (also Python's at exit) must not raise again.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.out.fileno())
+            os.close(devnull)
+            self.stop.set()
 
     def _flush_ordered(self) -> None:
         while self.next_index in self.pending:
@@ -145,9 +159,10 @@ class AnswerWriter:
             self.pending[index] = b""
             self._flush_ordered()
 
-    def wait_all(self, stop: threading.Event) -> None:
+    def wait_all(self, *events: threading.Event) -> None:
+        """Until every submitted request is answered or one of ``events`` is set."""
         with self.lock:
-            while self.done < self.submitted and not stop.is_set():
+            while self.done < self.submitted and not any(e.is_set() for e in events):
                 self.all_done.wait(0.2)
 
 
@@ -182,7 +197,8 @@ def feed(gw: Gateway, writer: AnswerWriter, args, lines, stop: threading.Event,
 def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     progress = sys.stderr.isatty()
-    writer = AnswerWriter(sys.stdout.buffer, args.ordered, args.stream, progress)
+    stop = threading.Event()
+    writer = AnswerWriter(sys.stdout.buffer, args.ordered, args.stream, progress, stop)
     gw = Gateway(cfg, writer)
     try:
         gw.start()
@@ -190,7 +206,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"pipeline run: cannot start: {exc}", file=sys.stderr)
         gw.close()
         return 2
-    stop = threading.Event()
     interrupted = threading.Event()
 
     def on_signal(signum, frame) -> None:
@@ -205,12 +220,15 @@ def main(args: argparse.Namespace) -> int:
         reader.start()
         while reader.is_alive() and not stop.is_set():
             reader.join(0.2)
-        if interrupted.is_set():
+        writer.wait_all(stop, gw.failed)  # stop: Ctrl-C, SIGTERM or stdout closed
+        if writer.broken:
+            print("pipeline run: stdout was closed; aborting the remaining requests",
+                  file=sys.stderr)
+            gw.drain(0.0)
+        elif interrupted.is_set():
             print(f"\npipeline run: interrupted, draining (up to {args.drain_timeout:.0f}s)",
                   file=sys.stderr)
             gw.drain(args.drain_timeout)
-        else:
-            reader.join()
         writer.wait_all(gw.failed)
         if args.stats_json and gw.failure is None:
             with open(args.stats_json, "w") as f:
@@ -226,4 +244,6 @@ def main(args: argparse.Namespace) -> int:
         return 1
     if interrupted.is_set():
         return 130  # as a shell reports a run stopped by Ctrl-C
+    if writer.broken:
+        return 1
     return 1 if writer.failed else 0
