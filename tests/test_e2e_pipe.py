@@ -108,3 +108,18 @@ def test_ctrl_c_drains_then_aborts_the_rest(model):
     assert p.returncode == 130, err
     assert "draining" in err
     assert shm_entries(f"{p.pid:x}") == []
+
+
+def test_closed_stdout_ends_the_run(model):
+    """`pipeline run ... | head -1`: the rest is aborted, the run exits, nothing is left."""
+    p = subprocess.Popen([*PIPELINE, "run", "--model", str(model), *ENGINE_FLAGS],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=ROOT, env=env())
+    p.stdin.write("".join(json.dumps({"prompt": "x", "max_tokens": 250, "ignore_eos": True,
+                                      "stream": True}) + "\n" for _ in range(8)))
+    p.stdin.close()
+    assert json.loads(p.stdout.readline())["id"] in {str(i) for i in range(8)}
+    p.stdout.close()
+    assert p.wait(120) == 1
+    assert "stdout was closed" in p.stderr.read()
+    assert shm_entries(f"{p.pid:x}") == []
