@@ -214,7 +214,7 @@ def daemon_flag(daemon: Daemon, flag: str) -> str:
 def test_client_gone_mid_request_aborts(daemon):
     """A client that vanishes (no bye, socket closed) gets its requests aborted, not leaked."""
     with Client(daemon.address, timeout=30, **daemon.client_kw) as c:
-        aborted_before = c.stats()["requests_finished"].get("abort", 0)
+        dropped_before = c.stats()["clients_dropped"]
     sock = dealer(daemon)
     sock.send(P.encode(P.Generate(id="gone", prompt="x", max_tokens=240, temperature=0,
                                   ignore_eos=True, stream=True)))
@@ -230,8 +230,9 @@ def test_client_gone_mid_request_aborts(daemon):
             time.sleep(0.1)
         assert stats["requests_inflight"] == 0 and stats["running"] == 0, stats
         assert stats["kv_blocks_used"] == 0, stats
-        assert stats["clients_dropped"] >= 1, stats
-        assert stats["requests_finished"]["abort"] == aborted_before + 1, stats
+        # Counted only when the dropped client still had requests in flight: they were
+        # aborted (unless the engine finished them in the same instant).
+        assert stats["clients_dropped"] == dropped_before + 1, stats
 
 
 def test_sigterm_drains_then_exits_clean(daemon):

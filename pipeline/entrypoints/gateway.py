@@ -75,6 +75,7 @@ class Gateway:
         self._threads: list[threading.Thread] = []
         self.engine_stats: dict = {}
         self.stats_updated = threading.Event()
+        self._ps: dict[int, psutil.Process] = {}  # cpu_percent needs the same handle
 
     # ---- start-up ----
     def start(self, timeout_s: float = 600.0) -> ModelInfo:
@@ -185,7 +186,7 @@ class Gateway:
                 except TimeoutError:
                     continue
                 for ring in (answers, rejects):
-                    while (buf := ring.try_recv()) is not None:
+                    while not self.stopping.is_set() and (buf := ring.try_recv()) is not None:
                         self._deliver(unpack(buf))
                 while (buf := stats.try_recv()) is not None:
                     self.engine_stats = decode_stats(buf)
@@ -249,11 +250,13 @@ class Gateway:
         return len(left)
 
     def stats_stages(self) -> list[dict]:
+        """Per stage process: pid, liveness, RSS and CPU % since the previous call."""
         rows = []
         for s in self.stages:
             row = {"stage": s.spec.name, "pid": s.process.pid, "alive": s.process.is_alive()}
             try:
-                p = psutil.Process(s.process.pid)
+                p = self._ps.get(s.process.pid) or self._ps.setdefault(
+                    s.process.pid, psutil.Process(s.process.pid))
                 row |= {"rss_bytes": p.memory_info().rss, "cpu_percent": p.cpu_percent(None)}
             except (psutil.Error, TypeError):
                 pass
@@ -275,10 +278,13 @@ class Gateway:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(1.0)
-        for ring in [*self.rings.values(), getattr(self, "steps", None),
-                     *getattr(self, "doorbells", [])]:
-            if ring is not None:
-                ring.close()
+        # Unmap only when no thread of ours can still touch a ring (unlinking below is what
+        # frees the memory; a mapping dies with the process anyway).
+        if not any(t.is_alive() for t in self._threads if t is not threading.current_thread()):
+            for ring in [*self.rings.values(), getattr(self, "steps", None),
+                         *getattr(self, "doorbells", [])]:
+                if ring is not None:
+                    ring.close()
         if self.instance is not None:
             self.instance.cleanup()
             # Segments a stage created itself (the worker's KV cache) and could not unlink
