@@ -238,22 +238,27 @@ def test_client_gone_mid_request_aborts(daemon):
 def test_sigterm_drains_then_exits_clean(daemon):
     """Last in the module: in-flight requests finish, new ones are refused, shm is gone."""
     with Client(daemon.address, timeout=120, **daemon.client_kw) as c:
-        started = threading.Event()
+        running = threading.Semaphore(0)
         out: list[RequestResult] = []
 
         def long_one(i: int) -> None:
-            for item in c.stream("x", id=f"d{i}", max_tokens=200, temperature=0,
+            first = True
+            for item in c.stream("x", id=f"d{i}", max_tokens=250, temperature=0,
                                  ignore_eos=True):
-                started.set()
+                if first:
+                    running.release()
+                    first = False
                 if isinstance(item, RequestResult):
                     out.append(item)
 
         threads = [threading.Thread(target=long_one, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
-        assert started.wait(60)
+        for _ in threads:
+            assert running.acquire(timeout=60)  # all four are decoding
         daemon.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        while c.health(timeout=10).status != "draining":
+            pass
         late = c.generate("too late", id="late", max_tokens=4)
         for t in threads:
             t.join(120)

@@ -16,6 +16,7 @@ import numpy as np
 
 from pipeline.engine.messages import AbortRequest, EngineRequest
 from pipeline.engine.sched_output import ids_to_bytes
+from pipeline.entrypoints.protocol import ProtocolError, check_prompt_len
 from pipeline.entrypoints.stages import ReadyFn, StageSpec, Unpacker, log, pack
 from pipeline.ipc.ring import Ring
 from pipeline.output.stage import OutputRegistration, error_result
@@ -88,8 +89,6 @@ class TokenizerLoop:
                 bad = int(arr[(arr < 0) | (arr >= vocab)][0])
                 raise InvalidRequest(f"field `prompt_token_ids`: ids must be in [0, vocab_size={vocab}),"
                                      f" got {bad}")
-        if not ids:
-            raise InvalidRequest("field `prompt`: must not be empty (0 tokens)")
         return ids
 
     def validate(self, req: GatewayRequest, ids: list[int]) -> None:
@@ -99,9 +98,12 @@ class TokenizerLoop:
         except ValueError as exc:
             name, _, rest = str(exc).partition(" ")
             raise InvalidRequest(f"field `{name}`: {rest}") from None
-        if len(ids) >= limit:
-            raise InvalidRequest(f"field `prompt`: {len(ids)} tokens, must be < max_model_len "
-                                 f"({limit}) to leave room for output")
+        field = next(f for f in ("prompt", "prompt_token_ids", "messages")
+                     if getattr(req, f) is not None)
+        try:
+            check_prompt_len(len(ids), limit, field)  # the protocol's one rule
+        except ProtocolError as exc:
+            raise InvalidRequest(exc.error.message) from None
         need = len(ids) + req.sampling_params.max_tokens
         if need > limit:
             raise InvalidRequest(f"field `max_tokens`: {len(ids)} prompt tokens + max_tokens "
