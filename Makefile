@@ -1,5 +1,6 @@
 # make run: set up and run pipe mode on the embedded default model.
 # make test: set up and run the test suite.
+SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -20,7 +21,8 @@ build: setup
 	$(BIN)/python setup.py -q build_ext --inplace
 
 run: setup
-	$(BIN)/pipeline run --ordered < tools/sample_prompts.txt
+	set -o pipefail; $(BIN)/pipeline run --ordered < tools/sample_prompts.txt \
+	  | $(BIN)/python tools/show_completions.py tools/sample_prompts.txt
 
 test: setup
 	$(BIN)/python -m pytest -x -q -p no:cacheprovider tests
