@@ -38,6 +38,24 @@ cdef extern from "cpu_ops_attn.h":
         int dtype
     int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) nogil
 
+cdef extern from "cpu_ops_gemv.h":
+    int PIPE_GEMV_MAX_M
+    void pipeline_cpu_gemv(float *y, int64_t ldy, const float *x, int64_t ldx, const float *W,
+                           const float *bias, int64_t M, int64_t K, int64_t N, int kn) nogil
+
+cdef extern from "cpu_ops_fused.h":
+    void pipeline_cpu_rms_norm(float *out, const float *x, float *residual, const float *weight,
+                               int64_t num_tokens, int64_t hidden, int64_t out_stride,
+                               int64_t x_stride, int64_t res_stride, float eps) nogil
+    int64_t pipeline_cpu_rope_and_cache(
+        float *q, float *k, const float *v, int64_t q_stride, int64_t k_stride,
+        int64_t v_stride, const int64_t *positions, const float *cos_table,
+        const float *sin_table, int64_t max_positions, char *k_cache, char *v_cache,
+        const int64_t *slot_mapping, int64_t num_tokens, int64_t num_heads,
+        int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, int dtype) nogil
+    void pipeline_cpu_silu_and_mul(float *out, const float *x, int64_t num_tokens,
+                                   int64_t inter, int64_t x_stride) nogil
+
 
 def reshape_and_cache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache,
                       uintptr_t slot_mapping, int64_t num_tokens, int64_t key_stride,
@@ -101,3 +119,50 @@ def copy_blocks(list caches, uintptr_t pairs, int64_t num_pairs, int64_t num_blo
     finally:
         free(ptrs)
     return bad
+
+
+def rms_norm(uintptr_t out, uintptr_t x, uintptr_t residual, uintptr_t weight,
+             int64_t num_tokens, int64_t hidden, int64_t out_stride, int64_t x_stride,
+             int64_t res_stride, float eps) -> None:
+    """float32 RMSNorm of x (+ residual, written back when residual != 0) into out."""
+    with nogil:
+        pipeline_cpu_rms_norm(<float *>out, <const float *>x, <float *>residual,
+                              <const float *>weight, num_tokens, hidden, out_stride, x_stride,
+                              res_stride, eps)
+
+
+def rope_and_cache(uintptr_t q, uintptr_t k, uintptr_t v, int64_t q_stride, int64_t k_stride,
+                   int64_t v_stride, uintptr_t positions, uintptr_t cos_table,
+                   uintptr_t sin_table, int64_t max_positions, uintptr_t k_cache,
+                   uintptr_t v_cache, uintptr_t slot_mapping, int64_t num_tokens,
+                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   int64_t num_slots, int dtype) -> int:
+    """RoPE on float32 q/k rows in place, then k/v to their cache slots; returns the first
+    token with an out-of-range position or slot, or -1."""
+    cdef int64_t bad
+    with nogil:
+        bad = pipeline_cpu_rope_and_cache(
+            <float *>q, <float *>k, <const float *>v, q_stride, k_stride, v_stride,
+            <const int64_t *>positions, <const float *>cos_table, <const float *>sin_table,
+            max_positions, <char *>k_cache, <char *>v_cache, <const int64_t *>slot_mapping,
+            num_tokens, num_heads, num_kv_heads, head_dim, num_slots, dtype)
+    return bad
+
+
+def silu_and_mul(uintptr_t out, uintptr_t x, int64_t num_tokens, int64_t inter,
+                 int64_t x_stride) -> None:
+    """out [T, I] = silu(x[:, :I]) * x[:, I:] in float32."""
+    with nogil:
+        pipeline_cpu_silu_and_mul(<float *>out, <const float *>x, num_tokens, inter, x_stride)
+
+
+GEMV_MAX_M = PIPE_GEMV_MAX_M
+
+
+def gemv(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t weight, uintptr_t bias,
+         int64_t m, int64_t k, int64_t n, bint kn) -> None:
+    """float32 y [m, n] = x [m, k] @ W (+ bias) for m <= GEMV_MAX_M; W is [k, n] when kn,
+    else [n, k]."""
+    with nogil:
+        pipeline_cpu_gemv(<float *>y, ldy, <const float *>x, ldx, <const float *>weight,
+                          <const float *>bias, m, k, n, kn)

@@ -38,9 +38,7 @@ def _bias(enabled: bool, n: int) -> nn.Parameter | None:
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kn: bool) -> torch.Tensor:
     """x @ W^T + b with W stored [out, in] (kn=False) or pre-transposed [in, out] (kn=True)."""
-    if not kn:
-        return F.linear(x, w, b)
-    return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
+    return ops.linear(x, w, b, kn)
 
 
 _PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
@@ -183,6 +181,8 @@ class CausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 on_kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens)
+        if x.dtype == torch.float32 and x.device.type == "cpu" and ops.backend(x.device) is not None:
+            return self._forward_fused(x, positions, meta, kv_caches, on_kv_written)
         cos, sin = self.rotary.table(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_caches[i]
@@ -191,6 +191,48 @@ class CausalLM(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 
+    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                       on_kv_written: Callable[[int], None] | None) -> torch.Tensor:
+        """The CPU float32 path: the same math as the per-op path below, with each layer's
+        element-wise work in four C calls (add + RMSNorm twice, RoPE + KV write, SwiGLU),
+        so a small-batch decode step is not dominated by torch's per-op dispatch."""
+        residual, h = x, torch.empty_like(x)
+        t = x.shape[0]
+        first = self.layers[0].input_layernorm
+        ops.rms_norm(residual, first.weight, first.eps, out=h)
+        cos, sin = self.rotary.cos, self.rotary.sin
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = kv_caches[i]
+            qs, kvs, nh, nkv, hd = layer.q_size, layer.kv_size, layer.num_heads, layer.num_kv_heads, layer.head_dim
+            qkv = _linear(h, layer.qkv_weight, layer.qkv_bias, layer.kn)
+            q = qkv[:, :qs].view(t, nh, hd)
+            k = qkv[:, qs:qs + kvs].view(t, nkv, hd)
+            v = qkv[:, qs + kvs:].view(t, nkv, hd)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            ops.rope_and_cache(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping)
+            if on_kv_written is not None:
+                on_kv_written(i)
+            o = ops.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
+                                    meta.block_tables, layer.scale)
+            o = _linear(o.view(t, qs), layer.o_weight, layer.o_bias, layer.kn)
+            post = layer.post_attention_layernorm
+            ops.rms_norm(o, post.weight, post.eps, residual=residual, out=h)
+            gate_up = _linear(h, layer.gate_up_weight, layer.gate_up_bias, layer.kn)
+            down = _linear(ops.silu_and_mul(gate_up), layer.down_weight, layer.down_bias, layer.kn)
+            if i < last:
+                nxt = self.layers[i + 1].input_layernorm
+                ops.rms_norm(down, nxt.weight, nxt.eps, residual=residual, out=h)
+            else:
+                residual.add_(down)
+        return residual
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given final hidden states [N, hidden] -> [N, vocab]."""
-        return _linear(self.norm(hidden), self.lm_head, None, self.lm_head_kn).float()
+        if hidden.dtype == torch.float32 and hidden.device.type == "cpu":
+            hidden = ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
+        else:
+            hidden = self.norm(hidden)
+        return _linear(hidden, self.lm_head, None, self.lm_head_kn).float()

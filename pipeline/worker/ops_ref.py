@@ -102,3 +102,55 @@ def copy_blocks(
     for k_cache, v_cache in zip(k_caches, v_caches):
         k_cache[dst] = k_cache[src]
         v_cache[dst] = v_cache[src]
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out = rms_norm(x + residual) * weight``; with a residual the sum is written back to
+    it first (the decoder's residual stream). Computed in float32."""
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    y = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def rope_and_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Neox (rotate-half) RoPE on q [T, H, D] and k [T, Hkv, D] in place, then k and v into
+    the paged cache. ``cos``/``sin`` are [max_positions, D] tables stored full width as
+    ``[c, c]`` and ``[-s, s]``."""
+    c = cos.index_select(0, positions).unsqueeze(1)
+    s = sin.index_select(0, positions).unsqueeze(1)
+    half = q.shape[-1] // 2
+    for x in (q, k):
+        rotated = torch.roll(x, half, dims=-1)
+        x.copy_(torch.addcmul(x * c, rotated, s))
+    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]`` for x [T, 2I]."""
+    inter = x.shape[-1] // 2
+    y = torch.nn.functional.silu(x[:, :inter]) * x[:, inter:]
+    if out is None:
+        return y
+    out.copy_(y)
+    return out

@@ -1,0 +1,111 @@
+/* Worker stage, CPU ops: the small per-layer element-wise ops of a decoder layer, fused so a
+ * decode step does one pass over each activation row instead of a chain of torch ops.
+ *
+ *   pipeline_cpu_rms_norm:       out = rms_norm(x [+ residual]) * weight; with a residual
+ *                                the sum is written back to it (the residual stream).
+ *   pipeline_cpu_rope_and_cache: neox (rotate-half) RoPE in place on q and k rows, then the
+ *                                rotated k and v rows are written to their cache slots.
+ *   pipeline_cpu_silu_and_mul:   out = silu(x[:, :I]) * x[:, I:] (the SwiGLU of a fused
+ *                                gate/up projection).
+ *
+ * Activations are float32 (the ops' callers keep half types on the torch path, whose rounding
+ * sequence matches transformers'); the cache may be float32, bfloat16 or float16. Sums are
+ * float32. At batch 1 each call is a few hundred nanoseconds of work, so parallel regions are
+ * only opened above PIPE_FUSED_PAR_MIN elements. No state; index values are checked before any
+ * write and the first bad one is returned (or -1).
+ */
+#ifndef PIPELINE_CPU_OPS_FUSED_H
+#define PIPELINE_CPU_OPS_FUSED_H
+
+#include <stdint.h>
+#include <math.h>
+#include <omp.h>
+#include "cpu_ops_dtype.h"
+
+#define PIPE_FUSED_PAR_MIN (1 << 16)
+
+/* x, residual and out rows are `x_stride`, `res_stride` and `out_stride` floats apart;
+ * `residual` may be NULL. out may alias x (not residual). */
+static void pipeline_cpu_rms_norm(float *out, const float *x, float *residual,
+                                  const float *weight, int64_t num_tokens, int64_t hidden,
+                                  int64_t out_stride, int64_t x_stride, int64_t res_stride,
+                                  float eps) {
+    const int par = num_tokens * hidden >= PIPE_FUSED_PAR_MIN;
+    #pragma omp parallel for schedule(static) if (par)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *xr = x + t * x_stride;
+        float *o = out + t * out_stride;
+        float ss = 0.0f;
+        if (residual != NULL) {
+            float *r = residual + t * res_stride;
+            for (int64_t i = 0; i < hidden; i++) {
+                const float v = r[i] + xr[i];
+                r[i] = v;
+                ss += v * v;
+            }
+            xr = r;
+        } else {
+            for (int64_t i = 0; i < hidden; i++) ss += xr[i] * xr[i];
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+        for (int64_t i = 0; i < hidden; i++) o[i] = xr[i] * inv * weight[i];
+    }
+}
+
+/* Rotate `heads` rows of one token in place with cos/sin rows stored full width as
+ * cos = [c, c], sin = [-s, s] (RotaryEmbedding's tables). */
+static inline void pipe_rope_rows(float *x, int64_t heads, int64_t D, const float *restrict cos,
+                                  const float *restrict sin) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *restrict a = x + h * D, *restrict b = a + half;
+        for (int64_t d = 0; d < half; d++) {
+            const float x1 = a[d], x2 = b[d];
+            a[d] = x1 * cos[d] + x2 * sin[d];
+            b[d] = x2 * cos[half + d] + x1 * sin[half + d];
+        }
+    }
+}
+
+/* q [T, H, D], k and v [T, Hkv, D] float32 with row strides (in floats); tables
+ * [max_positions, D] float32; caches [num_blocks, block_size, Hkv, D] in `dtype`.
+ * Returns the first token whose position or slot is out of range, or -1. A negative slot
+ * (padding) is rotated but not cached. */
+static int64_t pipeline_cpu_rope_and_cache(
+        float *q, float *k, const float *v, int64_t q_stride, int64_t k_stride,
+        int64_t v_stride, const int64_t *positions, const float *cos_table,
+        const float *sin_table, int64_t max_positions, char *k_cache, char *v_cache,
+        const int64_t *slot_mapping, int64_t num_tokens, int64_t num_heads,
+        int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, int dtype) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (positions[t] < 0 || positions[t] >= max_positions || slot_mapping[t] >= num_slots)
+            return t;
+    const int64_t D = head_dim, row = num_kv_heads * D, esz = pipe_dtype_size(dtype);
+    const int par = num_tokens * (num_heads + 2 * num_kv_heads) * D >= PIPE_FUSED_PAR_MIN;
+    #pragma omp parallel for schedule(static) if (par)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *c = cos_table + positions[t] * D, *s = sin_table + positions[t] * D;
+        pipe_rope_rows(q + t * q_stride, num_heads, D, c, s);
+        float *kr = k + t * k_stride;
+        pipe_rope_rows(kr, num_kv_heads, D, c, s);
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        pipe_store_row(k_cache + slot * row * esz, kr, row, dtype, 1.0f);
+        pipe_store_row(v_cache + slot * row * esz, v + t * v_stride, row, dtype, 1.0f);
+    }
+    return -1;
+}
+
+/* out [T, I] (dense) = silu(x[:, :I]) * x[:, I:], x rows `x_stride` floats apart. */
+static void pipeline_cpu_silu_and_mul(float *out, const float *x, int64_t num_tokens,
+                                      int64_t inter, int64_t x_stride) {
+    const int par = num_tokens * inter >= PIPE_FUSED_PAR_MIN;
+    #pragma omp parallel for schedule(static) if (par)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *restrict g = x + t * x_stride, *restrict u = g + inter;
+        float *restrict o = out + t * inter;
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+#endif
