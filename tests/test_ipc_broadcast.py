@@ -10,15 +10,6 @@ from test_ipc_procs import CTX, NO_RESCUE, bcast_reader, bcast_slow_reader_then_
 
 from pipeline.ipc import PeerDied
 from pipeline.ipc.broadcast import BroadcastRing
-from pipeline.ipc.names import Instance, list_entries
-
-
-@pytest.fixture
-def inst():
-    i = Instance()
-    yield i
-    i.cleanup()
-    assert list_entries(i.id) == []
 
 
 @pytest.mark.parametrize("num_readers", [2, 3])

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
 
 import pytest
@@ -19,14 +18,6 @@ from test_ipc_procs import ring_exit_after_attach as _exit_after_attach
 from test_ipc_procs import ring_idle_reader as _idle_reader
 from test_ipc_procs import ring_multi_writer as _multi_writer
 from test_ipc_procs import ring_writer as _writer
-
-@pytest.fixture
-def inst():
-    i = Instance()
-    yield i
-    i.cleanup()
-    assert list_entries(i.id) == []
-
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sizes=st.lists(st.integers(0, 2048), min_size=1, max_size=400),

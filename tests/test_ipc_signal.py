@@ -19,14 +19,6 @@ from pipeline.ipc.signal import LayerSignal
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def inst():
-    i = Instance()
-    yield i
-    i.cleanup()
-    assert list_entries(i.id) == []
-
-
 def test_racing_publisher_and_waiter_never_lose_a_wakeup(inst):
     # Ping-pong: each step's first wait races with its publication; no spinning, and parking
     # slices longer than the timeout, so one lost wake-up fails the test with TimeoutError.
