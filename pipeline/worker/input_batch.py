@@ -43,6 +43,10 @@ class InputBatch:
         self.seed = np.full(r, -1, dtype=np.int64)  # -1: unseeded
         self.num_logprobs = np.full(r, -1, dtype=np.int64)  # -1: none
         self.min_tokens = np.zeros(r, dtype=np.int64)
+        # Live rows that need more than argmax of the raw logits (sampling, penalties,
+        # logprobs, min_tokens): while there are none the model runner skips the sampler.
+        self.needs_sampler = np.zeros(r, dtype=bool)
+        self.num_needs_sampler = 0
 
     def __len__(self) -> int:
         return len(self.index)
@@ -98,6 +102,11 @@ class InputBatch:
         self.seed[row] = -1 if sp.seed is None else sp.seed
         self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
         self.min_tokens[row] = sp.min_tokens
+        special = not (sp.temperature == 0.0 and sp.repetition_penalty == 1.0
+                       and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0
+                       and sp.logprobs is None and sp.min_tokens == 0)
+        self.needs_sampler[row] = special
+        self.num_needs_sampler += special
         return row
 
     def remove(self, req_id: str) -> None:
@@ -107,6 +116,8 @@ class InputBatch:
             return
         self.req_ids[row] = None
         self.params[row] = None
+        self.num_needs_sampler -= bool(self.needs_sampler[row])
+        self.needs_sampler[row] = False
         self._free.append(row)
 
     def append_blocks(self, req_id: str, block_ids: list[int]) -> None:

@@ -253,8 +253,12 @@ class ModelRunner:
             return ModelRunnerOutput(step_id=step_id, req_ids=[], sampled_token_ids=[])
         logits = self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
         sample_rows = inp.rows[inp.sample_batch_idx]
-        md = build_metadata(b, sample_rows, self.vocab_size, self.eos_token_ids, self.device)
-        tokens, logprobs = self.sampler(logits, md)
+        if b.num_needs_sampler == 0:
+            # Every live request is plain greedy: the sampler would only take the argmax.
+            tokens, logprobs = logits.argmax(dim=-1), None
+        else:
+            md = build_metadata(b, sample_rows, self.vocab_size, self.eos_token_ids, self.device)
+            tokens, logprobs = self.sampler(logits, md)
         tokens_np = tokens.cpu().numpy()
         b.append_tokens(sample_rows, tokens_np)
         return ModelRunnerOutput(step_id=step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
