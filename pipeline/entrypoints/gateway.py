@@ -22,11 +22,11 @@ from pipeline.config import EngineConfig
 from pipeline.engine.messages import AbortRequest
 from pipeline.entrypoints.stages import (EXIT_PEER_DIED, ModelInfo, Stage, StageSpec, Unpacker,
                                          describe_exit, last_words, pack, spawn_stage,
-                                         unlink_entries, wait_ready)
+                                         wait_ready)
 from pipeline.entrypoints.tokenizer_stage import GatewayRequest
 from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.errors import PeerDied
-from pipeline.ipc.names import Instance, sweep_stale
+from pipeline.ipc.names import Instance, sweep_stale, unlink_instance
 from pipeline.ipc.ring import Doorbell, Ring, wait_any
 from pipeline.models.config import load_model_config
 from pipeline.output.stage import ANSWER_TYPES, error_result
@@ -289,5 +289,5 @@ class Gateway:
             self.instance.cleanup()
             # Segments a stage created itself (the worker's KV cache) and could not unlink
             # because it was killed belong to this instance too.
-            unlink_entries(self.instance.id)
+            unlink_instance(self.instance.id)
             self.instance = None

@@ -220,19 +220,3 @@ def describe_exit(code: int | None) -> str:
     if code == EXIT_PEER_DIED:
         return "stopped because a peer stage died"
     return f"exit code {code}"
-
-
-def unlink_entries(instance_id: str) -> None:
-    """Unlink what is left of an instance, e.g. the KV segment of a killed worker."""
-    import posix_ipc  # noqa: PLC0415
-
-    from pipeline.ipc.names import list_entries  # noqa: PLC0415
-
-    for entry in list_entries(instance_id):
-        try:
-            if entry.startswith("sem."):
-                posix_ipc.unlink_semaphore("/" + entry[4:])
-            else:
-                posix_ipc.unlink_shared_memory("/" + entry)
-        except posix_ipc.ExistentialError:
-            pass

@@ -208,6 +208,21 @@ def _owner_alive(instance_id: str, entries: list[str]) -> bool:
     return False
 
 
+def unlink_entries(entries: list[str]) -> list[str]:
+    """Unlink /dev/shm entries (as list_entries names them), the owner record last."""
+    for entry in sorted(entries, key=lambda e: e.endswith(".owner")):
+        if entry.startswith("sem."):
+            _unlink("/" + entry[4:], "sem")
+        else:
+            _unlink("/" + entry, "shm")
+    return entries
+
+
+def unlink_instance(instance_id: str) -> list[str]:
+    """Unlink what is left of an instance, e.g. the KV segment of a killed worker."""
+    return unlink_entries(list_entries(instance_id))
+
+
 def sweep_stale() -> list[str]:
     """Unlink every `/pipeline.*` segment and semaphore whose instance's owner is dead."""
     removed = []
@@ -216,14 +231,8 @@ def sweep_stale() -> list[str]:
         base = entry[4:] if entry.startswith("sem.") else entry
         by_id.setdefault(base[len(PREFIX):].split(".", 1)[0], []).append(entry)
     for iid, entries in by_id.items():
-        if _owner_alive(iid, entries):
-            continue
-        for entry in sorted(entries, key=lambda e: e.endswith(".owner")):
-            if entry.startswith("sem."):
-                _unlink("/" + entry[4:], "sem")
-            else:
-                _unlink("/" + entry, "shm")
-            removed.append(entry)
+        if not _owner_alive(iid, entries):
+            removed += unlink_entries(entries)
     return removed
 
 
