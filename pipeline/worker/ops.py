@@ -396,3 +396,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 _GEMV_MAX_M = 8  # pipeline._ext.cpu_ops.GEMV_MAX_M; a constant here keeps the check cheap
+GEMV_MAX_M = _GEMV_MAX_M
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The kernels' element-type code of a cache dtype."""
+    if dtype not in _DTYPE_CODE:
+        raise TypeError(f"cache dtype must be one of {CACHE_DTYPES}, got {dtype}")
+    return _DTYPE_CODE[dtype]
