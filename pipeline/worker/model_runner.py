@@ -200,27 +200,36 @@ class ModelRunner:
                 f"step {sched.step_id}: request {b.req_ids[r]!r} scheduled {int(n[i])} tokens up to "
                 f"token {int(seq_lens[i])}; it has {int(b.num_tokens[r])} known tokens and "
                 f"{int(b.num_blocks[r])} blocks of {bs}")
-        cu = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(n, out=cu[1:])
-        total = int(cu[-1])
-        seq_of_tok = np.repeat(np.arange(len(rows)), n)
-        positions = start[seq_of_tok] + np.arange(total) - cu[:-1][seq_of_tok]
-        tok_rows = rows[seq_of_tok]
-        input_ids = b.token_ids[tok_rows, positions]
+        num_seqs = len(rows)
+        if int(n.sum()) == num_seqs:
+            # Decode-only step (one token each): no per-token expansion needed.
+            cu = np.arange(num_seqs + 1, dtype=np.int32)
+            positions, tok_rows = start, rows
+        else:
+            cu = np.zeros(num_seqs + 1, dtype=np.int32)
+            np.cumsum(n, out=cu[1:])
+            seq_of_tok = np.repeat(np.arange(num_seqs), n)
+            positions = start[seq_of_tok] + np.arange(int(cu[-1])) - cu[:-1][seq_of_tok]
+            tok_rows = rows[seq_of_tok]
+        input_ids = b.token_ids[tok_rows, positions].astype(np.int64)
         slots = b.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
         max_blocks = int(-(-int(seq_lens.max()) // bs))
         block_tables = np.ascontiguousarray(b.block_table[rows, :max_blocks])
         sample_idx = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
-        dev = self.device
+        # Every array already has the dtype the model wants, so on CPU each tensor is a
+        # zero-copy view of it.
+        if self.device.type == "cpu":
+            t = torch.from_numpy
+        else:
+            dev = self.device
 
-        def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(a).to(device=dev, dtype=dtype, non_blocking=True)
+            def t(a: np.ndarray) -> torch.Tensor:
+                return torch.from_numpy(a).to(device=dev, non_blocking=True)
 
-        meta = AttentionMetadata(slot_mapping=t(slots, torch.int64), cu_seqlens_q=t(cu, torch.int32),
-                                 seq_lens=t(seq_lens, torch.int32), block_tables=t(block_tables, torch.int32))
-        return StepInputs(input_ids=t(input_ids, torch.int64), positions=t(positions, torch.int64),
-                          meta=meta, rows=rows, num_scheduled=n,
-                          logits_indices=t(cu[1:][sample_idx] - 1, torch.int64),
+        meta = AttentionMetadata(slot_mapping=t(slots), cu_seqlens_q=t(cu),
+                                 seq_lens=t(seq_lens.astype(np.int32)), block_tables=t(block_tables))
+        return StepInputs(input_ids=t(input_ids), positions=t(positions), meta=meta, rows=rows,
+                          num_scheduled=n, logits_indices=t(cu[1:][sample_idx].astype(np.int64) - 1),
                           sample_batch_idx=sample_idx)
 
     def _on_kv_written(self, layer: int) -> None:
