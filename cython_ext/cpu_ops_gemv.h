@@ -52,11 +52,54 @@ static void pipe_gemv_kn_cols(float *y, int64_t ldy, const float *x, int64_t ldx
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PIPE_GEMV_NK_AVX2 1
+static inline float pipe_gemv_hsum(__m256 a) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+#endif
+
 /* Rows [n0, n1) of W[N, K]: y[m, n] = dot(x[m], W[n]) (+ bias[n]). */
 static void pipe_gemv_nk_rows(float *y, int64_t ldy, const float *x, int64_t ldx,
                               const float *W, const float *bias, int64_t M, int64_t K,
                               int64_t n0, int64_t n1) {
     int64_t n = n0;
+#ifdef PIPE_GEMV_NK_AVX2
+    /* Four rows (4K floats, contiguous) per group; while the first x row runs, the next
+     * group is prefetched a cache line per row per 16 floats, since the hardware prefetcher
+     * restarts at every 4 KiB page and a group is often exactly one page. */
+    if (K % 8 == 0) {
+        for (; n + 4 <= n1; n += 4) {
+            const float *w0 = W + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+            for (int64_t m = 0; m < M; m++) {
+                const float *xr = x + m * ldx;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t k = 0; k < K; k += 8) {
+                    if (m == 0 && (k & 15) == 0 && n + 8 <= n1) {
+                        _mm_prefetch((const char *)(w0 + 4 * K + k), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(w1 + 4 * K + k), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(w2 + 4 * K + k), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(w3 + 4 * K + k), _MM_HINT_T0);
+                    }
+                    const __m256 xv = _mm256_loadu_ps(xr + k);
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xv, a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xv, a1);
+                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xv, a2);
+                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), xv, a3);
+                }
+                float *yr = y + m * ldy + n;
+                yr[0] = pipe_gemv_hsum(a0) + (bias ? bias[n] : 0.0f);
+                yr[1] = pipe_gemv_hsum(a1) + (bias ? bias[n + 1] : 0.0f);
+                yr[2] = pipe_gemv_hsum(a2) + (bias ? bias[n + 2] : 0.0f);
+                yr[3] = pipe_gemv_hsum(a3) + (bias ? bias[n + 3] : 0.0f);
+            }
+        }
+    }
+#endif
     for (; n + 4 <= n1; n += 4) {
         const float *restrict w0 = W + n * K, *restrict w1 = w0 + K;
         const float *restrict w2 = w1 + K, *restrict w3 = w2 + K;

@@ -119,3 +119,15 @@ def test_linear_matches_torch(m, k, n, kn, with_bias, seed):
 def test_linear_gemv_bound_matches_extension():
     from pipeline._ext import cpu_ops
     assert ops._GEMV_MAX_M == cpu_ops.GEMV_MAX_M
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 256, 2048), (3, 64, 37), (8, 688, 256), (2, 8, 5)])
+def test_linear_vector_paths(m, k, n):
+    """K a multiple of 8 takes the AVX2 dot-product kernel for [out, in] weights (with its
+    prefetch of the next row group); N not a multiple of 4 leaves a scalar tail."""
+    g = torch.Generator().manual_seed(m * k + n)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(ops.linear(x, w, b).double(), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ops.linear(x, w.t().contiguous(), b, kn=True).double(), want,
+                               rtol=1e-5, atol=1e-4)
