@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from pipeline.worker import ops, ops_ref
+from pipeline.worker import ops_fused as ops, ops_ref
 
 pytest.importorskip("pipeline._ext.cpu_ops", reason="CPU ops extension not built")
 
@@ -118,7 +118,7 @@ def test_linear_matches_torch(m, k, n, kn, with_bias, seed):
 
 def test_linear_gemv_bound_matches_extension():
     from pipeline._ext import cpu_ops
-    assert ops._GEMV_MAX_M == cpu_ops.GEMV_MAX_M
+    assert ops.GEMV_MAX_M == cpu_ops.GEMV_MAX_M
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 256, 2048), (3, 64, 37), (8, 688, 256), (2, 8, 5)])

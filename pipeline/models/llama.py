@@ -3,7 +3,10 @@ flattened varlen batch and a paged KV cache.
 
 Owns the weights only (as fused projections: one q/k/v matmul and one gate/up matmul per
 layer); the KV cache tensors and the batch metadata belong to the model runner and are
-passed in on every forward.
+passed in on every forward. Two forwards compute the same math: on CPU in float32 one over
+the fused C ops (``ops_fused``: four element-wise calls per layer, a C GEMV for small
+batches), elsewhere (CUDA, half types) one op by op in torch, whose rounding sequence
+matches transformers'.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.config import ModelConfig, rope_inv_freq
-from pipeline.worker import ops
+from pipeline.worker import ops, ops_fused
 
 
 @dataclass(slots=True)
@@ -38,7 +41,7 @@ def _bias(enabled: bool, n: int) -> nn.Parameter | None:
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kn: bool) -> torch.Tensor:
     """x @ W^T + b with W stored [out, in] (kn=False) or pre-transposed [in, out] (kn=True)."""
-    return ops.linear(x, w, b, kn)
+    return ops_fused.linear(x, w, b, kn)
 
 
 _PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
@@ -206,7 +209,7 @@ class CausalLM(nn.Module):
         t, hidden = x.shape
         qs, kvs, nh, nkv, hd = layer0.q_size, layer0.kv_size, layer0.num_heads, layer0.num_kv_heads, layer0.head_dim
         inter = layer0.intermediate_size
-        gemv = 0 < t <= ops.GEMV_MAX_M
+        gemv = 0 < t <= ops_fused.GEMV_MAX_M
         residual = x
         h, o, down = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
         qkv = torch.empty((t, qs + 2 * kvs), dtype=torch.float32)
@@ -232,20 +235,20 @@ class CausalLM(nn.Module):
                 ext.gemv(out_ptr, out.shape[1], inp_ptr, inp.shape[1], w.data_ptr(),
                          0 if b is None else b.data_ptr(), t, inp.shape[1], out.shape[1], True)
             elif not kn:
-                out.copy_(ops.linear(inp, w, b, kn=False))
+                out.copy_(ops_fused.linear(inp, w, b, kn=False))
             elif b is None:
                 torch.mm(inp, w, out=out)
             else:
                 torch.addmm(b, inp, w, out=out)
 
-        ops.rms_norm(residual, layer0.input_layernorm.weight, layer0.input_layernorm.eps, out=h)
+        ops_fused.rms_norm(residual, layer0.input_layernorm.weight, layer0.input_layernorm.eps, out=h)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_caches[i]
             proj(h, hp, layer.qkv_weight, layer.qkv_bias, qkv, qkvp, layer.kn)
             if layer.q_norm is not None or i == 0:
                 lq, lk = (layer.q_norm(q), layer.k_norm(k)) if layer.q_norm is not None else (q, k)
-                ops.rope_and_cache(lq, lk, v, positions, cos, sin, k_cache, v_cache, slots)
+                ops_fused.rope_and_cache(lq, lk, v, positions, cos, sin, k_cache, v_cache, slots)
                 if on_kv_written is not None:
                     on_kv_written(i)
                 ops.paged_attention(lq, k_cache, v_cache, cu, sl, bt, layer.scale, out=attn)
@@ -255,7 +258,7 @@ class CausalLM(nn.Module):
                                          k_cache.data_ptr(), v_cache.data_ptr(), slp, t, nh, nkv,
                                          hd, nb * bs, dcode)
                 if bad >= 0:  # not reached after layer 0 passed; kept for a clear error
-                    ops.rope_and_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+                    ops_fused.rope_and_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
                 if on_kv_written is not None:
                     on_kv_written(i)
                 bad = ext.paged_attention(ap, qkvp, k_cache.data_ptr(), v_cache.data_ptr(), cup,
@@ -279,7 +282,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given final hidden states [N, hidden] -> [N, vocab]."""
         if hidden.dtype == torch.float32 and hidden.device.type == "cpu":
-            hidden = ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
+            hidden = ops_fused.rms_norm(hidden, self.norm.weight, self.norm.eps)
         else:
             hidden = self.norm(hidden)
         return _linear(hidden, self.lm_head, None, self.lm_head_kn).float()
