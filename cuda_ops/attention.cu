@@ -38,8 +38,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(
     const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     const int32_t* __restrict__ cu_seqlens_q, const int32_t* __restrict__ seq_lens,
     const int32_t* __restrict__ block_tables, int num_seqs, int64_t q_stride, int num_heads,
-    int num_kv_heads, int head_dim, int block_size, int max_blocks, int keys_per_split,
-    float scale) {
+    int num_kv_heads, int head_dim, int64_t num_blocks, int block_size, int max_blocks,
+    int keys_per_split, float scale) {
   __shared__ float sm_m[kWarps], sm_l[kWarps];
   __shared__ float sm_acc[kWarps][DPL * 32];
   const int tok = blockIdx.x, head = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
@@ -59,7 +59,9 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(
   }
   const int b = lo;
   const int q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
-  const int num_keys = seq_lens[b] - q_len + (tok - cu_seqlens_q[b]) + 1;  // causal
+  // Causal range, clamped to the table row so a too-long seq_len never reads the next row.
+  const int num_keys =
+      min(seq_lens[b] - q_len + (tok - cu_seqlens_q[b]) + 1, max_blocks * block_size);
   const int k_begin = split * keys_per_split;
   const int k_end = min(num_keys, k_begin + keys_per_split);
   const int kvh = head / (num_heads / num_kv_heads);
@@ -79,14 +81,15 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(
   // before using any, so several cache rows are in flight per warp.
   for (int k0 = k_begin + warp * kUnroll; k0 < k_end; k0 += kWarps * kUnroll) {
     float kv[kUnroll][DPL], vv[kUnroll][DPL];
+    bool ok[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; u++) {
       const int k = k0 + u;
-      const bool valid = k < k_end;
+      const int64_t blk = k < k_end ? (int64_t)table[k / block_size] : -1;
+      const bool valid = blk >= 0 && blk < num_blocks;  // a bad block id is left out, not read
+      ok[u] = valid;
       const int64_t base =
-          valid ? ((int64_t)table[k / block_size] * block_size + k % block_size) * kv_row +
-                      (int64_t)kvh * head_dim
-                : 0;
+          valid ? (blk * block_size + k % block_size) * kv_row + (int64_t)kvh * head_dim : 0;
 #pragma unroll
       for (int i = 0; i < DPL; i++) {
         const int d = lane + 32 * i;
@@ -103,7 +106,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(
 #pragma unroll
       for (int i = 0; i < DPL; i++) dot += qr[i] * kv[u][i];
       dot = warp_sum(dot);
-      score[u] = k0 + u < k_end ? dot : kNegBig;
+      score[u] = ok[u] ? dot : kNegBig;
       mx = fmaxf(mx, score[u]);
     }
     const float corr = __expf(m - mx);
@@ -112,7 +115,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(
     for (int i = 0; i < DPL; i++) acc[i] *= corr;
 #pragma unroll
     for (int u = 0; u < kUnroll; u++) {
-      const float p = k0 + u < k_end ? __expf(score[u] - mx) : 0.0f;
+      const float p = ok[u] ? __expf(score[u] - mx) : 0.0f;
       l += p;
 #pragma unroll
       for (int i = 0; i < DPL; i++) acc[i] += p * vv[u][i];
@@ -187,6 +190,7 @@ struct AttnArgs {
   const void *q, *k_cache, *v_cache;
   const int32_t *cu, *lens, *tables;
   int num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t num_blocks;
   int keys_per_split, num_splits;
   int64_t q_stride;
   float scale;
@@ -198,8 +202,8 @@ int launch_attention_dpl(const AttnArgs& a, cudaStream_t stream) {
   paged_attention_kernel<T, DPL><<<grid, kThreads, 0, stream>>>(
       static_cast<T*>(a.out), a.partial, static_cast<const T*>(a.q),
       static_cast<const T*>(a.k_cache), static_cast<const T*>(a.v_cache), a.cu, a.lens,
-      a.tables, a.num_seqs, a.q_stride, a.num_heads, a.num_kv_heads, a.head_dim, a.block_size,
-      a.max_blocks, a.keys_per_split, a.scale);
+      a.tables, a.num_seqs, a.q_stride, a.num_heads, a.num_kv_heads, a.head_dim, a.num_blocks,
+      a.block_size, a.max_blocks, a.keys_per_split, a.scale);
   if (a.num_splits > 1) {
     const int threads = a.head_dim >= 128 ? 128 : ((a.head_dim + 31) / 32) * 32;
     combine_splits_kernel<T><<<dim3((unsigned)a.num_tokens, (unsigned)a.num_heads), threads, 0,
@@ -248,11 +252,13 @@ extern "C" int pipeline_cuda_paged_attention(
     void* out, const void* q, const void* k_cache, const void* v_cache,
     const int32_t* cu_seqlens_q, const int32_t* seq_lens, const int32_t* block_tables,
     int64_t num_seqs, int64_t num_tokens, int64_t q_stride, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
-    int dtype, int num_splits, float* workspace, void* stream) {
+    int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+    int64_t max_blocks, float scale, int dtype, int num_splits, float* workspace, void* stream) {
   if (head_dim > PIPELINE_CUDA_MAX_HEAD_DIM) return PIPELINE_CUDA_EHEAD_DIM;
   if (num_splits < 1 || (num_splits > 1 && workspace == nullptr)) return PIPELINE_CUDA_ESPLITS;
-  if (num_tokens <= 0 || num_heads <= 0) return PIPELINE_CUDA_OK;
+  if (num_tokens <= 0 || num_heads <= 0 || head_dim <= 0) return PIPELINE_CUDA_OK;
+  // GQA maps q head h to kv head h / (num_heads / num_kv_heads): it needs an exact multiple.
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return PIPELINE_CUDA_EHEADS;
   const int64_t max_context = max_blocks * block_size;
   AttnArgs a;
   a.out = out;
@@ -270,6 +276,7 @@ extern "C" int pipeline_cuda_paged_attention(
   a.head_dim = (int)head_dim;
   a.block_size = (int)block_size;
   a.max_blocks = (int)max_blocks;
+  a.num_blocks = num_blocks;
   a.num_splits = num_splits;
   a.keys_per_split = (int)((max_context + num_splits - 1) / num_splits);
   if (a.keys_per_split < 1) a.keys_per_split = 1;

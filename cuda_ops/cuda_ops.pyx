@@ -22,13 +22,14 @@ cdef extern from "pipeline_cuda.h":
         void *out, const void *q, const void *k_cache, const void *v_cache,
         const int32_t *cu_seqlens_q, const int32_t *seq_lens, const int32_t *block_tables,
         int64_t num_seqs, int64_t num_tokens, int64_t q_stride, int64_t num_heads,
-        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-        float scale, int dtype, int num_splits, float *workspace, void *stream) nogil
+        int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+        int64_t max_blocks, float scale, int dtype, int num_splits, float *workspace,
+        void *stream) nogil
     int pipeline_cuda_attention_splits(int64_t num_tokens, int64_t num_heads,
                                        int64_t max_context) nogil
     int pipeline_cuda_copy_blocks(
         void *const *caches, int64_t num_caches, const int64_t *pairs, int64_t num_pairs,
-        int64_t block_bytes, void *stream) nogil
+        int64_t num_blocks, int64_t block_bytes, void *stream) nogil
     int pipeline_cuda_enqueue_layer_signal(void *stream, void *shm_base, int64_t step,
                                            int layer) nogil
     const char *pipeline_cuda_error_string(int code)
@@ -76,7 +77,7 @@ def paged_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_c
             <void *>out, <const void *>q, <const void *>k_cache, <const void *>v_cache,
             <const int32_t *>cu_seqlens_q, <const int32_t *>seq_lens,
             <const int32_t *>block_tables, num_seqs, num_tokens, q_stride, num_heads,
-            num_kv_heads, head_dim, block_size, max_blocks, scale, dtype, num_splits,
+            num_kv_heads, head_dim, num_blocks, block_size, max_blocks, scale, dtype, num_splits,
             <float *>workspace, <void *>stream)
     _check(code, "paged_attention")
     return -1
@@ -89,7 +90,8 @@ def attention_splits(int64_t num_tokens, int64_t num_heads, int64_t max_context)
 
 def copy_blocks(list caches, uintptr_t pairs, int64_t num_pairs, int64_t num_blocks,
                 int64_t block_bytes, uintptr_t stream=0) -> int:
-    """Enqueue block copies (pairs is a device int64 [num_pairs, 2]) in every cache."""
+    """Enqueue block copies (pairs is a device int64 [num_pairs, 2]) in every cache; pairs
+    with a block id outside [0, num_blocks) are skipped."""
     cdef int64_t n = len(caches), i
     cdef int code
     cdef void **ptrs = <void **>malloc(max(n, 1) * sizeof(void *))
@@ -100,7 +102,7 @@ def copy_blocks(list caches, uintptr_t pairs, int64_t num_pairs, int64_t num_blo
             ptrs[i] = <void *><uintptr_t>caches[i]
         with nogil:
             code = pipeline_cuda_copy_blocks(ptrs, n, <const int64_t *>pairs, num_pairs,
-                                             block_bytes, <void *>stream)
+                                             num_blocks, block_bytes, <void *>stream)
     finally:
         free(ptrs)
     _check(code, "copy_blocks")

@@ -29,9 +29,10 @@ __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __r
 }
 
 __global__ void copy_blocks_kernel(char* __restrict__ cache, const int64_t* __restrict__ pairs,
-                                   int64_t block_bytes, bool vec16) {
-  const int64_t src = pairs[2 * blockIdx.x], dst = pairs[2 * blockIdx.x + 1];
-  if (src == dst) return;
+                                   int64_t num_blocks, int64_t block_bytes, bool vec16) {
+  const int64_t src = pairs[2 * (int64_t)blockIdx.x], dst = pairs[2 * (int64_t)blockIdx.x + 1];
+  // A bad block id is skipped like a bad slot: never read or write outside the cache.
+  if (src == dst || src < 0 || dst < 0 || src >= num_blocks || dst >= num_blocks) return;
   if (vec16) {
     const uint4* s = reinterpret_cast<const uint4*>(cache + src * block_bytes);
     uint4* d = reinterpret_cast<uint4*>(cache + dst * block_bytes);
@@ -60,7 +61,7 @@ extern "C" int pipeline_cuda_reshape_and_cache(
     const void* key, const void* value, void* k_cache, void* v_cache,
     const int64_t* slot_mapping, int64_t num_tokens, int64_t key_stride, int64_t value_stride,
     int64_t num_slots, int64_t num_kv_heads, int64_t head_dim, int dtype, void* stream) {
-  if (num_tokens <= 0) return PIPELINE_CUDA_OK;
+  if (num_tokens <= 0 || num_kv_heads <= 0 || head_dim <= 0) return PIPELINE_CUDA_OK;
   const int row = (int)(num_kv_heads * head_dim);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
@@ -77,15 +78,16 @@ extern "C" int pipeline_cuda_reshape_and_cache(
 
 extern "C" int pipeline_cuda_copy_blocks(void* const* caches, int64_t num_caches,
                                          const int64_t* pairs, int64_t num_pairs,
-                                         int64_t block_bytes, void* stream) {
-  if (num_pairs <= 0) return PIPELINE_CUDA_OK;
+                                         int64_t num_blocks, int64_t block_bytes, void* stream) {
+  if (num_pairs <= 0 || num_caches <= 0 || block_bytes <= 0) return PIPELINE_CUDA_OK;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   // One launch per cache: copies are rare (copy-on-write of shared blocks), and it keeps the
   // pointer list on the host instead of staging it in device memory.
   for (int64_t c = 0; c < num_caches; c++) {
     char* base = static_cast<char*>(caches[c]);
     const bool vec16 = block_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0;
-    copy_blocks_kernel<<<(unsigned)num_pairs, 256, 0, s>>>(base, pairs, block_bytes, vec16);
+    copy_blocks_kernel<<<(unsigned)num_pairs, 256, 0, s>>>(base, pairs, num_blocks, block_bytes,
+                                                         vec16);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return (int)err;
   }
@@ -98,6 +100,7 @@ extern "C" const char* pipeline_cuda_error_string(int code) {
     case PIPELINE_CUDA_EHEAD_DIM: return "head_dim above PIPELINE_CUDA_MAX_HEAD_DIM (256)";
     case PIPELINE_CUDA_ENOMEM: return "host allocation failed";
     case PIPELINE_CUDA_ESPLITS: return "num_splits < 1, or > 1 without a workspace";
+    case PIPELINE_CUDA_EHEADS: return "num_kv_heads must be >= 1 and divide num_heads";
     default: return cudaGetErrorString(static_cast<cudaError_t>(code));
   }
 }

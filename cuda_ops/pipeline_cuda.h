@@ -23,6 +23,7 @@ enum {
     PIPELINE_CUDA_EHEAD_DIM = -2, /* head_dim above PIPELINE_CUDA_MAX_HEAD_DIM */
     PIPELINE_CUDA_ENOMEM = -3,    /* host allocation for a host-function argument failed */
     PIPELINE_CUDA_ESPLITS = -4,   /* num_splits < 1, or > 1 without a workspace */
+    PIPELINE_CUDA_EHEADS = -5,    /* num_kv_heads < 1 or not dividing num_heads */
 };
 #define PIPELINE_CUDA_MAX_HEAD_DIM 256
 
@@ -41,19 +42,23 @@ int pipeline_cuda_attention_splits(int64_t num_tokens, int64_t num_heads, int64_
 /* Causal paged attention over a varlen batch: out [num_tokens, num_heads, head_dim]
  * (contiguous), q rows `q_stride` elements apart. Rows past cu_seqlens_q[num_seqs] are
  * zeroed. With num_splits > 1, `workspace` is a device float32 buffer of
- * num_tokens * num_heads * num_splits * (head_dim + 2) elements. */
+ * num_tokens * num_heads * num_splits * (head_dim + 2) elements. Keys whose block id is
+ * outside [0, num_blocks), and positions past max_blocks * block_size, are left out rather
+ * than read (a wrong result, never an illegal address). */
 int pipeline_cuda_paged_attention(
     void *out, const void *q, const void *k_cache, const void *v_cache,
     const int32_t *cu_seqlens_q, const int32_t *seq_lens, const int32_t *block_tables,
     int64_t num_seqs, int64_t num_tokens, int64_t q_stride, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-    float scale, int dtype, int num_splits, float *workspace, void *stream);
+    int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+    int64_t max_blocks, float scale, int dtype, int num_splits, float *workspace, void *stream);
 
 /* For each of num_caches caches, copy block pairs[i][0] onto pairs[i][1] (pairs is a
- * device int64 [num_pairs, 2]); blocks are block_bytes long. */
+ * device int64 [num_pairs, 2]); blocks are block_bytes long. Pairs with a block id outside
+ * [0, num_blocks) are skipped. Pairs are copied concurrently: no dst may be another pair's
+ * src or dst (copy-on-write pairs never are: every dst is a freshly allocated block). */
 int pipeline_cuda_copy_blocks(
     void *const *caches, int64_t num_caches, const int64_t *pairs, int64_t num_pairs,
-    int64_t block_bytes, void *stream);
+    int64_t num_blocks, int64_t block_bytes, void *stream);
 
 /* Enqueue on `stream` a host function that calls pipeline_signal_publish(shm_base, step,
  * layer) (cython_ext/shm_atomic.h) once all work before it on the stream is done. The
