@@ -78,7 +78,8 @@ class Daemon:
         self.proc = subprocess.Popen(
             [*PIPELINE, "serve", "--model", str(model), "--listen", self.address,
              *ENGINE_FLAGS, *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env() | (extra_env or {}))
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env() | (extra_env or {}),
+            start_new_session=True)  # its own process group, as under systemd
         # config_from_args names the instance after the gateway's pid.
         self.instance_id = f"{self.proc.pid:x}"
 

@@ -237,7 +237,8 @@ def test_client_gone_mid_request_aborts(daemon):
 
 
 def test_sigterm_drains_then_exits_clean(daemon):
-    """Last in the module: in-flight requests finish, new ones are refused, shm is gone."""
+    """Last in the module: SIGTERM to the process group drains: in-flight requests finish,
+    new ones are refused, shm is gone."""
     with Client(daemon.address, timeout=120, **daemon.client_kw) as c:
         running = threading.Semaphore(0)
         out: list[RequestResult] = []
@@ -257,7 +258,9 @@ def test_sigterm_drains_then_exits_clean(daemon):
             t.start()
         for _ in threads:
             assert running.acquire(timeout=60)  # all four are decoding
-        daemon.proc.send_signal(signal.SIGTERM)
+        # To the whole process group, as systemd's control-group kill, `timeout` or
+        # `kill -TERM -PGID` send it: the stages must leave the drain to the gateway.
+        os.killpg(daemon.proc.pid, signal.SIGTERM)
         while c.health(timeout=10).status != "draining":
             pass
         late = c.generate("too late", id="late", max_tokens=4)

@@ -9,6 +9,7 @@ tokenizes or schedules. `pipeline run` and `pipeline serve` are thin front ends 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import sys
 import threading
 import time
@@ -20,8 +21,8 @@ import psutil
 
 from pipeline.config import EngineConfig
 from pipeline.engine.messages import AbortRequest
-from pipeline.entrypoints.stages import (EXIT_PEER_DIED, ModelInfo, Stage, StageSpec, Unpacker,
-                                         describe_exit, last_words, pack, spawn_stage,
+from pipeline.entrypoints.stages import (EXIT_PEER_DIED, STOP_SIGNAL, ModelInfo, Stage, StageSpec,
+                                         Unpacker, describe_exit, last_words, pack, spawn_stage,
                                          wait_ready)
 from pipeline.entrypoints.tokenizer_stage import GatewayRequest
 from pipeline.ipc.broadcast import BroadcastRing
@@ -268,7 +269,10 @@ class Gateway:
         self.accepting = False
         for s in self.stages:
             if s.process.is_alive():
-                s.process.terminate()
+                try:
+                    os.kill(s.process.pid, STOP_SIGNAL)
+                except ProcessLookupError:
+                    pass
         deadline = time.monotonic() + 3.0
         for s in self.stages:
             s.process.join(max(0.0, deadline - time.monotonic()))

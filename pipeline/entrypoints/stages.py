@@ -97,16 +97,23 @@ def _die_with_parent() -> None:
         os._exit(EXIT_ERROR)
 
 
-def _on_sigterm(signum, frame) -> None:
+# The gateway stops a stage with this signal. SIGTERM and SIGINT are ignored: `kill -TERM
+# -PGID`, `timeout`, Ctrl-C and systemd's control-group kill reach every process of the
+# group at once, and a stage that exited on them would turn a graceful drain into a "stage
+# died" failure. Only the gateway decides when its stages stop.
+STOP_SIGNAL = signal.SIGUSR1
+
+
+def _on_stop(signum, frame) -> None:
     raise SystemExit(0)
 
 
 def stage_process(spec_bytes: bytes, ctrl: Connection) -> None:
     """Process entry of every stage (target of the spawn context's Process)."""
     _die_with_parent()
-    # Ctrl-C reaches the whole process group; only the gateway decides how to drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(STOP_SIGNAL, _on_stop)
     spec = msgspec.msgpack.decode(spec_bytes, type=StageSpec)
     def ready(info: dict) -> None:
         ctrl.send(("ready", info))
