@@ -158,9 +158,16 @@ class ModelRunner:
         None detaches). On CUDA the publication is stream-ordered on a side stream."""
         if sig is not None and sig.num_layers < self.num_layers:
             raise ValueError(f"layer signal has {sig.num_layers} layers, the model {self.num_layers}")
+        self._drain_signal_stream()  # before the old signal can be dropped and unmapped
         self._signal = sig
         self._signal_stream = (torch.cuda.Stream(self.device)
                                if sig is not None and self.device.type == "cuda" else None)
+
+    def _drain_signal_stream(self) -> None:
+        # Queued host functions hold the old signal's raw shm address: let them run before
+        # that mapping can go away.
+        if self._signal_stream is not None:
+            self._signal_stream.synchronize()
 
     # ---- one step ---------------------------------------------------------------------------
     def _apply_diff(self, sched: SchedulerOutput) -> None:
@@ -274,6 +281,7 @@ class ModelRunner:
                                  sampled_token_ids=tokens_np.tolist(), logprobs=logprobs or [])
 
     def close(self) -> None:
+        self._drain_signal_stream()
         if self.kv_cache is not None:
             self.kv_cache.close()
             self.kv_cache = None
