@@ -3,6 +3,7 @@ that nothing of it is left in /dev/shm afterwards."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pipeline.ipc.names import Instance, list_entries
 
@@ -13,3 +14,14 @@ def inst():
     yield i
     i.cleanup()
     assert list_entries(i.id) == []
+
+
+def cuda_skip_reason() -> str | None:
+    """Why GPU tests cannot run here (None when they can)."""
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False"
+    try:
+        import pipeline._ext.cuda_ops  # noqa: F401, PLC0415
+    except ImportError as exc:
+        return f"pipeline._ext.cuda_ops not built: {exc}"
+    return None

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cuda_skip_reason
 
 from pipeline.worker import ops, ops_ref
 
@@ -62,17 +63,7 @@ def test_c_api_header_compiles(lang: str, tmp_path: Path):
 
 # ---- on a GPU ------------------------------------------------------------------------------
 
-def _cuda_ready() -> str | None:
-    if not torch.cuda.is_available():
-        return "torch.cuda.is_available() is False"
-    try:
-        import pipeline._ext.cuda_ops  # noqa: F401
-    except ImportError as exc:
-        return f"pipeline._ext.cuda_ops not built: {exc}"
-    return None
-
-
-gpu = pytest.mark.skipif(_cuda_ready() is not None, reason=str(_cuda_ready()))
+gpu = pytest.mark.skipif(cuda_skip_reason() is not None, reason=str(cuda_skip_reason()))
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 

@@ -11,22 +11,13 @@ import math
 
 import pytest
 import torch
+from conftest import cuda_skip_reason
 from hypothesis import given, settings, strategies as st
 
 from pipeline.worker import ops, ops_ref
 
 
-def _cuda_ready() -> str | None:
-    if not torch.cuda.is_available():
-        return "torch.cuda.is_available() is False"
-    try:
-        import pipeline._ext.cuda_ops  # noqa: F401
-    except ImportError as exc:
-        return f"pipeline._ext.cuda_ops not built: {exc}"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_cuda_ready() is not None, reason=str(_cuda_ready()))
+pytestmark = pytest.mark.skipif(cuda_skip_reason() is not None, reason=str(cuda_skip_reason()))
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DEV = torch.device("cuda")
