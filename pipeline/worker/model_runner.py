@@ -52,6 +52,8 @@ class ModelRunner:
         self.device = torch.device(f"cuda:{rank}") if dev == "cuda" else torch.device("cpu")
         if self.device.type == "cpu":
             torch.set_num_threads(worker_threads())
+        else:  # one device per worker process: the ops launch on the current one
+            torch.cuda.set_device(self.device)
         self.model_config = mc = load_model_config(config.model)
         self.dtype = resolve_dtype(config.dtype, mc.torch_dtype, self.device)
         self.block_size = config.resolved_block_size()
