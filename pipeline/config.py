@@ -28,6 +28,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool = True
     preemption_policy: str = "newest"  # newest | lowest_priority
     tensor_parallel_size: int = 1
+    worker_threads: int = 0  # CPU: 0 = PIPELINE_WORKER_THREADS or usable cores - 1
     seed: int = 0
     instance_id: str = ""
 
@@ -59,6 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--preemption-policy", default=d.preemption_policy, choices=["newest", "lowest_priority"])
     p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
+    p.add_argument("--worker-threads", type=int, default=d.worker_threads,
+                   help="CPU torch threads of the worker (0: PIPELINE_WORKER_THREADS or cores - 1)")
     p.add_argument("--seed", type=int, default=d.seed)
 
 

@@ -36,10 +36,15 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: torch.device) -
     return ckpt
 
 
-def worker_threads() -> int:
-    """Torch CPU threads for the worker: ``PIPELINE_WORKER_THREADS`` if set, else the usable
-    cores minus one left to the other stages. OpenMP teams larger than the cores actually
-    free stall at every barrier (a 40x slower decode step was measured on 2 shared cores)."""
+def worker_threads(requested: int = 0) -> int:
+    """Torch CPU threads for the worker: ``--worker-threads`` if given, else
+    ``PIPELINE_WORKER_THREADS`` if set, else the usable cores minus one left to the other
+    stages. OpenMP teams larger than the cores actually free stall at every barrier (a 40x
+    slower decode step was measured on 2 shared cores)."""
+    if requested < 0:
+        raise ValueError(f"worker_threads must be >= 0 (0: automatic), got {requested}")
+    if requested:
+        return requested
     env = os.environ.get("PIPELINE_WORKER_THREADS", "")
     if env:
         n = int(env)

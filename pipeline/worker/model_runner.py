@@ -51,7 +51,7 @@ class ModelRunner:
         dev = config.resolved_device()
         self.device = torch.device(f"cuda:{rank}") if dev == "cuda" else torch.device("cpu")
         if self.device.type == "cpu":
-            torch.set_num_threads(worker_threads())
+            torch.set_num_threads(worker_threads(config.worker_threads))
         else:  # one device per worker process: the ops launch on the current one
             torch.cuda.set_device(self.device)
         self.model_config = mc = load_model_config(config.model)
