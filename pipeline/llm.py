@@ -1,8 +1,9 @@
 """In-process engine: ``pipeline.LLM(model=..., **engine_args).generate(prompts, params)``.
 
-Runs the same objects as the stage pipeline, in one process and one thread: the engine's
-Scheduler, the worker's ModelRunner (or any object with its interface, e.g. the FakeWorker)
-and the token processor's OutputProcessor (detokenization, stop strings). Owns them for its
+Runs the same objects as the stage pipeline, in one process and one thread: the tokenizer
+and its request validator, the engine's Scheduler, the worker's ModelRunner (or any object
+with its interface, e.g. the FakeWorker) and the token processor's OutputProcessor
+(detokenization, stop strings). Owns them for its
 lifetime; ``close()`` (or the context manager) releases the worker's KV cache.
 """
 from __future__ import annotations
@@ -14,10 +15,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pipeline.config import DEFAULT_MODEL, EngineConfig
-from pipeline.engine.messages import EngineOutputs, EngineRequest
-from pipeline.engine.sched_output import ids_to_bytes
 from pipeline.engine.scheduler import Scheduler
+from pipeline.messages import EngineOutputs, EngineRequest, ids_to_bytes
 from pipeline.sampling_params import SamplingParams
+from pipeline.tokenizer.validate import check_prompt_text, validate_request
 
 
 @dataclass(slots=True)
@@ -29,7 +30,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str
     num_cached_tokens: int
-    metrics: Any  # pipeline.output.types.Timings
+    metrics: Any  # pipeline.messages.Timings
     stop_reason: int | str | None = None
     logprobs: list | None = None
 
@@ -68,7 +69,7 @@ class LLM:
     def _init_tokenizer(self, model_dir: Path) -> None:
         from pipeline.output.detokenizer import DetokenizerTable  # noqa: PLC0415
         from pipeline.output.processor import OutputProcessor  # noqa: PLC0415
-        from pipeline.worker.tokenizer import Tokenizer  # noqa: PLC0415
+        from pipeline.tokenizer.tokenizer import Tokenizer  # noqa: PLC0415
 
         try:
             self.tokenizer = Tokenizer(model_dir)
@@ -119,14 +120,14 @@ class LLM:
     def _add(self, prompt, sp: SamplingParams, priority: int, salt: str | None,
              meta: dict) -> str:
         text = prompt if isinstance(prompt, str) else None
+        if text is not None:
+            check_prompt_text(text)
         tokens = self.encode(prompt) if text is not None else [int(t) for t in prompt]
         if sp.stop and self.processor is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True was set)")
-        sp.validate(vocab_size=self.worker.vocab_size, max_model_len=self.scheduler.max_model_len)
-        bad = [t for t in tokens if not 0 <= t < self.worker.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, vocab_size={self.worker.vocab_size}), "
-                             f"got {bad[0]}")
+        validate_request(tokens, sp, field="prompt" if text is not None else "prompt_token_ids",
+                         vocab_size=self.worker.vocab_size,
+                         max_model_len=self.scheduler.max_model_len)
         rid = f"llm-{next(self._ids)}"
         now = time.time()
         self.scheduler.add_request(EngineRequest(rid, ids_to_bytes(tokens), sp, now,
@@ -138,7 +139,7 @@ class LLM:
         return rid
 
     def _run(self, meta: dict) -> dict[str, RequestOutput]:
-        from pipeline.output.types import RequestResult, Timings  # noqa: PLC0415
+        from pipeline.messages import RequestResult, Timings  # noqa: PLC0415
 
         results: dict[str, RequestOutput] = {}
         # Without a token processor (no tokenizer) the timings are kept here.
@@ -189,8 +190,8 @@ class LLM:
             for rid in rids:
                 self.processor.abort(rid)
 
-    def stats(self) -> dict:
-        return self.scheduler.stats()
+    def stats(self) -> dict[str, int | float]:
+        return self.scheduler.stats().as_dict()
 
     def close(self) -> None:
         if self.worker is not None:

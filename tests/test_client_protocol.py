@@ -13,12 +13,13 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from pipeline.async_client import AsyncClient
+from pipeline.client.async_client import AsyncClient
 from pipeline.client import Client, RequestError
-from pipeline.entrypoints import protocol as P
-from pipeline.entrypoints.curve import generate_keys, server_socket_setup
-from pipeline.entrypoints.sessions import ClientSessions, DuplicateRequestId
-from pipeline.output.types import ErrorInfo, RequestDelta, RequestResult, Timings, Usage
+from pipeline.gateway import protocol as P
+from pipeline.gateway.curve import generate_keys, server_socket_setup
+from pipeline.gateway.sessions import ClientSessions, DuplicateRequestId
+from pipeline.tokenizer.validate import InvalidRequest, check_sampling, one_prompt_field
+from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, Timings, Usage
 
 TICK_MS = 2  # the fake engine's step: one token per active request per tick
 
@@ -84,7 +85,10 @@ class EchoServer(threading.Thread):
         try:
             msg = P.decode_client(frame)
             if isinstance(msg, P.Generate):
-                P.sampling_params(msg, vocab_size=1 << 20, max_model_len=10**7)
+                # Like the daemon's tokenizer stage, with the model's limits out of the way.
+                one_prompt_field(prompt=msg.prompt, prompt_token_ids=msg.prompt_token_ids,
+                                 messages=msg.messages)
+                check_sampling(P.sampling_params(msg), vocab_size=1 << 20, max_model_len=10**7)
                 internal = self.sessions.start(identity, str(msg.id), time.monotonic())
                 mt = msg.max_tokens if isinstance(msg.max_tokens, int) else 16
                 self.running[internal] = Running(identity, str(msg.id), msg.prompt or "", mt, msg.stream)
@@ -93,6 +97,10 @@ class EchoServer(threading.Thread):
                 self.send(identity, P.Final(result=result(exc.req_id, "", "error", exc.error)))
             else:
                 self.send(identity, P.Error(id=exc.req_id, error=exc.error))
+            return
+        except InvalidRequest as exc:
+            self.send(identity, P.Final(result=result(str(msg.id), "", "error",
+                                                      ErrorInfo("invalid_request", str(exc)))))
             return
         except DuplicateRequestId as exc:
             self.send(identity, P.Final(result=result(str(msg.id), "", "error", ErrorInfo("duplicate_id", str(exc)))))

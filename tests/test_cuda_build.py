@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import cuda_skip_reason
 
-from pipeline.worker import ops, ops_ref
+from pipeline.layers import ops, ops_ref
 
 ROOT = Path(__file__).resolve().parent.parent
 CU_SOURCES = sorted((ROOT / "cuda_ops").glob("*.cu"))

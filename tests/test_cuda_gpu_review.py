@@ -1,4 +1,4 @@
-"""Worker CUDA ops on a GPU, against pipeline.worker.ops_ref: the cases a first GPU run must
+"""Worker CUDA ops on a GPU, against pipeline.layers.ops_ref: the cases a first GPU run must
 cover beyond tests/test_cuda_build.py (forced context splits including empty ones, decode,
 chunked prefill with context, empty sequences and padding rows, q/k/v sliced from a fused qkv
 projection, every head_dim bucket up to 256, block_size 1, work on a non-default stream,
@@ -14,7 +14,7 @@ import torch
 from conftest import cuda_skip_reason
 from hypothesis import given, settings, strategies as st
 
-from pipeline.worker import ops, ops_ref
+from pipeline.layers import ops, ops_ref
 
 
 pytestmark = pytest.mark.skipif(cuda_skip_reason() is not None, reason=str(cuda_skip_reason()))

@@ -15,7 +15,7 @@ import pytest
 
 from e2e_helpers import Daemon, make_tiny_model, shm_entries
 from pipeline.client import Client
-from pipeline.output.types import RequestResult
+from pipeline.messages import RequestResult
 
 NUM_CLIENTS = 8
 

@@ -20,11 +20,11 @@ import pytest
 import zmq
 
 from e2e_helpers import Daemon, free_port, make_tiny_model, run_pipe, shm_entries
-from pipeline.async_client import AsyncClient
+from pipeline.client.async_client import AsyncClient
 from pipeline.client import Client
-from pipeline.entrypoints import protocol as P
-from pipeline.entrypoints.curve import client_socket_setup, generate_keys
-from pipeline.output.types import RequestResult
+from pipeline.gateway import protocol as P
+from pipeline.gateway.curve import client_socket_setup, generate_keys
+from pipeline.messages import RequestResult
 
 NUM_REQUESTS = int(os.environ.get("PIPELINE_E2E_REQUESTS", "96"))
 CONCURRENCY = int(os.environ.get("PIPELINE_E2E_CONCURRENCY", "16"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from pipeline.engine.sched_output import NewRequestData, ids_to_bytes
+from pipeline.messages import NewRequestData, ids_to_bytes
 from pipeline.sampling_params import SamplingParams
 from pipeline.worker.input_batch import InputBatch
 

@@ -6,8 +6,8 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.entrypoints.metrics import Metrics
-from pipeline.output.types import RequestResult, Timings, Usage
+from pipeline.gateway.metrics import Metrics
+from pipeline.messages import RequestResult, Timings, Usage
 
 
 def result(reason: str, ttft: float | None, itl: list[float], prompt: int, out: int, cached: int) -> RequestResult:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model_driver import Driver, make_runner, tiny_hf_model
-from pipeline.engine.sched_output import (CachedRequestData, NewRequestData, SchedulerOutput,
+from pipeline.messages import (CachedRequestData, NewRequestData, SchedulerOutput,
                                           ids_to_bytes)
 from pipeline.ipc.names import Instance, attach_segment, list_entries
 from pipeline.ipc.signal import LayerSignal
@@ -88,17 +88,6 @@ def test_preempted_request_resumes_with_identical_output(runner):
     d.add("r", done.tokens, 30 - len(done.output), num_prompt=len(PROMPT))
     got = d.run()
     assert done.output + got["r"] == want
-
-
-def test_block_copies_run_before_the_forward(runner):
-    d = Driver(runner)
-    d.add("a", PROMPT, 1)
-    d.run()
-    src = d.keep["a"].blocks[0]
-    dst = d.free[-1]
-    runner.execute(SchedulerOutput(99, [], [], {}, 0, [], [], block_copies=[(src, dst)]))
-    for k, v in runner.kv_cache.layers:
-        assert torch.equal(k[dst], k[src]) and torch.equal(v[dst], v[src])
 
 
 def test_chunked_prefill_samples_only_at_the_end(runner):

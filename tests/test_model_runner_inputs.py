@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from model_driver import make_runner, tiny_hf_model
-from pipeline.engine.sched_output import NewRequestData, SchedulerOutput, ids_to_bytes
+from pipeline.messages import NewRequestData, SchedulerOutput, ids_to_bytes
 from pipeline.sampling_params import SamplingParams
 
 BS = 16

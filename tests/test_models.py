@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from model_driver import make_runner, tiny_hf_model
-from pipeline.entrypoints.cli import main as cli_main
+from pipeline.cli import main as cli_main
 from pipeline.models.config import UnsupportedModelError, parse_model_config, rope_inv_freq
-from pipeline.worker.tokenizer import Tokenizer
+from pipeline.tokenizer.tokenizer import Tokenizer
 
 BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -130,7 +130,7 @@ def test_make_model_is_a_transformers_checkpoint(tmp_path, arch, extra):
     runner = make_runner(str(out), max_model_len=512)
     try:
         prompt = ids[:12]
-        from pipeline.engine.sched_output import NewRequestData, SchedulerOutput, ids_to_bytes
+        from pipeline.messages import NewRequestData, SchedulerOutput, ids_to_bytes
         from pipeline.sampling_params import SamplingParams
         so = SchedulerOutput(1, [NewRequestData("a", ids_to_bytes(prompt), len(prompt),
                                                 SamplingParams(temperature=0.0), [0], 0)],

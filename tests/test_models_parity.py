@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from model_driver import Driver, make_runner, tiny_hf_model
-from pipeline.engine.sched_output import NewRequestData, SchedulerOutput, ids_to_bytes
+from pipeline.messages import NewRequestData, SchedulerOutput, ids_to_bytes
 from pipeline.sampling_params import SamplingParams
 
 CASES = {

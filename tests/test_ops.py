@@ -1,5 +1,5 @@
-"""Worker ops: the CPU kernels (pipeline._ext.cpu_ops via pipeline.worker.ops) against the
-plain-torch references in pipeline.worker.ops_ref, on random paged caches and varlen batches."""
+"""Worker ops: the CPU kernels (pipeline._ext.cpu_ops via pipeline.layers.ops) against the
+plain-torch references in pipeline.layers.ops_ref, on random paged caches and varlen batches."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from pipeline.worker import ops, ops_ref
+from pipeline.layers import ops, ops_ref
 
 pytest.importorskip("pipeline._ext.cpu_ops", reason="CPU ops extension not built")
 

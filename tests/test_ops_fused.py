@@ -1,12 +1,12 @@
 """Worker ops: the fused per-layer CPU kernels (RMSNorm with residual add, RoPE + KV write,
-SiLU-and-mul, small-M GEMV) against the plain-torch references in pipeline.worker.ops_ref."""
+SiLU-and-mul, small-M GEMV) against the plain-torch references in pipeline.layers.ops_ref."""
 from __future__ import annotations
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from pipeline.worker import ops_fused as ops, ops_ref
+from pipeline.layers import ops_fused as ops, ops_ref
 
 pytest.importorskip("pipeline._ext.cpu_ops", reason="CPU ops extension not built")
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.engine.sched_output import NewRequestData, ids_to_bytes
+from pipeline.messages import NewRequestData, ids_to_bytes
 from pipeline.sampling_params import SamplingParams
 from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.sampler import Sampler, build_metadata, mix_seed

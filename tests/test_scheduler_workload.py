@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from pipeline.config import EngineConfig
 from pipeline.engine.fake_worker import FakeWorker
-from pipeline.engine.messages import EngineRequest
-from pipeline.engine.sched_output import ids_to_bytes
+from pipeline.messages import EngineRequest
+from pipeline.messages import ids_to_bytes
 from pipeline.engine.scheduler import Scheduler
 from pipeline.sampling_params import SamplingParams
 
@@ -126,4 +126,4 @@ def test_random_workload(specs, num_blocks, block_size, max_num_seqs, budget, th
         assert spec["abort"] is not None and finish[rid] == spec["abort"][1], rid
         assert tokens[rid] == want[:len(tokens[rid])], rid
     stats = sched.stats()
-    assert stats["running"] == stats["waiting"] == stats["kv_blocks_used"] == 0
+    assert stats.running == stats.waiting == stats.kv_blocks_used == 0

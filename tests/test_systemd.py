@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from pipeline.entrypoints.systemd import Notifier
+from pipeline.gateway.systemd import Notifier
 
 
 @pytest.fixture(params=["path", "abstract"])

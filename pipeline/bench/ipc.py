@@ -211,18 +211,18 @@ def signal_latency(inst: Instance, steps: int) -> dict:
 
 
 # ---- codec: msgspec msgpack vs pickle on the engine's own messages -----------------------
-def codec_cases() -> list[tuple[str, object, type]]:
-    from pipeline.engine.messages import EngineOutput, EngineOutputs, EngineRequest
-    from pipeline.engine.sched_output import CachedRequestData, SchedulerOutput, ids_to_bytes
+def codec_cases() -> list[tuple[str, object, str]]:
+    from pipeline.messages import (CachedRequestData, EngineOutput, EngineOutputs, EngineRequest,
+                                   SchedulerOutput, ids_to_bytes)
     from pipeline.sampling_params import SamplingParams
     sp = SamplingParams(max_tokens=256, temperature=0.7, top_p=0.9, stop=["\n\n"])
     req = EngineRequest("req-123", ids_to_bytes(range(1024)), sp, time.time(), [2])
     outs = EngineOutputs([EngineOutput(f"req-{i}", [i, i + 1]) for i in range(64)], time.time())
     step = SchedulerOutput(7, [], [CachedRequestData(f"req-{i}", [i], 100 + i) for i in range(64)],
                            {f"req-{i}": 1 for i in range(64)}, 64, [], [])
-    return [("EngineRequest 1024 tok", req, EngineRequest),
-            ("EngineOutputs x64", outs, EngineOutputs),
-            ("SchedulerOutput 64 decodes", step, SchedulerOutput)]
+    return [("EngineRequest 1024 tok", req, "requests"),
+            ("EngineOutputs x64", outs, "outputs"),
+            ("SchedulerOutput 64 decodes", step, "steps")]
 
 
 def _per_op_us(fn: Callable[[], object], n: int = 2000) -> float:
@@ -233,7 +233,8 @@ def _per_op_us(fn: Callable[[], object], n: int = 2000) -> float:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pipeline.ipc import codec
+    from pipeline.ipc.codec import TaggedCodec
+    from pipeline.messages import RING_MESSAGES
     rep = Report("ipc")
     rep.machine["loadavg_1m"] = round(os.getloadavg()[0], 2)
     spin = args.spin_us
@@ -251,10 +252,11 @@ def main(args: argparse.Namespace) -> int:
         for label, (a, b) in signal_latency(inst, args.signal_steps).items():
             sig[label] = a
             rep.add(f"layer signal {label}", p50_us=a, p99_us=b)
-    for name, obj, typ in codec_cases():
+    for name, obj, ring in codec_cases():
+        codec = TaggedCodec(RING_MESSAGES[ring])
         blob, pk = codec.encode(obj), pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         rep.add(f"codec msgspec {name}", encode_us=_per_op_us(lambda: codec.encode(obj)),
-                decode_us=_per_op_us(lambda: codec.decode(blob, typ)), bytes=len(blob))
+                decode_us=_per_op_us(lambda: codec.decode(blob)), bytes=len(blob))
         rep.add(f"codec pickle {name}", encode_us=_per_op_us(lambda: pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
                 decode_us=_per_op_us(lambda: pickle.loads(pk)), bytes=len(pk))
     for size in (64, 4 * KiB):

@@ -19,9 +19,9 @@ from pipeline.bench.report import Report
 from pipeline.config import DEFAULT_MODEL, EngineConfig
 from pipeline.engine.fake_worker import FakeWorker
 from pipeline.engine.kv_cache_manager import KVCacheManager
-from pipeline.engine.messages import EngineRequest
+from pipeline.messages import EngineRequest
 from pipeline.engine.request import Request
-from pipeline.engine.sched_output import ids_to_bytes
+from pipeline.messages import ids_to_bytes
 from pipeline.engine.scheduler import Scheduler
 from pipeline.sampling_params import SamplingParams
 
@@ -136,7 +136,7 @@ def bench_scheduler(n: int, a: argparse.Namespace) -> dict:
     return {"running": n, "schedule_ms": s * 1e3, "update_ms": u * 1e3,
             "step_ms": (s + u) * 1e3, "step_ms_best": best * 1e3,
             "per_request_us": (s + u) / n * 1e6, "per_request_us_best": best / n * 1e6,
-            "prefix_hit_rate": round(st["prefix_cache_hit_rate"], 3),
+            "prefix_hit_rate": round(st.prefix_cache_hit_rate, 3),
             "invariant_check_ms": _time(sched.check_invariants) * 1e3}
 
 

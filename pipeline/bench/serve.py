@@ -66,7 +66,7 @@ class Sample:
 
 
 async def _one(client, prompt: list[int], out_len: int, s: Sample, sem) -> None:
-    from pipeline.output.types import RequestResult
+    from pipeline.messages import RequestResult
 
     async with sem:
         s.sent = time.perf_counter()
@@ -80,7 +80,7 @@ async def _one(client, prompt: list[int], out_len: int, s: Sample, sem) -> None:
 
 
 async def _drive(args, address: str, prompts: list[list[int]]) -> tuple[list[Sample], float, dict]:
-    from pipeline.async_client import AsyncClient
+    from pipeline.client.async_client import AsyncClient
 
     rng = random.Random(args.seed)
     sem = asyncio.Semaphore(args.max_concurrency or len(prompts))

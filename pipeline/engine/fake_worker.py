@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.engine.sched_output import ModelRunnerOutput, SchedulerOutput, bytes_to_ids
+from pipeline.messages import ModelRunnerOutput, SchedulerOutput, bytes_to_ids
 
 _MASK = (1 << 64) - 1
 

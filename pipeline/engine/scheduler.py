@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pipeline.config import EngineConfig
 from pipeline.engine.audit import audit_block_table
 from pipeline.engine.kv_cache_manager import KVCacheManager
-from pipeline.engine.messages import EngineOutput, EngineRequest
 from pipeline.engine.preemption import make_policy
 from pipeline.engine.request import ABORT_STATUS, FINISH_REASONS, Request, RequestStatus
 from pipeline.engine.request_queue import WaitingQueue
-from pipeline.engine.sched_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                          SchedulerOutput, bytes_to_ids, ids_to_bytes)
+from pipeline.messages import (CachedRequestData, EngineOutput, EngineRequest, EngineStats,
+                               ModelRunnerOutput, NewRequestData, SchedulerOutput, bytes_to_ids,
+                               ids_to_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -81,19 +81,14 @@ class Scheduler:
 
     # -- admission and abort ------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
+        """Queue a validated request (``tokenizer.validate``); ValueError if it could never
+        fit in the whole KV cache, which only the engine knows."""
         if er.req_id in self.requests:
             raise ValueError(f"request id {er.req_id!r} is already in the engine")
         prompt = bytes_to_ids(er.prompt_token_ids).tolist()
         sp = er.sampling_params
-        sp.validate(max_model_len=self.max_model_len)
-        if not prompt:
-            raise ValueError("prompt must contain at least 1 token")
-        total = len(prompt) + sp.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({sp.max_tokens}) = "
-                             f"{total} exceeds max_model_len ({self.max_model_len})")
         # The last sampled token's KV is never computed, hence total - 1.
-        need = -(-(total - 1) // self.block_size)
+        need = -(-(len(prompt) + sp.max_tokens - 1) // self.block_size)
         if need > self.kv.pool.num_blocks:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({sp.max_tokens}) needs "
                              f"{need} KV blocks of {self.block_size} tokens, more than the whole "
@@ -309,23 +304,22 @@ class Scheduler:
                             req.first_scheduled_time)
 
     # -- observability ------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         pool = self.kv.pool
-        return {"running": len(self.running), "waiting": len(self.waiting),
-                "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used_blocks,
-                "kv_blocks_cached": len(pool.cached),
-                "kv_blocks_cached_evictable": pool.num_cached_free,
-                "kv_blocks_free": pool.num_free_blocks - pool.num_cached_free,
-                "kv_usage": pool.num_used_blocks / pool.num_blocks,
-                "prefix_cache_hit_rate": self.kv.hit_rate,
-                "prefix_cache_queried_tokens": self.kv.num_queried_tokens,
-                "prefix_cache_hit_tokens": self.kv.num_hit_tokens,
-                "num_preemptions": self.num_preemptions, "num_evictions": pool.num_evictions,
-                "prompt_tokens": self.num_prompt_tokens,
-                "computed_tokens": self.num_computed_tokens,
-                "generation_tokens": self.num_generated_tokens,
-                "stale_results_dropped": self.num_stale_results,
-                "reserve_blocks_per_running": self._reserve}
+        return EngineStats(
+            running=len(self.running), waiting=len(self.waiting),
+            kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_cached=len(pool.cached), kv_blocks_cached_evictable=pool.num_cached_free,
+            kv_blocks_free=pool.num_free_blocks - pool.num_cached_free,
+            kv_usage=pool.num_used_blocks / pool.num_blocks,
+            prefix_cache_hit_rate=self.kv.hit_rate,
+            prefix_cache_queried_tokens=self.kv.num_queried_tokens,
+            prefix_cache_hit_tokens=self.kv.num_hit_tokens,
+            num_preemptions=self.num_preemptions, num_evictions=pool.num_evictions,
+            prompt_tokens=self.num_prompt_tokens, computed_tokens=self.num_computed_tokens,
+            generation_tokens=self.num_generated_tokens,
+            stale_results_dropped=self.num_stale_results,
+            reserve_blocks_per_running=self._reserve)
 
     def check_invariants(self) -> list[str]:
         """O(blocks) audit of the block table; logs and returns violations (empty: sound)."""

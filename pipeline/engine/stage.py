@@ -3,26 +3,24 @@
 Inputs (wait_any on one doorbell): new requests and client aborts from the tokenizer stage,
 stop-string hits from the token processor, sampled tokens from worker rank 0. Outputs: each
 step's SchedulerOutput to the workers (broadcast ring), EngineOutputs to the token processor
-and a stats snapshot to the gateway a few times a second. Only this process allocates, frees
-or caches KV blocks. When idle it audits the block table and logs violations with the ids.
-State besides the scheduler: the step timing counters (engine overhead vs worker time).
+and an EngineStats snapshot to the gateway a few times a second. Only this process allocates,
+frees or caches KV blocks. When idle it audits the block table and logs violations with the
+ids. State besides the scheduler: the step timing counters (engine overhead vs worker time).
 """
 from __future__ import annotations
 
-import struct
 import time
 
 import msgspec
 
-from pipeline.engine.messages import AbortRequest, EngineOutput, EngineOutputs, EngineRequest
-from pipeline.engine.sched_output import ModelRunnerOutput
-from pipeline.entrypoints.stages import ReadyFn, StageSpec, Unpacker, log
-from pipeline.ipc.broadcast import BroadcastRing
-from pipeline.ipc.ring import Ring, wait_any
+from pipeline.engine.scheduler import Scheduler
+from pipeline.ipc.ring import wait_any
+from pipeline.messages import AbortRequest, EngineOutput, EngineOutputs, EngineRequest
+from pipeline.runtime import rings
+from pipeline.runtime.process import ReadyFn, log
+from pipeline.runtime.spec import StageSpec
 
 STATS_INTERVAL_S = 0.25
-# worker -> engine result frame: the worker's execute() seconds, then the msgpack output.
-RESULT_HEADER = struct.Struct("<d")
 
 
 class StepTimes(msgspec.Struct):
@@ -37,22 +35,17 @@ class StepTimes(msgspec.Struct):
 
 class EngineLoop:
     def __init__(self, spec: StageSpec) -> None:
-        from pipeline.engine.scheduler import Scheduler  # noqa: PLC0415
-
         m = spec.model
         assert m is not None, "the engine is started after the worker reported its KV cache"
         self.spec = spec
         self.sched = Scheduler(spec.config, m.num_blocks, m.block_size, m.max_model_len)
-        self.requests = Ring.attach(spec.rings["requests"])  # tokenizer -> engine
-        self.stops = Ring.attach(spec.rings["stops"])  # token processor -> engine
-        self.results = Ring.attach(spec.rings["results"])  # worker rank 0 -> engine
-        self.steps = BroadcastRing.attach_writer(spec.rings["steps"])  # engine -> workers
-        self.outputs = Ring.attach(spec.rings["outputs"], "writer")  # engine -> token processor
-        self.stats_ring = Ring.attach(spec.rings["stats"], "writer")  # engine -> gateway
+        self.requests = rings.attach(spec, "requests")  # tokenizer -> engine
+        self.stops = rings.attach(spec, "stops")  # token processor -> engine
+        self.results = rings.attach(spec, "results")  # worker rank 0 -> engine
+        self.steps = rings.attach(spec, "steps", "writer")  # engine -> workers
+        self.outputs = rings.attach(spec, "outputs", "writer")  # engine -> token processor
+        self.stats_ring = rings.attach(spec, "stats", "writer")  # engine -> gateway
         self.invariants_checked = True
-        self.unpack = Unpacker({b"E": EngineRequest, b"A": AbortRequest})
-        self.encode = msgspec.msgpack.Encoder().encode
-        self.decode_result = msgspec.msgpack.Decoder(ModelRunnerOutput).decode
         self.times = StepTimes()
         self.next_stats = 0.0
 
@@ -61,8 +54,7 @@ class EngineLoop:
 
     def _drain_inputs(self) -> list[EngineOutput]:
         outs: list[EngineOutput] = []
-        while (buf := self.requests.try_recv()) is not None:
-            msg = self.unpack(buf)
+        while (msg := self.requests.try_recv()) is not None:
             if isinstance(msg, EngineRequest):
                 try:
                     self.sched.add_request(msg)
@@ -72,40 +64,38 @@ class EngineLoop:
             else:
                 outs += self._abort(msg)
             self.invariants_checked = False
-        while (buf := self.stops.try_recv()) is not None:
-            outs += self._abort(self.unpack(buf))
+        while (stop := self.stops.try_recv()) is not None:
+            outs += self._abort(stop)
             self.invariants_checked = False
         return outs
 
     def _emit(self, outs: list[EngineOutput]) -> None:
         if outs:
-            self.outputs.send(self.encode(EngineOutputs(outputs=outs, timestamp=time.time())))
+            self.outputs.send(EngineOutputs(outputs=outs, timestamp=time.time()))
 
     def step(self) -> None:
         t0 = time.perf_counter()
         sched_out = self.sched.schedule()
-        self.steps.send(self.encode(sched_out))
+        self.steps.send(sched_out)
         # No deadline: a long prefill may take a while; the wait raises PeerDied if the
         # worker dies meanwhile.
-        buf = self.results.recv(timeout=None)
-        (worker_s,) = RESULT_HEADER.unpack_from(buf)
-        result = self.decode_result(memoryview(buf)[RESULT_HEADER.size:])
+        result = self.results.recv(timeout=None)
         outs = self.sched.update_from_output(sched_out, result)
         self._emit(outs)
         if sched_out.total_num_scheduled_tokens:
             self.times.steps += 1
             self.times.step_s += time.perf_counter() - t0
-            self.times.worker_s += worker_s
+            self.times.worker_s += result.execute_s
 
     def publish_stats(self, now: float) -> None:
         self.next_stats = now + STATS_INTERVAL_S
         t = self.times
-        snap = self.sched.stats() | {
-            "engine_steps": t.steps, "engine_step_seconds": t.step_s,
-            "engine_worker_seconds": t.worker_s, "engine_overhead_share": t.overhead_share,
-            "timestamp": time.time()}
+        snap = msgspec.structs.replace(
+            self.sched.stats(), engine_steps=t.steps, engine_step_seconds=t.step_s,
+            engine_worker_seconds=t.worker_s, engine_overhead_share=t.overhead_share,
+            timestamp=time.time())
         try:
-            self.stats_ring.send(self.encode(snap), timeout=0)
+            self.stats_ring.send(snap, timeout=0)
         except TimeoutError:
             pass  # the gateway has not read the previous snapshot; this one is not needed
 
@@ -127,15 +117,16 @@ class EngineLoop:
                 self.check_invariants()
                 self.publish_stats(now)  # so "all blocks free" is visible at once
             try:
-                wait_any([self.requests, self.stops], STATS_INTERVAL_S)
+                wait_any([self.requests.ring, self.stops.ring], STATS_INTERVAL_S)
             except TimeoutError:
                 pass
 
 
 def run(spec: StageSpec, ready: ReadyFn) -> None:
     loop = EngineLoop(spec)
-    log(spec, f"scheduler ready: {spec.model.num_blocks} KV blocks of {spec.model.block_size} "
-              f"tokens, max_num_seqs {spec.config.max_num_seqs}, max_num_batched_tokens "
+    m = loop.sched
+    log(spec, f"scheduler ready: {m.kv.pool.num_blocks} KV blocks of {m.block_size} tokens, "
+              f"max_num_seqs {spec.config.max_num_seqs}, max_num_batched_tokens "
               f"{spec.config.max_num_batched_tokens}")
     ready({})
     loop.run_forever()

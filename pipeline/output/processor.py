@@ -19,11 +19,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pipeline.engine.messages import EngineOutput, EngineOutputs
-from pipeline.engine.sched_output import TokenLogprobs
+from pipeline.messages import EngineOutput, EngineOutputs
+from pipeline.messages import TokenLogprobs
 from pipeline.output.detokenizer import DetokenizerTable, IncrementalDetokenizer
 from pipeline.output.stop_checker import StopChecker
-from pipeline.output.types import FINISH_REASONS, ErrorInfo, RequestDelta, RequestResult, Timings, Usage
+from pipeline.messages import FINISH_REASONS, ErrorInfo, RequestDelta, RequestResult, Timings, Usage
 from pipeline.sampling_params import SamplingParams
 
 Emit = Callable[[RequestDelta | RequestResult], None]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.engine.sched_output import NewRequestData, bytes_to_ids
+from pipeline.messages import NewRequestData, bytes_to_ids
 from pipeline.sampling_params import SamplingParams
 
 

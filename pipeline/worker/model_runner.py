@@ -16,11 +16,12 @@ import numpy as np
 import torch
 
 from pipeline.config import EngineConfig
-from pipeline.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from pipeline.messages import ModelRunnerOutput, SchedulerOutput
 from pipeline.models.config import load_model_config
-from pipeline.models.llama import AttentionMetadata, CausalLM
+from pipeline.layers.attention import AttentionMetadata
+from pipeline.models.llama import CausalLM
 from pipeline.models.loader import load_weights
-from pipeline.worker import ops
+from pipeline.layers import ops
 from pipeline.worker.device import resolve_dtype, worker_threads
 from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.kv_cache import KVCache, bytes_per_block
@@ -187,9 +188,6 @@ class ModelRunner:
                                  f"is not in the worker's batch")
             b.append_blocks(cached.req_id, cached.new_block_ids)
             b.num_computed_tokens[b.index[cached.req_id]] = cached.num_computed_tokens
-        if sched.block_copies:
-            pairs = torch.tensor(sched.block_copies, dtype=torch.int64, device=self.device)
-            ops.copy_blocks(self.kv_cache.k_caches, self.kv_cache.v_caches, pairs)
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         b, bs = self.batch, self.block_size

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.engine.sched_output import TokenLogprobs
+from pipeline.messages import TokenLogprobs
 from pipeline.worker.input_batch import InputBatch
 
 _MASK64 = (1 << 64) - 1

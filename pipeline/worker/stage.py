@@ -10,11 +10,9 @@ import time
 
 import msgspec
 
-from pipeline.engine.sched_output import SchedulerOutput
-from pipeline.engine.stage import RESULT_HEADER
-from pipeline.entrypoints.stages import ReadyFn, StageSpec, log
-from pipeline.ipc.broadcast import BroadcastRing
-from pipeline.ipc.ring import Ring
+from pipeline.runtime import rings
+from pipeline.runtime.process import ReadyFn, log
+from pipeline.runtime.spec import ModelInfo, StageSpec
 
 
 def run(spec: StageSpec, ready: ReadyFn) -> None:
@@ -25,25 +23,26 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
     t0 = time.perf_counter()
     runner = ModelRunner(cfg, spec.rank)
     runner.load()
-    kv_bytes = runner.kv_cache_bytes
-    log(spec, f"loaded in {time.perf_counter() - t0:.1f}s: {runner.num_blocks} KV blocks of "
-              f"{runner.block_size} tokens ({kv_bytes / 2**20:.1f} MiB, "
-              f"{runner.num_blocks * runner.block_size} tokens), max_model_len "
-              f"{runner.max_model_len}")
-    steps = BroadcastRing.attach(spec.rings["steps"], spec.rank)
-    results = Ring.attach(spec.rings["results"], "writer") if spec.rank == 0 else None
-    ready({"num_blocks": runner.num_blocks, "block_size": runner.block_size,
-           "max_model_len": runner.max_model_len, "vocab_size": runner.vocab_size,
-           "eos_token_ids": list(runner.eos_token_ids), "kv_cache_bytes": kv_bytes})
-    decode = msgspec.msgpack.Decoder(SchedulerOutput).decode
-    encode = msgspec.msgpack.Encoder().encode
+    assert runner.kv_cache is not None
+    kv = runner.kv_cache.spec
+    log(spec, f"loaded in {time.perf_counter() - t0:.1f}s: {kv.num_blocks} KV blocks of "
+              f"{kv.block_size} tokens ({kv.total_bytes / 2**20:.1f} MiB, "
+              f"{kv.num_blocks * kv.block_size} tokens), max_model_len {runner.max_model_len}")
+    steps = rings.attach(spec, "steps")
+    results = rings.attach(spec, "results", "writer") if spec.rank == 0 else None
+    info = ModelInfo(num_blocks=kv.num_blocks, block_size=kv.block_size,
+                     max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
+                     eos_token_ids=list(runner.eos_token_ids), kv_cache_bytes=kv.total_bytes,
+                     num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads,
+                     head_dim=kv.head_dim, kv_dtype=kv.dtype, kv_segment=kv.shm_name)
+    ready(msgspec.structs.asdict(info))
     try:
         while True:
-            buf = steps.recv(timeout=None)  # PeerDied if the engine dies
+            sched = steps.recv(timeout=None)  # PeerDied if the engine dies
             t0 = time.perf_counter()
-            sched = decode(buf)
             out = runner.execute(sched)
             if results is not None:
-                results.send(RESULT_HEADER.pack(time.perf_counter() - t0) + encode(out))
+                out.execute_s = time.perf_counter() - t0
+                results.send(out)
     finally:
         runner.close()

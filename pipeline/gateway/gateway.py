@@ -20,36 +20,17 @@ import msgspec
 import psutil
 
 from pipeline.config import EngineConfig
-from pipeline.engine.messages import AbortRequest
-from pipeline.entrypoints.stages import (EXIT_PEER_DIED, STOP_SIGNAL, ModelInfo, Stage, StageSpec,
-                                         Unpacker, describe_exit, last_words, pack, spawn_stage,
-                                         wait_ready)
-from pipeline.entrypoints.tokenizer_stage import GatewayRequest
+from pipeline.gateway.supervisor import Stage, describe_exit, last_words, spawn_stage, wait_ready
 from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.errors import PeerDied
 from pipeline.ipc.names import Instance, sweep_stale, unlink_instance
 from pipeline.ipc.ring import Doorbell, Ring, wait_any
+from pipeline.messages import (AbortRequest, EngineStats, GatewayRequest, RequestDelta, RequestResult,
+                               error_result)
 from pipeline.models.config import load_model_config
-from pipeline.output.stage import ANSWER_TYPES, error_result
-from pipeline.output.types import RequestDelta, RequestResult
-
-MiB = 1 << 20
-# role -> (capacity, producer, consumer). A consumer that reads several rings blocks on
-# one doorbell shared by them (wait_any).
-RING_ROLES = {
-    "submit": (8 * MiB, "gateway", "tokenizer"),
-    "rejects": (2 * MiB, "tokenizer", "gateway"),
-    "register": (8 * MiB, "tokenizer", "output"),
-    "requests": (16 * MiB, "tokenizer", "engine"),
-    "results": (4 * MiB, "worker", "engine"),
-    "outputs": (8 * MiB, "engine", "output"),
-    "stops": (1 * MiB, "output", "engine"),
-    "answers": (16 * MiB, "output", "gateway"),
-    "stats": (256 * 1024, "engine", "gateway"),
-}
-SHARED_DOORBELLS = ("gateway", "engine", "output")
-STEPS_CAPACITY = 32 * MiB
-
+from pipeline.runtime.process import EXIT_PEER_DIED, STOP_SIGNAL
+from pipeline.runtime.rings import (RING_ROLES, SHARED_DOORBELLS, STEPS_CAPACITY, STEPS_ROLE, Channel)
+from pipeline.runtime.spec import ModelInfo, StageSpec
 
 Answer = RequestDelta | RequestResult
 OnOutput = Callable[[Answer], None]
@@ -64,7 +45,7 @@ class Gateway:
         self.stages: list[Stage] = []
         self.model: ModelInfo | None = None
         self.instance: Instance | None = None
-        self.rings: dict[str, Ring] = {}
+        self.rings: dict[str, Channel] = {}
         self.inflight: dict[str, bool] = {}  # req_id -> stream
         self.lock = threading.Lock()  # the in-flight table; held while answering
         self.submit_lock = threading.Lock()  # the submit ring has a single producer
@@ -74,7 +55,7 @@ class Gateway:
         self.failed = threading.Event()
         self.stopping = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.engine_stats: dict = {}
+        self.engine_stats = EngineStats()
         self.stats_updated = threading.Event()
         self._ps: dict[int, psutil.Process] = {}  # cpu_percent needs the same handle
 
@@ -91,12 +72,12 @@ class Gateway:
             self.doorbells = list(bells.values())
             for role, (cap, producer, consumer) in RING_ROLES.items():
                 mine = "gateway" in (producer, consumer)
-                self.rings[role] = Ring.create(
+                self.rings[role] = Channel(Ring.create(
                     self.instance, role, cap, doorbell=bells.get(consumer),
-                    role="writer" if producer == "gateway" else "reader", claim=mine)
+                    role="writer" if producer == "gateway" else "reader", claim=mine), role)
             tp = self.config.tensor_parallel_size
-            self.steps = BroadcastRing.create(self.instance, "steps", STEPS_CAPACITY, tp)
-            names = {r: ring.name for r, ring in self.rings.items()} | {"steps": self.steps.name}
+            self.steps = BroadcastRing.create(self.instance, STEPS_ROLE, STEPS_CAPACITY, tp)
+            names = {r: ch.ring.name for r, ch in self.rings.items()} | {STEPS_ROLE: self.steps.name}
             ctx = mp.get_context("spawn")
             workers = [self._spawn(ctx, f"worker{r}", "worker", names, r) for r in range(tp)]
             self.model = msgspec.convert(wait_ready(workers, timeout_s), ModelInfo)
@@ -133,7 +114,7 @@ class Gateway:
             return False
         try:
             with self.submit_lock:
-                self.rings["submit"].send(pack(b"Q", req), timeout=30.0)
+                self.rings["submit"].send(req, timeout=30.0)
             return True
         except (PeerDied, TimeoutError) as exc:
             with self.lock:
@@ -148,8 +129,7 @@ class Gateway:
         if ids and self.failure is None:
             try:
                 with self.submit_lock:
-                    self.rings["submit"].send(pack(b"A", AbortRequest(req_ids=ids, reason=reason)),
-                                              timeout=5.0)
+                    self.rings["submit"].send(AbortRequest(req_ids=ids, reason=reason), timeout=5.0)
             except (PeerDied, TimeoutError):
                 pass  # the supervisor answers everything when a stage is gone
 
@@ -178,29 +158,27 @@ class Gateway:
 
     def _receive_loop(self) -> None:
         answers, rejects, stats = self.rings["answers"], self.rings["rejects"], self.rings["stats"]
-        unpack = Unpacker(ANSWER_TYPES)
-        decode_stats = msgspec.msgpack.Decoder(dict).decode
         while not self.stopping.is_set():
             try:
                 try:
-                    wait_any([answers, rejects, stats], 0.2)
+                    wait_any([answers.ring, rejects.ring, stats.ring], 0.2)
                 except TimeoutError:
                     continue
-                for ring in (answers, rejects):
-                    while not self.stopping.is_set() and (buf := ring.try_recv()) is not None:
-                        self._deliver(unpack(buf))
-                while (buf := stats.try_recv()) is not None:
-                    self.engine_stats = decode_stats(buf)
+                for ch in (answers, rejects):
+                    while not self.stopping.is_set() and (out := ch.try_recv()) is not None:
+                        self._deliver(out)
+                while (snap := stats.try_recv()) is not None:
+                    self.engine_stats = snap
                     self.stats_updated.set()
             except PeerDied:
                 self.failed.wait(2.0)  # the supervisor names the stage and answers
                 return
 
-    def fresh_engine_stats(self, timeout_s: float = 1.0) -> dict:
+    def fresh_engine_stats(self, timeout_s: float = 1.0) -> EngineStats:
         """The engine's next stats snapshot (it publishes a few per second)."""
         self.stats_updated.clear()
         self.stats_updated.wait(timeout_s)
-        return dict(self.engine_stats)
+        return self.engine_stats
 
     # ---- supervision ----
     def _supervise_loop(self) -> None:
@@ -285,7 +263,7 @@ class Gateway:
         # Unmap only when no thread of ours can still touch a ring (unlinking below is what
         # frees the memory; a mapping dies with the process anyway).
         if not any(t.is_alive() for t in self._threads if t is not threading.current_thread()):
-            for ring in [*self.rings.values(), getattr(self, "steps", None),
+            for ring in [*(ch.ring for ch in self.rings.values()), getattr(self, "steps", None),
                          *getattr(self, "doorbells", [])]:
                 if ring is not None:
                     ring.close()

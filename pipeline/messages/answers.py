@@ -1,14 +1,18 @@
-"""Token processor stage: what it hands back per request (the answer types of every way in).
+"""Answers: what every way in (ZMQ, pipe mode, in-process) hands back per request.
 
-The token processor builds these; the gateway forwards them unchanged to clients (ZMQ, pipe
-mode JSON lines) and feeds them to the metrics. They own no state. All are msgspec structs
-so they encode to msgpack / JSON as-is; field names follow vLLM's / OpenAI's where they exist.
+The token processor builds deltas and final answers; the tokenizer (invalid request) and the
+gateway (dead stage, drain) build error answers with ``error_result``. The gateway forwards
+them unchanged to clients (ZMQ, pipe mode JSON lines) and feeds them to the metrics. All are
+msgspec structs so they encode to msgpack / JSON as-is; field names follow vLLM's / OpenAI's
+where they exist.
 """
 from __future__ import annotations
 
+import time
+
 import msgspec
 
-from pipeline.engine.sched_output import TokenLogprobs
+from pipeline.messages.step import TokenLogprobs
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -71,3 +75,14 @@ class RequestResult(msgspec.Struct, forbid_unknown_fields=True):
     error: ErrorInfo | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] | None = None
+
+
+def error_result(req_id: str, code: str, message: str, *, finish_reason: str = "error",
+                 arrival_time: float = 0.0) -> RequestResult:
+    """A final answer that carries no tokens: invalid request, dead stage, drain abort."""
+    now = time.time()
+    arrival = arrival_time or now
+    return RequestResult(id=req_id, text="", token_ids=[], finish_reason=finish_reason,
+                         usage=Usage(), error=ErrorInfo(code=code, message=message),
+                         timings=Timings(arrival_time=arrival, finish_time=now,
+                                         e2e=now - arrival))

@@ -23,15 +23,13 @@ import msgspec
 import zmq
 
 from pipeline.config import add_engine_args, config_from_args
-from pipeline.entrypoints import protocol as P
-from pipeline.entrypoints.gateway import Answer, Gateway
-from pipeline.entrypoints.metrics import Metrics
-from pipeline.entrypoints.stages import StartupError
-from pipeline.entrypoints.sessions import ClientSessions, DuplicateRequestId
-from pipeline.entrypoints.systemd import Notifier
-from pipeline.entrypoints.tokenizer_stage import gateway_request
-from pipeline.output.stage import error_result
-from pipeline.output.types import RequestResult
+from pipeline.gateway import protocol as P
+from pipeline.gateway.gateway import Answer, Gateway
+from pipeline.gateway.metrics import Metrics
+from pipeline.gateway.sessions import ClientSessions, DuplicateRequestId
+from pipeline.gateway.supervisor import StartupError
+from pipeline.gateway.systemd import Notifier
+from pipeline.messages import RequestResult, error_result
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7001"
 
@@ -163,9 +161,8 @@ class Server:
                                                                    "generate over ZMQ")))
             return
         client_id = str(msg.id)
-        m = self.gw.model
         try:
-            sp = P.sampling_params(msg, None, vocab_size=m.vocab_size, max_model_len=m.max_model_len)
+            sp = P.sampling_params(msg)
             internal = self.sessions.start(identity, client_id, now)
         except P.ProtocolError as exc:
             self.counters["requests_rejected"] += 1
@@ -177,7 +174,7 @@ class Server:
             self._reply(identity, P.Final(result=error_result(client_id, "duplicate_id", str(exc))))
             return
         # A refusal (draining, stage died) comes back as an error answer through the queue.
-        self.gw.submit(gateway_request(msg, sp, internal))
+        self.gw.submit(P.gateway_request(msg, sp, internal))
 
     # ---- observability ----
     def status(self) -> str:
@@ -191,12 +188,12 @@ class Server:
 
     def _feed_engine_state(self) -> None:
         e = self.gw.engine_stats
-        if e:
+        if e.timestamp:  # the engine has published at least once
             self.metrics.set_engine_state(
-                running=e["running"], waiting=e["waiting"], kv_blocks_used=e["kv_blocks_used"],
-                kv_blocks_cached=e["kv_blocks_cached"], kv_blocks_total=e["kv_blocks_total"],
-                prefix_cache_queries=e["prefix_cache_queried_tokens"],
-                prefix_cache_hits=e["prefix_cache_hit_tokens"], preemptions=e["num_preemptions"])
+                running=e.running, waiting=e.waiting, kv_blocks_used=e.kv_blocks_used,
+                kv_blocks_cached=e.kv_blocks_cached, kv_blocks_total=e.kv_blocks_total,
+                prefix_cache_queries=e.prefix_cache_queried_tokens,
+                prefix_cache_hits=e.prefix_cache_hit_tokens, preemptions=e.num_preemptions)
 
     def healthy(self) -> bool:
         return self.gw.failure is None and time.monotonic() - self.last_loop < 5.0
@@ -205,7 +202,7 @@ class Server:
         """Engine counters and gauges (scheduler, KV blocks, step timing), the gateway's
         counters, and the metrics (TTFT/ITL/e2e histograms) as Prometheus sees them."""
         self._feed_engine_state()
-        return {**self.metrics.snapshot(), **self.gw.engine_stats,
+        return {**self.metrics.snapshot(), **self.gw.engine_stats.as_dict(),
                 "requests_inflight": self.gw.num_inflight(), **self.counters}
 
     # ---- lifecycle ----
@@ -224,7 +221,7 @@ class Server:
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.args.max_frame_bytes + 1024)
         if self.args.curve_keys:
-            from pipeline.entrypoints.curve import server_socket_setup  # noqa: PLC0415
+            from pipeline.gateway.curve import server_socket_setup
             self.auth = server_socket_setup(sock, self.args.curve_keys)
         sock.bind(self.args.listen)
         poller = zmq.Poller()

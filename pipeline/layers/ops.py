@@ -24,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-from pipeline.worker import ops_ref
+from pipeline.layers import ops_ref
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

@@ -10,8 +10,8 @@ import importlib
 import sys
 
 COMMANDS = {
-    "run": ("pipeline.entrypoints.pipe", "pipe mode: prompts or JSON lines on stdin, JSON lines out"),
-    "serve": ("pipeline.entrypoints.serve", "the daemon (ZMQ, systemd Type=notify)"),
+    "run": ("pipeline.gateway.pipe", "pipe mode: prompts or JSON lines on stdin, JSON lines out"),
+    "serve": ("pipeline.gateway.serve", "the daemon (ZMQ, systemd Type=notify)"),
     "make-model": ("pipeline.models.make_model", "write a random-initialised checkpoint"),
 }
 BENCHES = {

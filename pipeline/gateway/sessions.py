@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.entrypoints.protocol import CLIENT_IDLE_TIMEOUT_S
+from pipeline.gateway.protocol import CLIENT_IDLE_TIMEOUT_S
 
 
 @dataclass(slots=True)

@@ -22,12 +22,11 @@ import time
 import msgspec
 
 from pipeline.config import add_engine_args, config_from_args
-from pipeline.entrypoints.gateway import Answer, Gateway
-from pipeline.entrypoints.protocol import Generate, ProtocolError, request_from_json, sampling_params
-from pipeline.entrypoints.stages import StartupError
-from pipeline.entrypoints.tokenizer_stage import GatewayRequest, gateway_request
-from pipeline.output.stage import error_result
-from pipeline.output.types import RequestDelta
+from pipeline.gateway.gateway import Answer, Gateway
+from pipeline.gateway.protocol import (Generate, ProtocolError, gateway_request, request_from_json,
+                                       sampling_params)
+from pipeline.gateway.supervisor import StartupError
+from pipeline.messages import GatewayRequest, RequestDelta, error_result
 
 MAX_LINE_BYTES = 8 << 20
 
@@ -63,17 +62,16 @@ def _loose_id(line: str) -> str | None:
     return str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
 
 
-def parse_line(line: str, default_id: str, defaults: dict, model=None) -> GatewayRequest:
+def parse_line(line: str, default_id: str, defaults: dict) -> GatewayRequest:
     """A plain prompt, or a JSON object parsed by the protocol's shared request parser."""
     if len(line) > MAX_LINE_BYTES:
         raise RequestError(f"line: at most {MAX_LINE_BYTES} bytes, got {len(line)}")
-    limits = {"vocab_size": model.vocab_size, "max_model_len": model.max_model_len} if model else {}
     try:
         if line.startswith("{"):
-            gen, sp = request_from_json(line, defaults, **limits)
+            gen, sp = request_from_json(line, defaults)
         else:
             gen = Generate(prompt=line)
-            sp = sampling_params(gen, defaults, **limits)
+            sp = sampling_params(gen, defaults)
     except ProtocolError as exc:
         raise RequestError(str(exc), exc.req_id or _loose_id(line)) from None
     return gateway_request(gen, sp, default_id if gen.id is None else str(gen.id))
@@ -178,7 +176,7 @@ def feed(gw: Gateway, writer: AnswerWriter, args, lines, stop: threading.Event,
             writer.skip(index)
             continue
         try:
-            req = parse_line(line, str(index), defaults, gw.model)
+            req = parse_line(line, str(index), defaults)
         except RequestError as exc:
             rid = writer.expect(index, exc.req_id or str(index))
             writer(error_result(rid, "invalid_request", str(exc)))
@@ -232,7 +230,7 @@ def main(args: argparse.Namespace) -> int:
         writer.wait_all(gw.failed)
         if args.stats_json and gw.failure is None:
             with open(args.stats_json, "w") as f:
-                json.dump(gw.fresh_engine_stats(2.0), f)
+                json.dump(gw.fresh_engine_stats(2.0).as_dict(), f)
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -1,8 +1,8 @@
-"""Engine -> worker and worker -> engine messages: the per-step diff and its result.
+"""Engine <-> worker messages: the per-step diff and its result.
 
-Owned by the engine stage (it builds SchedulerOutput); the worker stage builds
-ModelRunnerOutput. Both are msgspec structs so they cross the broadcast ring as-is. Token id
-arrays are raw little-endian int32 bytes (``ids_to_bytes`` / ``bytes_to_ids``).
+The engine stage builds SchedulerOutput (broadcast to every TP rank); worker rank 0 builds
+ModelRunnerOutput. Token id arrays travel as raw little-endian int32 bytes
+(``ids_to_bytes`` / ``bytes_to_ids``): msgpack carries them as one bin blob.
 """
 from __future__ import annotations
 
@@ -51,8 +51,6 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # Requests the worker must drop before this step (finished, aborted, preempted).
     finished_req_ids: list[str]
     preempted_req_ids: list[str]
-    # Block copies (src, dst) to run before the forward (copy-on-write, swap-in).
-    block_copies: list[tuple[int, int]] = []
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -68,3 +66,4 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] = []  # parallel to req_ids when any asked for them
+    execute_s: float = 0.0  # the worker's execute() wall time (forward + sampling)

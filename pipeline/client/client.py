@@ -1,21 +1,8 @@
-"""Python clients of ``pipeline serve`` (ZMQ): ``Client`` (threads) and ``AsyncClient`` (asyncio).
+"""``Client``: the thread-safe client of ``pipeline serve`` (see the package docstring).
 
-Not a stage: client-side state only. Each client owns ONE DEALER socket over which all its
-requests are multiplexed (protocol.py); replies are routed by request id to per-request
-queues. ``Client`` keeps the socket in a background I/O thread (ZMQ sockets are not
-thread-safe), fed through a queue plus a wake-up pipe, so any number of threads may call it.
-``AsyncClient`` runs a reader task on the event loop, so any number of tasks may call it.
-Both send a ``ping`` every HEARTBEAT_INTERVAL_S and ``bye`` on close, so the daemon aborts
-the requests of a client that went away.
-
-Time-outs: ``generate(timeout=)`` bounds the whole request; ``stream(timeout=)`` bounds the
-wait for each next message. On a time-out the request is aborted on the daemon and
-``TimeoutError`` raised. Results with ``finish_reason == "error"`` are returned, not raised
-(``result.error`` says why), like pipe mode's JSON lines. A socket monitor watches the
-connection: when the daemon goes away (or refuses the CURVE handshake) every request in
-flight ends at once with ``error.code`` "connection_lost" ("handshake_failed") instead of
-waiting for its time-out, and may be retried: ZMQ reconnects by itself. ``health()`` and
-``stats()`` raise ``RequestError`` then, and every call does once the client is closed.
+Owns one DEALER socket, kept by a background I/O thread (ZMQ sockets are not thread-safe)
+and fed through a queue plus a wake-up pipe, so any number of threads may call it; replies
+are routed by request id to per-request queues.
 """
 from __future__ import annotations
 
@@ -33,12 +20,12 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from pipeline.client_base import (CLOSED, DEFAULT_TIMEOUT_S, MONITOR_EVENTS, Connection, RequestError,
-                                  error_result, generate_msg, new_socket, route)
-from pipeline.entrypoints import protocol as P
-from pipeline.output.types import ErrorInfo, RequestDelta, RequestResult
+from pipeline.client.base import (CLOSED, DEFAULT_TIMEOUT_S, MONITOR_EVENTS, Connection, RequestError,
+                                  generate_msg, new_socket, route)
+from pipeline.gateway import protocol as P
+from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, error_result
 
-__all__ = ["AsyncClient", "Client", "RequestError"]
+__all__ = ["Client", "RequestError"]
 
 
 def _monitor_event(mon: zmq.Socket) -> int | None:
@@ -242,7 +229,7 @@ class Client:
         backlog.clear()
         backlog.extend(kept)
         for rid, (q, is_generate) in lost.items():
-            q.put(error_result(rid, err) if is_generate else RequestError(err))
+            q.put(error_result(rid, err.code, err.message) if is_generate else RequestError(err))
             if is_generate and rid not in unsent:
                 backlog.append((None, P.encode(P.Abort(id=rid))))
 
@@ -262,12 +249,3 @@ class Client:
             w = self._waiting.pop(rid, None) if last else self._waiting.get(rid)
         if w is not None:  # else: a request given up on (time-out, abandoned stream)
             w[0].put(item)
-
-
-
-def __getattr__(name: str) -> Any:
-    # AsyncClient lives in its own module (it imports this one); keep one import path.
-    if name == "AsyncClient":
-        from pipeline.async_client import AsyncClient
-        return AsyncClient
-    raise AttributeError(name)

@@ -1,4 +1,4 @@
-"""Shared by ``pipeline.client.Client`` and ``pipeline.async_client.AsyncClient``: socket
+"""Shared by ``pipeline.client.Client`` and ``pipeline.client.async_client.AsyncClient``: socket
 set-up, request building, reply routing and the errors a client reports by itself.
 
 Not a stage; no state. See client.py for the client-side behaviour and protocol.py for the wire.
@@ -12,9 +12,9 @@ from typing import Any
 
 import zmq
 
-from pipeline.entrypoints import protocol as P
-from pipeline.entrypoints.curve import client_socket_setup
-from pipeline.output.types import ErrorInfo, RequestResult, Timings, Usage
+from pipeline.gateway import protocol as P
+from pipeline.gateway.curve import client_socket_setup
+from pipeline.messages import ErrorInfo, RequestResult, Timings, Usage
 
 DEFAULT_TIMEOUT_S = 600.0
 CLOSED = ErrorInfo("client_closed", "the client was closed")
@@ -69,12 +69,6 @@ class Connection:
         # A refused handshake is followed by a disconnect: keep reporting the refusal.
         return self.refused or ErrorInfo("connection_lost", f"lost the connection to {self.address}; "
                                                             "requests in flight there are gone")
-
-
-def error_result(rid: str, error: ErrorInfo) -> RequestResult:
-    now = time.time()
-    return RequestResult(id=rid, text="", token_ids=[], finish_reason="error", usage=Usage(),
-                         timings=Timings(arrival_time=now, finish_time=now), error=error)
 
 
 def new_socket(ctx: zmq.Context, address: str, keys_dir: str | Path | None,

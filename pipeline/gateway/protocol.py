@@ -1,5 +1,7 @@
 """Gateway (daemon) <-> client wire protocol over ZMQ, and the one request parser that pipe
 mode (JSON lines) and ZMQ share. Owns no state; ``sessions.ClientSessions`` tracks clients.
+The parser checks types and transport bounds only; the limits that need the model are
+checked once, by the tokenizer stage (``tokenizer.validate``).
 
 Transport: the daemon binds a ROUTER socket (``ROUTER_MANDATORY`` on), each client connects
 one DEALER socket and multiplexes all its requests over it. Every message is ONE frame of
@@ -26,19 +28,21 @@ dropped the peer, e.g. its TCP connection closed); (3) nothing, not even a ping,
 for ``CLIENT_IDLE_TIMEOUT_S`` while it has requests in flight (crashed host, cut network).
 
 Bad input: frames over ``max_frame_bytes``, undecodable msgpack, unknown ops or fields, wrong
-types, a bad version, out-of-range values each get an answer (a final for a generate whose
+types, a bad version, out-of-range values (from the tokenizer stage) each get an answer (a final for a generate whose
 id could be read, else an ``error``) with ``ErrorInfo(code, message)`` where the message names
 the field and the limit; the daemon keeps serving.
 """
 from __future__ import annotations
 
 import re
+import time
 from typing import Annotated, Any, Union
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from pipeline.output.types import ErrorInfo, RequestDelta, RequestResult
+from pipeline.messages import (MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS, ErrorInfo, GatewayRequest, RequestDelta,
+                               RequestResult)
 from pipeline.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -46,8 +50,6 @@ HEARTBEAT_INTERVAL_S = 1.0
 CLIENT_IDLE_TIMEOUT_S = 5.0
 MAX_FRAME_BYTES = 16 << 20
 MAX_ID_LEN = 256
-MAX_PROMPT_CHARS = 4 << 20
-MAX_PROMPT_TOKENS = 1 << 20
 MAX_MESSAGES = 4096
 
 ReqId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
@@ -219,53 +221,24 @@ def decode_reply(frame: bytes) -> ReplyMsg:
     return _reply_decoder.decode(frame)
 
 
-def check_prompt_len(num_tokens: int, max_model_len: int | None, field: str = "prompt") -> None:
-    """The one prompt length rule (the tokenizer stage applies it after tokenizing text)."""
-    if num_tokens == 0:
-        raise ProtocolError(invalid(f"field `{field}`: must not be empty"))
-    if max_model_len is not None and num_tokens >= max_model_len:
-        raise ProtocolError(invalid(f"field `{field}`: {num_tokens} tokens, must be < "
-                                    f"max_model_len ({max_model_len}) to leave room for output"))
-
-
-def sampling_params(req: Generate, defaults: dict[str, Any] | None = None, *,
-                    vocab_size: int | None = None, max_model_len: int | None = None) -> SamplingParams:
-    """Validate a request and build its SamplingParams (fields the request leaves unset come
-    from ``defaults``). Raises ProtocolError(code="invalid_request") naming field and limit."""
+def sampling_params(req: Generate, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """Build a request's SamplingParams (fields the request leaves unset come from
+    ``defaults``). Only types are checked here: the limits that need the model (vocab size,
+    max_model_len) are checked once, by ``tokenizer.validate``."""
     rid = None if req.id is None else str(req.id)
-    sources = [n for n in ("prompt", "prompt_token_ids", "messages") if getattr(req, n) is not None]
-    if len(sources) != 1:
-        raise ProtocolError(invalid("exactly one of `prompt`, `prompt_token_ids`, `messages` "
-                                    f"must be given, got {sources or 'none'}"), rid, "generate")
-    if req.prompt_token_ids is not None:
-        try:
-            check_prompt_len(len(req.prompt_token_ids), max_model_len, "prompt_token_ids")
-        except ProtocolError as exc:
-            raise ProtocolError(exc.error, rid, "generate") from None
-        if vocab_size is not None:
-            for i, t in enumerate(req.prompt_token_ids):
-                if not 0 <= t < vocab_size:
-                    raise ProtocolError(invalid(f"field `prompt_token_ids[{i}]`: must be in "
-                                                f"[0, vocab_size={vocab_size}), got {t}"), rid, "generate")
     fields = dict(defaults or {})
     for name in SAMPLING_FIELDS:
         value = getattr(req, name)
         if value is not UNSET:
             fields[name] = [value] if name == "stop" and isinstance(value, str) else value
     try:
-        sp = msgspec.convert(fields, SamplingParams)
-        sp.validate(vocab_size=vocab_size, max_model_len=max_model_len)
+        return msgspec.convert(fields, SamplingParams)
     except msgspec.ValidationError as exc:
         raise ProtocolError(error_from_validation(exc), rid, "generate") from None
-    except ValueError as exc:  # SamplingParams.validate: "<field> must be <limit>, got <value>"
-        name, _, rest = str(exc).partition(" ")
-        raise ProtocolError(invalid(f"field `{name}`: {rest}"), rid, "generate") from None
-    return sp
 
 
-def request_from_json(data: bytes | str | dict[str, Any], defaults: dict[str, Any] | None = None, *,
-                      vocab_size: int | None = None,
-                      max_model_len: int | None = None) -> tuple[Generate, SamplingParams]:
+def request_from_json(data: bytes | str | dict[str, Any],
+                      defaults: dict[str, Any] | None = None) -> tuple[Generate, SamplingParams]:
     """Pipe mode's parser (a JSON line or an already-decoded object), same rules as ZMQ."""
     try:
         if isinstance(data, dict):
@@ -277,4 +250,13 @@ def request_from_json(data: bytes | str | dict[str, Any], defaults: dict[str, An
         raise ProtocolError(error_from_validation(exc), rid if isinstance(rid, str) else None) from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(invalid(f"line is not valid JSON: {exc}")) from None
-    return req, sampling_params(req, defaults, vocab_size=vocab_size, max_model_len=max_model_len)
+    return req, sampling_params(req, defaults)
+
+
+def gateway_request(gen: Generate, sp: SamplingParams, req_id: str) -> GatewayRequest:
+    """From a decoded Generate (pipe mode or ZMQ) to the tokenizer stage's input."""
+    return GatewayRequest(
+        req_id=req_id, sampling_params=sp, prompt=gen.prompt,
+        prompt_token_ids=gen.prompt_token_ids, stream=gen.stream, arrival_time=time.time(),
+        messages=None if gen.messages is None else [msgspec.to_builtins(m) for m in gen.messages],
+        priority=gen.priority, cache_salt=gen.cache_salt)

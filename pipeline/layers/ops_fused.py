@@ -1,5 +1,5 @@
 """Worker stage: the fused per-layer CPU ops of the decoder (float32 activations), dispatched
-like ``pipeline.worker.ops``: C in ``pipeline._ext.cpu_ops`` (``cpu_ops_fused.h``,
+like ``pipeline.layers.ops``: C in ``pipeline._ext.cpu_ops`` (``cpu_ops_fused.h``,
 ``cpu_ops_gemv.h``; GIL released) on CPU, the plain-torch versions in ``ops_ref`` elsewhere
 (CUDA, or the extension not built).
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.worker import ops_ref
-from pipeline.worker.ops import _DTYPE_CODE, _check_cache, _check_index, _check_rows, backend
+from pipeline.layers import ops_ref
+from pipeline.layers.ops import _DTYPE_CODE, _check_cache, _check_index, _check_rows, backend
 
 GEMV_MAX_M = 8  # pipeline._ext.cpu_ops.GEMV_MAX_M; a constant here keeps the check cheap
 

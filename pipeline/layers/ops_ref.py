@@ -1,7 +1,7 @@
 """Worker stage: plain-torch reference versions of the KV-cache and attention ops.
 
 These are the ground truth the C/C++ (``cython_ext/cpu_ops``) and CUDA (``cuda_ops/``)
-kernels are tested against, and the fallback ``pipeline.worker.ops`` uses when an
+kernels are tested against, and the fallback ``pipeline.layers.ops`` uses when an
 extension is not built. They own no state: every tensor is the caller's.
 
 Layouts (shared by every implementation):

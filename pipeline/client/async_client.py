@@ -4,7 +4,7 @@ Not a stage: client-side state only. One DEALER socket (zmq.asyncio) multiplexes
 requests; an I/O task routes replies by request id to per-request asyncio queues and watches
 the socket monitor (ending the requests of a lost connection), a pinger task sends the
 heartbeat, so any number of tasks of one event loop may share it. Same protocol, time-out, error and
-connection-loss rules as ``pipeline.client.Client`` (see its docstring).
+connection-loss rules as ``Client`` (see the package docstring).
 """
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pipeline.client_base import (CLOSED, DEFAULT_TIMEOUT_S, MONITOR_EVENTS, Connection, RequestError,
-                                  error_result, generate_msg, new_socket, route)
-from pipeline.entrypoints import protocol as P
-from pipeline.output.types import ErrorInfo, RequestDelta, RequestResult
+from pipeline.client.base import (CLOSED, DEFAULT_TIMEOUT_S, MONITOR_EVENTS, Connection, RequestError,
+                                  generate_msg, new_socket, route)
+from pipeline.gateway import protocol as P
+from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, error_result
 
 
 class AsyncClient:
@@ -130,7 +130,7 @@ class AsyncClient:
             raise ValueError(f"id: request {rid!r} is already in flight on this client")
         q: asyncio.Queue = asyncio.Queue()
         if self._conn.refused is not None:  # see Connection.on_event
-            q.put_nowait(error_result(rid, self._conn.refused) if is_generate else RequestError(self._conn.refused))
+            q.put_nowait(error_result(rid, self._conn.refused.code, self._conn.refused.message) if is_generate else RequestError(self._conn.refused))
             return q
         self._waiting[rid] = (q, is_generate)
         # Not awaited: a DEALER send waits while no daemon is connected, and the caller
@@ -207,7 +207,7 @@ class AsyncClient:
         """See Client._connection_lost."""
         lost, self._waiting = self._waiting, {}
         for rid, (q, is_generate) in lost.items():
-            q.put_nowait(error_result(rid, err) if is_generate else RequestError(err))
+            q.put_nowait(error_result(rid, err.code, err.message) if is_generate else RequestError(err))
             unsent = self._sending.pop(rid, None)
             if unsent is not None:
                 unsent.cancel()

@@ -1,1 +1,0 @@
-"""Entry points: the CLI (run, serve, bench, make-model), the gateway, the client."""

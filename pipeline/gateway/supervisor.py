@@ -1,0 +1,96 @@
+"""Gateway: starting stage processes and watching them (the supervisor's tools).
+
+``spawn_stage`` starts one stage process (``runtime.process.stage_process``) with the 'spawn'
+context; ``wait_ready`` waits for the ready reports (or names the stage that failed);
+``last_words`` and ``describe_exit`` say why a stage died. Owns no state: the Gateway holds
+the Stage records.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_objects
+from multiprocessing.process import BaseProcess
+
+import msgspec
+
+from pipeline.runtime.process import EXIT_PEER_DIED, stage_process
+from pipeline.runtime.spec import StageSpec
+
+
+class StartupError(RuntimeError):
+    """A stage could not start (bad model path, bad config, too little memory...)."""
+
+
+@dataclass(slots=True)
+class Stage:
+    spec: StageSpec
+    process: BaseProcess
+    ctrl: Connection
+    info: dict = field(default_factory=dict)
+
+
+def spawn_stage(ctx, spec: StageSpec) -> Stage:
+    """Start one stage process (``ctx``: the 'spawn' multiprocessing context)."""
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=stage_process, name=f"pipeline-{spec.name}",
+                       args=(msgspec.msgpack.encode(spec), child), daemon=False)
+    proc.start()
+    child.close()
+    return Stage(spec, proc, parent)
+
+
+def wait_ready(stages: list[Stage], timeout_s: float) -> dict:
+    """Wait for each stage's ready report (merged infos), or raise StartupError naming it."""
+    deadline = time.monotonic() + timeout_s
+    pending = {s.ctrl: s for s in stages}
+    info: dict = {}
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StartupError(f"{', '.join(s.spec.name for s in pending.values())} "
+                               f"did not become ready within {timeout_s:.0f}s")
+        by_sentinel = {s.process.sentinel: s for s in pending.values()}
+        for obj in wait_objects([*pending, *by_sentinel], timeout=min(left, 1.0)):
+            stage = pending.get(obj) or by_sentinel.get(obj)
+            if stage is None or stage.ctrl not in pending:
+                continue
+            try:
+                kind, payload = stage.ctrl.recv()
+            except (EOFError, OSError):
+                stage.process.join(1.0)
+                raise StartupError(f"{stage.spec.name} exited during start-up "
+                                   f"({describe_exit(stage.process.exitcode)})") from None
+            if kind != "ready":
+                raise StartupError(f"{stage.spec.name} failed to start: {payload}")
+            stage.info = payload
+            info |= payload
+            del pending[stage.ctrl]
+    return info
+
+
+def last_words(stage: Stage) -> str | None:
+    """The error a dead stage reported on its control pipe, if it had time to."""
+    try:
+        while stage.ctrl.poll(0):
+            kind, payload = stage.ctrl.recv()
+            if kind == "error":
+                return str(payload)
+    except (EOFError, OSError):
+        pass
+    return None
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    if code == EXIT_PEER_DIED:
+        return "stopped because a peer stage died"
+    return f"exit code {code}"

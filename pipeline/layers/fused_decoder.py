@@ -1,0 +1,103 @@
+"""Layers: the CPU float32 decoder stack over the fused C ops.
+
+Runs a Llama-family decoder (``models.llama.CausalLM``: its layers' weights, norms and
+rotary tables) from embeddings to final hidden states with the fused CPU kernels
+(``ops_fused``, ``cpu_ops``), writing into activation buffers allocated once per step.
+The model calls it for float32 on CPU when the C ops are built. Owns no state.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from pipeline.layers import ops, ops_fused
+from pipeline.layers.attention import AttentionMetadata
+
+
+def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
+                  meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                  on_kv_written: Callable[[int], None] | None) -> torch.Tensor:
+    """The CPU float32 decoder of ``model`` (a ``models.llama.CausalLM``): the same math as
+    its per-op forward, with each layer's
+    element-wise work in four C calls (add + RMSNorm twice, RoPE + KV write, SwiGLU) and
+    small-batch projections in the C GEMV, all writing into activation buffers allocated
+    once per step. Layer 0 goes through the checked ``ops`` wrappers; every later layer
+    has the same shapes, dtypes and metadata, so it calls the kernels directly (their
+    index checks still run in C). At batch 1 this is most of what is left of a step
+    besides reading the weights."""
+    ext = ops.backend(x.device)
+    layer0 = model.layers[0]
+    t, hidden = x.shape
+    qs, kvs, nh, nkv, hd = layer0.q_size, layer0.kv_size, layer0.num_heads, layer0.num_kv_heads, layer0.head_dim
+    inter = layer0.intermediate_size
+    gemv = 0 < t <= ops_fused.GEMV_MAX_M
+    residual = x
+    h, o, down = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+    qkv = torch.empty((t, qs + 2 * kvs), dtype=torch.float32)
+    attn = torch.empty((t, nh, hd), dtype=torch.float32)
+    gate_up = torch.empty((t, 2 * inter), dtype=torch.float32)
+    act = torch.empty((t, inter), dtype=torch.float32)
+    rp, hp, op, dp = residual.data_ptr(), h.data_ptr(), o.data_ptr(), down.data_ptr()
+    qkvp, ap, gup, actp = qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr()
+    q = qkv[:, :qs].view(t, nh, hd)
+    k = qkv[:, qs:qs + kvs].view(t, nkv, hd)
+    v = qkv[:, qs + kvs:].view(t, nkv, hd)
+    cos, sin = model.rotary.cos, model.rotary.sin
+    slots = meta.slot_mapping
+    posp, cosp, sinp, slp = positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr()
+    dcode = ops.dtype_code(kv_caches[0][0].dtype)
+    nb, bs = kv_caches[0][0].shape[0], kv_caches[0][0].shape[1]
+    cu, sl, bt = meta.cu_seqlens_q, meta.seq_lens, meta.block_tables
+    cup, slp2, btp, nseq, maxb = cu.data_ptr(), sl.data_ptr(), bt.data_ptr(), sl.shape[0], bt.shape[1]
+
+    def proj(inp: torch.Tensor, inp_ptr: int, w: torch.Tensor, b: torch.Tensor | None,
+             out: torch.Tensor, out_ptr: int, kn: bool) -> None:
+        if gemv and kn:
+            ext.gemv(out_ptr, out.shape[1], inp_ptr, inp.shape[1], w.data_ptr(),
+                     0 if b is None else b.data_ptr(), t, inp.shape[1], out.shape[1], True)
+        elif not kn:
+            out.copy_(ops_fused.linear(inp, w, b, kn=False))
+        elif b is None:
+            torch.mm(inp, w, out=out)
+        else:
+            torch.addmm(b, inp, w, out=out)
+
+    ops_fused.rms_norm(residual, layer0.input_layernorm.weight, layer0.input_layernorm.eps, out=h)
+    last = len(model.layers) - 1
+    for i, layer in enumerate(model.layers):
+        k_cache, v_cache = kv_caches[i]
+        proj(h, hp, layer.qkv_weight, layer.qkv_bias, qkv, qkvp, layer.kn)
+        if layer.q_norm is not None or i == 0:
+            lq, lk = (layer.q_norm(q), layer.k_norm(k)) if layer.q_norm is not None else (q, k)
+            ops_fused.rope_and_cache(lq, lk, v, positions, cos, sin, k_cache, v_cache, slots)
+            if on_kv_written is not None:
+                on_kv_written(i)
+            ops.paged_attention(lq, k_cache, v_cache, cu, sl, bt, layer.scale, out=attn)
+        else:
+            bad = ext.rope_and_cache(qkvp, qkvp + 4 * qs, qkvp + 4 * (qs + kvs), q.stride(0),
+                                     q.stride(0), q.stride(0), posp, cosp, sinp, cos.shape[0],
+                                     k_cache.data_ptr(), v_cache.data_ptr(), slp, t, nh, nkv,
+                                     hd, nb * bs, dcode)
+            if bad >= 0:  # not reached after layer 0 passed; kept for a clear error
+                ops_fused.rope_and_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+            if on_kv_written is not None:
+                on_kv_written(i)
+            bad = ext.paged_attention(ap, qkvp, k_cache.data_ptr(), v_cache.data_ptr(), cup,
+                                      slp2, btp, nseq, t, q.stride(0), nh, nkv, hd, nb, bs,
+                                      maxb, float(layer.scale), dcode)
+            if bad != -1:
+                ops.paged_attention(q, k_cache, v_cache, cu, sl, bt, layer.scale, out=attn)
+        proj(attn.view(t, qs), ap, layer.o_weight, layer.o_bias, o, op, layer.kn)
+        post = layer.post_attention_layernorm
+        ext.rms_norm(hp, op, rp, post.weight.data_ptr(), t, hidden, hidden, hidden, hidden, post.eps)
+        proj(h, hp, layer.gate_up_weight, layer.gate_up_bias, gate_up, gup, layer.kn)
+        ext.silu_and_mul(actp, gup, t, inter, 2 * inter)
+        proj(act, actp, layer.down_weight, layer.down_bias, down, dp, layer.kn)
+        if i < last:
+            nxt = model.layers[i + 1].input_layernorm
+            ext.rms_norm(hp, dp, rp, nxt.weight.data_ptr(), t, hidden, hidden, hidden, hidden, nxt.eps)
+        else:
+            residual.add_(down)
+    return residual

@@ -1,0 +1,27 @@
+"""Every struct that crosses a process boundary, and the ring tags that name them.
+
+A leaf package: it imports nothing of ours but ``sampling_params``. Stages import their
+messages from here (``from pipeline.messages import EngineRequest``).
+
+- requests: GatewayRequest, EngineRequest, AbortRequest, OutputRegistration
+- step: SchedulerOutput (the per-step diff), ModelRunnerOutput, token id <-> bytes
+- outputs: EngineOutput(s), EngineStats
+- answers: RequestDelta, RequestResult (and their parts), ``error_result``
+- tags: ``Tag`` and the tag -> type map of each ring
+"""
+from pipeline.messages.answers import (FINISH_REASONS, ErrorInfo, RequestDelta, RequestResult, Timings,
+                                       Usage, error_result)
+from pipeline.messages.outputs import EngineOutput, EngineOutputs, EngineStats
+from pipeline.messages.requests import (MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS, AbortRequest, EngineRequest,
+                                        GatewayRequest, OutputRegistration)
+from pipeline.messages.step import (CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput,
+                                    TokenLogprobs, bytes_to_ids, ids_to_bytes)
+from pipeline.messages.tags import RING_MESSAGES, Tag
+
+__all__ = [
+    "FINISH_REASONS", "ErrorInfo", "RequestDelta", "RequestResult", "Timings", "Usage", "error_result",
+    "EngineOutput", "EngineOutputs", "EngineStats",
+    "MAX_PROMPT_CHARS", "MAX_PROMPT_TOKENS", "AbortRequest", "EngineRequest", "GatewayRequest", "OutputRegistration",
+    "CachedRequestData", "ModelRunnerOutput", "NewRequestData", "SchedulerOutput", "TokenLogprobs",
+    "bytes_to_ids", "ids_to_bytes", "RING_MESSAGES", "Tag",
+]

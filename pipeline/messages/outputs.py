@@ -1,0 +1,62 @@
+"""What the engine stage sends out: sampled tokens per request and its stats snapshot.
+
+engine -> token processor: EngineOutputs (a batch of EngineOutput, one per request that got
+tokens or finished this step); engine -> gateway: EngineStats, a few times a second.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from pipeline.messages.step import TokenLogprobs
+
+
+class EngineOutput(msgspec.Struct, array_like=True):
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # stop | length | abort | error, None while running
+    stop_reason: int | str | None = None  # the stop token id that ended it, if any
+    logprobs: list[TokenLogprobs] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    first_scheduled_time: float = 0.0  # end of queueing, for the timings
+    error: str | None = None
+
+
+class EngineOutputs(msgspec.Struct, array_like=True):
+    outputs: list[EngineOutput]
+    timestamp: float = 0.0
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    """The scheduler's counters and gauges, plus the engine stage's step timing.
+
+    Field names are what `pipeline serve`'s stats reply and pipe mode's ``--stats-json``
+    show; the gateway turns some into Prometheus gauges."""
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    kv_blocks_cached_evictable: int = 0
+    kv_blocks_free: int = 0
+    kv_usage: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+    num_evictions: int = 0
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+    generation_tokens: int = 0
+    stale_results_dropped: int = 0
+    reserve_blocks_per_running: float = 0.0
+    # Set by the engine stage (zero in-process): steps that ran tokens, their wall time and
+    # the worker's share of it.
+    engine_steps: int = 0
+    engine_step_seconds: float = 0.0
+    engine_worker_seconds: float = 0.0
+    engine_overhead_share: float = 0.0
+    timestamp: float = 0.0
+
+    def as_dict(self) -> dict[str, int | float]:
+        return msgspec.structs.asdict(self)

@@ -1,0 +1,11 @@
+"""What a stage process is: its spec, its rings, its process entry and its log.
+
+- spec: `StageSpec` (what the gateway tells a stage at start), `ModelInfo` (what the worker
+  learnt at load time, with the KV cache layout)
+- rings: the ring role table (who writes, who reads, how big) and `Channel`, one end of a
+  ring that speaks its role's messages
+- process: `stage_process` (every stage's process entry), `ReadyFn`, exit codes, the stop
+  signal, `log`
+
+Stage packages import this, never the gateway.
+"""

@@ -1,0 +1,106 @@
+"""The process entry of every stage, and how a stage reports back to the gateway.
+
+Every stage (tokenizer, engine, worker per TP rank, token processor) runs in its own OS
+process started by the gateway (``gateway.supervisor``) with the multiprocessing 'spawn'
+context. The process gets a StageSpec (msgspec-encoded) and one end of a control pipe on
+which it reports, exactly once, either ``("ready", info)`` or ``("error", message)``. After
+that the pipe is silent: all traffic goes through the shared-memory rings named in the spec.
+Owns no state beyond the process-wide signal set-up of the stage it runs.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import signal
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Callable
+
+import msgspec
+
+from pipeline.ipc.errors import PeerDied
+from pipeline.runtime.spec import StageSpec
+
+# A stage that stops because a peer died exits with this code, so the gateway can name
+# the stage that died first instead of the ones that followed it.
+EXIT_PEER_DIED = 3
+EXIT_ERROR = 1
+
+# stage kind -> module whose ``run(spec, ready)`` is the stage loop
+STAGE_MODULES = {
+    "tokenizer": "pipeline.tokenizer.stage",
+    "engine": "pipeline.engine.stage",
+    "worker": "pipeline.worker.stage",
+    "output": "pipeline.output.stage",
+}
+
+ReadyFn = Callable[[dict], None]
+
+
+def _die_with_parent() -> None:
+    # The gateway is the only supervisor: a stage must not outlive it (e.g. gateway
+    # SIGKILLed by the OOM killer), or it would hold the KV memory forever.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:
+        os._exit(EXIT_ERROR)
+
+
+# The gateway stops a stage with this signal. SIGTERM and SIGINT are ignored: `kill -TERM
+# -PGID`, `timeout`, Ctrl-C and systemd's control-group kill reach every process of the
+# group at once, and a stage that exited on them would turn a graceful drain into a "stage
+# died" failure. Only the gateway decides when its stages stop.
+STOP_SIGNAL = signal.SIGUSR1
+
+
+def _on_stop(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def stage_process(spec_bytes: bytes, ctrl: Connection) -> None:
+    """Process entry of every stage (target of the spawn context's Process)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(STOP_SIGNAL, _on_stop)
+    spec = msgspec.msgpack.decode(spec_bytes, type=StageSpec)
+    def ready(info: dict) -> None:
+        ctrl.send(("ready", info))
+
+    code = 0
+    try:
+        try:
+            importlib.import_module(STAGE_MODULES[spec.kind]).run(spec, ready)
+        except PeerDied as exc:
+            print(f"[{spec.name}] stopping: {exc}", file=sys.stderr, flush=True)
+            code = EXIT_PEER_DIED
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0
+    except BaseException as exc:  # noqa: BLE001 - reported to the gateway, then exit non-zero
+        msg = f"{type(exc).__name__}: {exc}"
+        try:  # before ready: why start-up failed; after: why the stage died
+            ctrl.send(("error", msg))
+        except OSError:
+            pass
+        if not isinstance(exc, (ValueError, OSError)):  # those already say what is wrong
+            traceback.print_exc()
+        print(f"[{spec.name}] failed: {msg}", file=sys.stderr, flush=True)
+        code = EXIT_ERROR
+    finally:
+        try:
+            ctrl.close()
+        except OSError:
+            pass
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def log(spec: StageSpec, msg: str) -> None:
+    print(f"[{spec.name}] {msg}", file=sys.stderr, flush=True)

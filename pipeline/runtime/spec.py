@@ -1,0 +1,40 @@
+"""What a stage is told at start (`StageSpec`) and what the worker reports (`ModelInfo`).
+
+The gateway builds one StageSpec per stage process and hands it over msgspec-encoded. The
+worker stages are started first; what rank 0 learnt at load time (ModelInfo) goes into the
+spec of every stage started after them. Owns no state.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from pipeline.config import EngineConfig
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    """What the worker learnt at load time and the other stages need to be built.
+
+    The KV cache layout is what the cache messager needs to map and ship a layer: one
+    allocation ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`` of
+    ``kv_dtype``, in the shared-memory segment ``kv_segment`` on CPU (None on CUDA)."""
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    kv_cache_bytes: int = 0
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    kv_dtype: str = ""  # torch dtype name, e.g. "float32"
+    kv_segment: str | None = None
+
+
+class StageSpec(msgspec.Struct, kw_only=True):
+    name: str  # e.g. "worker0"; used in every error message about the stage
+    kind: str  # key of runtime.process.STAGE_MODULES
+    config: EngineConfig
+    rings: dict[str, str]  # role -> shared-memory name, see runtime.rings.RING_ROLES
+    rank: int = 0
+    model: ModelInfo | None = None  # given to every stage started after the worker
+    ring_timeout_s: float = 1.0  # how often a blocked stage re-checks its peers
