@@ -1,0 +1,136 @@
+"""The layout holds the design's table (../shared/design.md, "Layout"): packages in the order
+data flows, each importing only what is below it. Walks the AST of every module of
+`pipeline/` (lazy imports inside functions included) and checks:
+
+- no import cycle between packages;
+- each package imports only the packages its row of LAYERS allows (and itself);
+- only the engine imports the block pool (one owner of the block table);
+- the client imports the messages and the gateway's wire protocol, never a stage package.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "pipeline"
+STAGE_BASE = {"runtime", "ipc", "messages", "config", "sampling_params"}
+# package -> the packages of ours it may import (besides itself)
+LAYERS: dict[str, set[str]] = {
+    "_ext": set(),
+    "config": set(),
+    "sampling_params": set(),
+    "ipc": {"_ext"},
+    "messages": {"config", "sampling_params"},
+    "runtime": {"ipc", "messages", "config", "sampling_params"},
+    "tokenizer": STAGE_BASE,
+    "engine": STAGE_BASE,
+    "output": STAGE_BASE,
+    "cache": STAGE_BASE,
+    "worker": STAGE_BASE | {"models", "layers"},
+    "layers": {"_ext", "config"},
+    "models": {"layers", "config"},
+    "client": {"messages", "gateway", "sampling_params", "config"},
+}
+STAGES = {"tokenizer", "engine", "worker", "output", "cache"}
+CLIENT_MAY_USE = {"pipeline.gateway.protocol", "pipeline.gateway.curve"}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = ("pipeline",) + path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = modules()
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module of ours that `path` imports, at module granularity."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "pipeline"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] != "pipeline":
+                continue
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                found.add(sub if sub in MODULES else node.module)
+    return found
+
+
+def package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "pipeline"
+
+
+GRAPH = {m: imports_of(p) for m, p in MODULES.items()}
+
+
+def package_graph() -> dict[str, set[str]]:
+    g: dict[str, set[str]] = {}
+    for mod, deps in GRAPH.items():
+        g.setdefault(package(mod), set()).update(package(d) for d in deps if package(d) != package(mod))
+    return g
+
+
+def test_the_walk_sees_the_tree():
+    assert {"pipeline.messages.tags", "pipeline.runtime.rings", "pipeline.gateway.serve",
+            "pipeline.tokenizer.validate", "pipeline.layers.fused_decoder"} <= set(MODULES)
+    assert "pipeline.engine.scheduler" in GRAPH["pipeline.engine.stage"]
+    assert "pipeline.gateway.protocol" in GRAPH["pipeline.client.base"]  # `from X import mod`
+
+
+def test_no_package_level_import_cycles():
+    g = package_graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(g.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(g):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles
+
+
+def test_each_package_imports_only_what_is_below_it():
+    bad = []
+    for mod, deps in GRAPH.items():
+        pkg = package(mod)
+        if pkg not in LAYERS:
+            continue  # gateway, llm, cli, bench: the top, may import anything below
+        bad += [f"{mod} -> {d}" for d in sorted(deps)
+                if package(d) != pkg and package(d) not in LAYERS[pkg]]
+    assert not bad, bad
+
+
+def test_no_stage_imports_the_gateway_or_another_stage():
+    bad = [f"{m} -> {d}" for m, deps in GRAPH.items() if package(m) in STAGES
+           for d in deps if package(d) in (STAGES - {package(m)}) | {"gateway", "client"}]
+    assert not bad, bad
+
+
+def test_only_the_engine_imports_the_block_pool():
+    users = {m for m, deps in GRAPH.items() if "pipeline.engine.block_pool" in deps}
+    assert users and all(package(m) == "engine" for m in users), users
+
+
+def test_the_client_uses_only_messages_and_the_wire_protocol():
+    bad = [f"{m} -> {d}" for m, deps in GRAPH.items() if package(m) == "client"
+           for d in deps if package(d) == "gateway" and d not in CLIENT_MAY_USE]
+    assert not bad, bad
+    # and what those gateway modules import is below the client too
+    for mod in CLIENT_MAY_USE:
+        assert all(package(d) in {"messages", "sampling_params", "gateway"} for d in GRAPH[mod]), GRAPH[mod]
