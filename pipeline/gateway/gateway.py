@@ -104,13 +104,15 @@ class Gateway:
     def submit(self, req: GatewayRequest) -> bool:
         """Hand a request to the tokenizer stage; False (and an error answer) if refused."""
         with self.lock:
-            refusal = self.failure or (None if self.accepting else "the server is shutting down")
+            code, refusal = "unavailable", self.failure
+            if refusal is None and not self.accepting:
+                code, refusal = "draining", "the server is draining: it accepts no new requests"
             if refusal is None and req.req_id in self.inflight:
                 refusal = f"id: request id {req.req_id!r} is already in flight"
             if refusal is None:
                 self.inflight[req.req_id] = req.stream
         if refusal is not None:
-            self._answer(error_result(req.req_id, "unavailable", refusal))
+            self._answer(error_result(req.req_id, code, refusal))
             return False
         try:
             with self.submit_lock:
@@ -210,6 +212,11 @@ class Gateway:
         self.failed.set()
 
     # ---- shutdown ----
+    def stop_accepting(self) -> None:
+        """Refuse every later submit ("draining"). Takes no lock, so a signal handler may call
+        it: the flag is one attribute store, which submit reads under its lock."""
+        self.accepting = False
+
     def drain(self, timeout_s: float) -> int:
         """Stop accepting, wait for in-flight requests, abort what is left; returns #aborted."""
         with self.lock:

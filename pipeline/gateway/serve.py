@@ -206,6 +206,13 @@ class Server:
                 "requests_inflight": self.gw.num_inflight(), **self.counters}
 
     # ---- lifecycle ----
+    def request_stop(self) -> None:
+        """SIGTERM / Ctrl-C: from this instant the gateway refuses new requests, before
+        anything can report "draining", so no request is accepted after a client saw that.
+        The drain itself (waiting for the in-flight ones) starts at the end of the loop turn."""
+        self.gw.stop_accepting()
+        self.stop.set()
+
     def _begin_drain(self) -> None:
         self.notify.stopping(f"draining {self.gw.num_inflight()} request(s)")
         self.draining = threading.Thread(target=self.gw.drain, args=(self.args.drain_timeout,),
@@ -282,7 +289,7 @@ class Server:
             port = self.metrics.serve(self.args.metrics_port, self.args.metrics_host)
             print(f"[gateway] Prometheus metrics on http://{self.args.metrics_host}:{port}/metrics",
                   file=sys.stderr, flush=True)
-        old = {s: signal.signal(s, lambda *_: self.stop.set())
+        old = {s: signal.signal(s, lambda *_: self.request_stop())
                for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             code = self.serve()
