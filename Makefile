@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup build bench clean
+.PHONY: run test lint setup build bench clean
 
 setup: $(STAMP)
 
@@ -24,8 +24,12 @@ run: setup
 	set -o pipefail; $(BIN)/pipeline run --ordered < tools/sample_prompts.txt \
 	  | $(BIN)/python tools/show_completions.py tools/sample_prompts.txt
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -x -q -p no:cacheprovider tests
+
+lint: setup
+	$(BIN)/ruff check pipeline
+	$(BIN)/mypy
 
 bench: setup
 	$(BIN)/pipeline bench ipc

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from pipeline.config import DEFAULT_MODEL, EngineConfig
 from pipeline.engine.scheduler import Scheduler
@@ -52,7 +53,7 @@ class LLM:
         owned = worker is None
         try:
             if owned:
-                from pipeline.worker.model_runner import ModelRunner  # noqa: PLC0415 (torch)
+                from pipeline.worker.model_runner import ModelRunner
                 worker = ModelRunner(self.config)
                 self.worker = worker
                 worker.load()
@@ -67,9 +68,9 @@ class LLM:
             raise
 
     def _init_tokenizer(self, model_dir: Path) -> None:
-        from pipeline.output.detokenizer import DetokenizerTable  # noqa: PLC0415
-        from pipeline.output.processor import OutputProcessor  # noqa: PLC0415
-        from pipeline.tokenizer.tokenizer import Tokenizer  # noqa: PLC0415
+        from pipeline.output.detokenizer import DetokenizerTable
+        from pipeline.output.processor import OutputProcessor
+        from pipeline.tokenizer.tokenizer import Tokenizer
 
         try:
             self.tokenizer = Tokenizer(model_dir)
@@ -139,7 +140,7 @@ class LLM:
         return rid
 
     def _run(self, meta: dict) -> dict[str, RequestOutput]:
-        from pipeline.messages import RequestResult, Timings  # noqa: PLC0415
+        from pipeline.messages import RequestResult, Timings
 
         results: dict[str, RequestOutput] = {}
         # Without a token processor (no tokenizer) the timings are kept here.

@@ -21,7 +21,7 @@ def cuda_skip_reason() -> str | None:
     if not torch.cuda.is_available():
         return "torch.cuda.is_available() is False"
     try:
-        import pipeline._ext.cuda_ops  # noqa: F401, PLC0415
+        import pipeline._ext.cuda_ops  # noqa: F401
     except ImportError as exc:
         return f"pipeline._ext.cuda_ops not built: {exc}"
     return None

@@ -74,7 +74,7 @@ class Daemon:
         self.client_kw = {"curve_keys_dir": curve_keys} if curve_keys else {}
         if curve_keys:
             flags = (*flags, "--curve-keys", str(curve_keys))
-        self.log = open(f"/tmp/pipeline-e2e-{self.port}.log", "w+")  # noqa: SIM115
+        self.log = open(f"/tmp/pipeline-e2e-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
             [*PIPELINE, "serve", "--model", str(model), "--listen", self.address,
              *ENGINE_FLAGS, *flags],

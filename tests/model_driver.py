@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.config import EngineConfig
-from pipeline.messages import (CachedRequestData, NewRequestData, SchedulerOutput,
-                                          ids_to_bytes)
+from pipeline.messages import CachedRequestData, NewRequestData, SchedulerOutput, ids_to_bytes
 from pipeline.sampling_params import SamplingParams
 from pipeline.worker.model_runner import ModelRunner
 

@@ -13,13 +13,13 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from pipeline.client.async_client import AsyncClient
 from pipeline.client import Client, RequestError
+from pipeline.client.async_client import AsyncClient
 from pipeline.gateway import protocol as P
 from pipeline.gateway.curve import generate_keys, server_socket_setup
 from pipeline.gateway.sessions import ClientSessions, DuplicateRequestId
-from pipeline.tokenizer.validate import InvalidRequest, check_sampling, one_prompt_field
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, Timings, Usage
+from pipeline.tokenizer.validate import InvalidRequest, check_sampling, one_prompt_field
 
 TICK_MS = 2  # the fake engine's step: one token per active request per tick
 

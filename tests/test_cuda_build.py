@@ -93,6 +93,7 @@ def test_paged_attention_cuda_matches_reference(dtype, heads, kv_heads, head_dim
 def test_paged_attention_cuda_split_context(dtype, seqs):
     """Few (token, head) pairs: the context is split across blocks and merged."""
     from test_ops import make_batch
+
     import pipeline._ext.cuda_ops as cuda_ops
     bt = make_batch(seqs, 4, 2, 128, 16, dtype, pad_tokens=2)
     tokens = bt.q.shape[0]

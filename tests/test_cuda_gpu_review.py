@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 from conftest import cuda_skip_reason
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.layers import ops, ops_ref
-
 
 pytestmark = pytest.mark.skipif(cuda_skip_reason() is not None, reason=str(cuda_skip_reason()))
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}

@@ -88,8 +88,8 @@ def test_weights_have_hf_names_and_shapes() -> None:
         }
     with safe_open(str(MODEL_DIR / "model.safetensors"), framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
-        got = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
-        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118
+        got = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
     assert got == want  # tied embeddings: no lm_head.weight
     assert dtypes == {{"bfloat16": "BF16", "float32": "F32"}[c["torch_dtype"]]}
 

@@ -12,8 +12,8 @@ import threading
 import time
 
 import pytest
-
 from e2e_helpers import Daemon, make_tiny_model, shm_entries
+
 from pipeline.client import Client
 from pipeline.messages import RequestResult
 

@@ -6,7 +6,6 @@ import signal
 import subprocess
 
 import pytest
-
 from e2e_helpers import ENGINE_FLAGS, PIPELINE, ROOT, env, make_tiny_model, shm_entries
 
 

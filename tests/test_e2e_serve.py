@@ -18,10 +18,10 @@ import urllib.request
 import msgspec
 import pytest
 import zmq
-
 from e2e_helpers import Daemon, free_port, make_tiny_model, run_pipe, shm_entries
-from pipeline.client.async_client import AsyncClient
+
 from pipeline.client import Client
+from pipeline.client.async_client import AsyncClient
 from pipeline.gateway import protocol as P
 from pipeline.gateway.curve import client_socket_setup, generate_keys
 from pipeline.messages import RequestResult

@@ -2,7 +2,8 @@
 runner takes a bare argmax while it is zero) stays exact through any add/remove sequence."""
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.messages import NewRequestData, ids_to_bytes
 from pipeline.sampling_params import SamplingParams

@@ -10,8 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.ipc.codec import TaggedCodec
-from pipeline.messages import (RING_MESSAGES, AbortRequest, EngineOutput, EngineOutputs, EngineRequest,
-                               RequestResult, Tag, bytes_to_ids, ids_to_bytes)
+from pipeline.messages import (
+    RING_MESSAGES,
+    AbortRequest,
+    EngineOutput,
+    EngineOutputs,
+    EngineRequest,
+    RequestResult,
+    Tag,
+    bytes_to_ids,
+    ids_to_bytes,
+)
 from pipeline.sampling_params import SamplingParams
 
 REQUESTS = TaggedCodec(RING_MESSAGES["requests"])

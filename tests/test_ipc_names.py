@@ -16,8 +16,7 @@ import pytest
 from test_ipc_procs import CTX, make_instance_and_wait
 
 from pipeline.ipc import ShmSpaceError
-from pipeline.ipc.names import (Instance, create_segment, list_entries, shm_free_bytes, sweep_stale,
-                                 unlink_segment)
+from pipeline.ipc.names import Instance, create_segment, list_entries, shm_free_bytes, sweep_stale, unlink_segment
 from pipeline.ipc.ring import Ring
 
 ROOT = Path(__file__).resolve().parents[1]

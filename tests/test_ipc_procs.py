@@ -84,6 +84,7 @@ def signal_publisher(name: str, ack_name: str, steps: int, layers: int) -> None:
 def signal_c_publisher(name: str, lib: str, steps: int) -> None:
     """Publishes through the plain C entry point, as the CUDA host callback does."""
     import ctypes
+
     from pipeline.ipc.signal import LayerSignal
     sig = LayerSignal.attach(name)
     sig.claim_publisher()
@@ -101,6 +102,7 @@ def signal_dies_after_attach(name: str) -> None:
 def make_instance_and_wait(conn, leak: bool) -> None:
     """Creates one of everything, reports its instance id, then blocks until killed."""
     import os
+
     from pipeline.ipc.broadcast import BroadcastRing
     from pipeline.ipc.names import Instance, create_segment
     from pipeline.ipc.ring import Doorbell

@@ -8,12 +8,11 @@ import stat
 
 import pytest
 import torch
-
 from model_driver import Driver, make_runner, tiny_hf_model
-from pipeline.messages import (CachedRequestData, NewRequestData, SchedulerOutput,
-                                          ids_to_bytes)
+
 from pipeline.ipc.names import Instance, attach_segment, list_entries
 from pipeline.ipc.signal import LayerSignal
+from pipeline.messages import CachedRequestData, NewRequestData, SchedulerOutput, ids_to_bytes
 from pipeline.sampling_params import SamplingParams
 
 PROMPT = [(7 * i + 3) % 300 + 3 for i in range(37)]

@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
-
 from model_driver import make_runner, tiny_hf_model
+
 from pipeline.cli import main as cli_main
 from pipeline.models.config import UnsupportedModelError, parse_model_config, rope_inv_freq
 from pipeline.tokenizer.tokenizer import Tokenizer

@@ -10,8 +10,8 @@ import os
 
 import pytest
 import torch
-
 from model_driver import Driver, make_runner, tiny_hf_model
+
 from pipeline.messages import NewRequestData, SchedulerOutput, ids_to_bytes
 from pipeline.sampling_params import SamplingParams
 

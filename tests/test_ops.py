@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.layers import ops, ops_ref
 

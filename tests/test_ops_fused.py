@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pipeline.layers import ops_fused as ops, ops_ref
+from pipeline.layers import ops_fused as ops
+from pipeline.layers import ops_ref
 
 pytest.importorskip("pipeline._ext.cpu_ops", reason="CPU ops extension not built")
 

@@ -7,11 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pipeline.messages import EngineOutput, EngineOutputs
-from pipeline.messages import TokenLogprobs
+from pipeline.messages import EngineOutput, EngineOutputs, RequestDelta, RequestResult, TokenLogprobs
 from pipeline.output.detokenizer import DetokenizerTable
 from pipeline.output.processor import OutputProcessor
-from pipeline.messages import RequestDelta, RequestResult
 from pipeline.sampling_params import SamplingParams
 
 CORPUS = ["the quick brown fox jumps over the lazy dog. 你好世界 😀 café </stop> END"] * 30

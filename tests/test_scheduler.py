@@ -12,10 +12,9 @@ import pytest
 
 from pipeline.config import EngineConfig
 from pipeline.engine.fake_worker import FakeWorker
-from pipeline.messages import EngineOutput, EngineRequest
 from pipeline.engine.request import RequestStatus
-from pipeline.messages import ids_to_bytes
 from pipeline.engine.scheduler import Scheduler
+from pipeline.messages import EngineOutput, EngineRequest, ids_to_bytes
 from pipeline.sampling_params import SamplingParams
 
 EOS = 0

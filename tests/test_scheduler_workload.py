@@ -16,9 +16,8 @@ from hypothesis import strategies as st
 
 from pipeline.config import EngineConfig
 from pipeline.engine.fake_worker import FakeWorker
-from pipeline.messages import EngineRequest
-from pipeline.messages import ids_to_bytes
 from pipeline.engine.scheduler import Scheduler
+from pipeline.messages import EngineRequest, ids_to_bytes
 from pipeline.sampling_params import SamplingParams
 
 EOS = 0

@@ -8,8 +8,7 @@ from hypothesis import strategies as st
 
 from pipeline.messages import MAX_PROMPT_CHARS
 from pipeline.sampling_params import SamplingParams
-from pipeline.tokenizer.validate import (InvalidRequest, check_prompt_text, one_prompt_field,
-                                         validate_request)
+from pipeline.tokenizer.validate import InvalidRequest, check_prompt_text, one_prompt_field, validate_request
 
 VOCAB, MAX_LEN = 1000, 64
 

@@ -16,7 +16,7 @@ import random
 import shutil
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -212,8 +212,14 @@ def signal_latency(inst: Instance, steps: int) -> dict:
 
 # ---- codec: msgspec msgpack vs pickle on the engine's own messages -----------------------
 def codec_cases() -> list[tuple[str, object, str]]:
-    from pipeline.messages import (CachedRequestData, EngineOutput, EngineOutputs, EngineRequest,
-                                   SchedulerOutput, ids_to_bytes)
+    from pipeline.messages import (
+        CachedRequestData,
+        EngineOutput,
+        EngineOutputs,
+        EngineRequest,
+        SchedulerOutput,
+        ids_to_bytes,
+    )
     from pipeline.sampling_params import SamplingParams
     sp = SamplingParams(max_tokens=256, temperature=0.7, top_p=0.9, stop=["\n\n"])
     req = EngineRequest("req-123", ids_to_bytes(range(1024)), sp, time.time(), [2])
@@ -255,10 +261,11 @@ def main(args: argparse.Namespace) -> int:
     for name, obj, ring in codec_cases():
         codec = TaggedCodec(RING_MESSAGES[ring])
         blob, pk = codec.encode(obj), pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        rep.add(f"codec msgspec {name}", encode_us=_per_op_us(lambda: codec.encode(obj)),
-                decode_us=_per_op_us(lambda: codec.decode(blob)), bytes=len(blob))
-        rep.add(f"codec pickle {name}", encode_us=_per_op_us(lambda: pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
-                decode_us=_per_op_us(lambda: pickle.loads(pk)), bytes=len(pk))
+        rep.add(f"codec msgspec {name}", encode_us=_per_op_us(lambda c=codec, o=obj: c.encode(o)),
+                decode_us=_per_op_us(lambda c=codec, b=blob: c.decode(b)), bytes=len(blob))
+        rep.add(f"codec pickle {name}", encode_us=_per_op_us(
+                    lambda o=obj: pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)),
+                decode_us=_per_op_us(lambda p=pk: pickle.loads(p)), bytes=len(pk))
     for size in (64, 4 * KiB):
         r = p50[("shm ring", size)] / p50[("pyzmq ipc PAIR", size)]
         rep.target(f"shm RTT p50 / pyzmq RTT p50 ({size} B)", round(r, 4), "<= 0.333", r <= 1 / 3)

@@ -39,6 +39,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def make_prompts(model: str, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     """Token id prompts of mixed lengths cut from text every CPython ships."""
     import pydoc_data.topics
+
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))

@@ -18,7 +18,7 @@ def machine_info() -> dict:
     try:
         import psutil
         info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
-    except Exception:
+    except ImportError:
         pass
     try:
         with open("/proc/cpuinfo") as f:
@@ -78,5 +78,8 @@ def format_table(rows: list[dict]) -> str:
                 cols.append(k)
     cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    line = lambda vals: " | ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths)))
+
+    def line(vals: list[str]) -> str:
+        return " | ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths)))
+
     return "\n".join([line(cols), "-+-".join("-" * w for w in widths)] + [line(r) for r in cells])

@@ -19,10 +19,9 @@ from pipeline.bench.report import Report
 from pipeline.config import DEFAULT_MODEL, EngineConfig
 from pipeline.engine.fake_worker import FakeWorker
 from pipeline.engine.kv_cache_manager import KVCacheManager
-from pipeline.messages import EngineRequest
 from pipeline.engine.request import Request
-from pipeline.messages import ids_to_bytes
 from pipeline.engine.scheduler import Scheduler
+from pipeline.messages import EngineRequest, ids_to_bytes
 from pipeline.sampling_params import SamplingParams
 
 
@@ -43,7 +42,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def ttft_check(a: argparse.Namespace, prompt_len: int = 1024) -> dict:
     """Time to first token of a long prompt, cold and then with all but its tail cached."""
-    from pipeline.llm import LLM  # noqa: PLC0415
+    from pipeline.llm import LLM
 
     sp = SamplingParams(max_tokens=1)
     with LLM(a.model, device=a.device, block_size=a.block_size, max_model_len=2048,
@@ -62,7 +61,7 @@ def _ttft(out) -> float:
 
 
 def preemption_check(n: int, a: argparse.Namespace) -> dict:
-    from pipeline.llm import LLM  # noqa: PLC0415
+    from pipeline.llm import LLM
 
     prompts = [f"Request {i}: write a long story about the number {i * 13}" for i in range(n)]
     sp = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
@@ -155,7 +154,7 @@ def bench_hashing(block_size: int, num_tokens: int = 1 << 16) -> float:
 def bench_decode_step(n: int, a: argparse.Namespace) -> float | None:
     """Median wall time of one real decode step at ``n`` running requests, or None."""
     try:
-        from pipeline.worker.model_runner import ModelRunner  # noqa: PLC0415
+        from pipeline.worker.model_runner import ModelRunner
     except ImportError as exc:
         print(f"decode-step reference skipped: {exc}", file=sys.stderr)
         return None
@@ -191,7 +190,7 @@ def main(a: argparse.Namespace) -> int:
     for n in sizes if not a.no_model else []:
         try:
             d = bench_decode_step(n, a)
-        except Exception as exc:  # a broken or absent model must not hide the figures
+        except Exception as exc:  # noqa: BLE001 - a broken or absent model must not hide the figures
             print(f"decode-step reference at {n} failed: {exc!r}", file=sys.stderr)
             d = None
         if d is not None:
@@ -200,7 +199,7 @@ def main(a: argparse.Namespace) -> int:
     if not a.no_model:
         try:
             rep.add("prefix cache TTFT (real model)", **ttft_check(a))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported; the other figures stand
             print(f"TTFT check failed: {exc!r}", file=sys.stderr)
     if a.preemption_check:
         pc = rep.add("preemption check (real model, greedy)", **preemption_check(a.preemption_check, a))

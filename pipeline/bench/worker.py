@@ -18,8 +18,7 @@ import torch
 
 from pipeline.bench.report import Report
 from pipeline.config import EngineConfig
-from pipeline.messages import (CachedRequestData, NewRequestData, SchedulerOutput,
-                                          ids_to_bytes)
+from pipeline.messages import CachedRequestData, NewRequestData, SchedulerOutput, ids_to_bytes
 from pipeline.sampling_params import SamplingParams
 
 PROMPT_LEN = 16

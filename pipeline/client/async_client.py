@@ -19,8 +19,16 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pipeline.client.base import (CLOSED, DEFAULT_TIMEOUT_S, MONITOR_EVENTS, Connection, RequestError,
-                                  generate_msg, new_socket, route)
+from pipeline.client.base import (
+    CLOSED,
+    DEFAULT_TIMEOUT_S,
+    MONITOR_EVENTS,
+    Connection,
+    RequestError,
+    generate_msg,
+    new_socket,
+    route,
+)
 from pipeline.gateway import protocol as P
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, error_result
 
@@ -130,7 +138,9 @@ class AsyncClient:
             raise ValueError(f"id: request {rid!r} is already in flight on this client")
         q: asyncio.Queue = asyncio.Queue()
         if self._conn.refused is not None:  # see Connection.on_event
-            q.put_nowait(error_result(rid, self._conn.refused.code, self._conn.refused.message) if is_generate else RequestError(self._conn.refused))
+            refused = self._conn.refused
+            q.put_nowait(error_result(rid, refused.code, refused.message) if is_generate
+                         else RequestError(refused))
             return q
         self._waiting[rid] = (q, is_generate)
         # Not awaited: a DEALER send waits while no daemon is connected, and the caller

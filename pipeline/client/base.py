@@ -5,7 +5,6 @@ Not a stage; no state. See client.py for the client-side behaviour and protocol.
 """
 from __future__ import annotations
 
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ import zmq
 
 from pipeline.gateway import protocol as P
 from pipeline.gateway.curve import client_socket_setup
-from pipeline.messages import ErrorInfo, RequestResult, Timings, Usage
+from pipeline.messages import ErrorInfo
 
 DEFAULT_TIMEOUT_S = 600.0
 CLOSED = ErrorInfo("client_closed", "the client was closed")

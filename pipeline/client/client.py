@@ -20,8 +20,16 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from pipeline.client.base import (CLOSED, DEFAULT_TIMEOUT_S, MONITOR_EVENTS, Connection, RequestError,
-                                  generate_msg, new_socket, route)
+from pipeline.client.base import (
+    CLOSED,
+    DEFAULT_TIMEOUT_S,
+    MONITOR_EVENTS,
+    Connection,
+    RequestError,
+    generate_msg,
+    new_socket,
+    route,
+)
 from pipeline.gateway import protocol as P
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, error_result
 

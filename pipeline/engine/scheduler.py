@@ -20,9 +20,17 @@ from pipeline.engine.kv_cache_manager import KVCacheManager
 from pipeline.engine.preemption import make_policy
 from pipeline.engine.request import ABORT_STATUS, FINISH_REASONS, Request, RequestStatus
 from pipeline.engine.request_queue import WaitingQueue
-from pipeline.messages import (CachedRequestData, EngineOutput, EngineRequest, EngineStats,
-                               ModelRunnerOutput, NewRequestData, SchedulerOutput, bytes_to_ids,
-                               ids_to_bytes)
+from pipeline.messages import (
+    CachedRequestData,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    bytes_to_ids,
+    ids_to_bytes,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import wait as wait_sentinels
-from typing import Callable
 
 import msgspec
 import psutil
@@ -25,11 +25,10 @@ from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.errors import PeerDied
 from pipeline.ipc.names import Instance, sweep_stale, unlink_instance
 from pipeline.ipc.ring import Doorbell, Ring, wait_any
-from pipeline.messages import (AbortRequest, EngineStats, GatewayRequest, RequestDelta, RequestResult,
-                               error_result)
+from pipeline.messages import AbortRequest, EngineStats, GatewayRequest, RequestDelta, RequestResult, error_result
 from pipeline.models.config import load_model_config
 from pipeline.runtime.process import EXIT_PEER_DIED, STOP_SIGNAL
-from pipeline.runtime.rings import (RING_ROLES, SHARED_DOORBELLS, STEPS_CAPACITY, STEPS_ROLE, Channel)
+from pipeline.runtime.rings import RING_ROLES, SHARED_DOORBELLS, STEPS_CAPACITY, STEPS_ROLE, Channel
 from pipeline.runtime.spec import ModelInfo, StageSpec
 
 Answer = RequestDelta | RequestResult

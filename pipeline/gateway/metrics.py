@@ -30,21 +30,30 @@ class Metrics:
         self.requests_running = Gauge(n + "num_requests_running", "Requests in the running batch", registry=r)
         self.requests_waiting = Gauge(n + "num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.kv_blocks_used = Gauge(n + "kv_blocks_used", "KV cache blocks held by requests", registry=r)
-        self.kv_blocks_cached = Gauge(n + "kv_blocks_cached", "Free KV blocks still holding a cached prefix", registry=r)
+        self.kv_blocks_cached = Gauge(n + "kv_blocks_cached", "Free KV blocks still holding a cached prefix",
+                                      registry=r)
         self.kv_blocks_total = Gauge(n + "kv_blocks_total", "KV cache blocks in the pool", registry=r)
-        self.prefix_cache_hit_rate = Gauge(n + "prefix_cache_hit_rate", "Prefix cache hits / queries (tokens), since start", registry=r)
-        self.prefix_cache_queries = Counter(n + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_cache_hit_rate = Gauge(n + "prefix_cache_hit_rate",
+                                           "Prefix cache hits / queries (tokens), since start",
+                                           registry=r)
+        self.prefix_cache_queries = Counter(n + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                            registry=r)
         self.prefix_cache_hits = Counter(n + "prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
         self.preemptions = Counter(n + "num_preemptions", "Requests preempted (recompute)", registry=r)
         self.prompt_tokens = Counter(n + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter(n + "generation_tokens", "Generated tokens of finished requests", registry=r)
-        self.cached_tokens = Counter(n + "cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.cached_tokens = Counter(n + "cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+                                     registry=r)
         self.requests_finished = Counter(n + "requests_finished", "Finished requests by finish reason",
                                          ["finish_reason"], registry=r)
-        self.ttft = Histogram(n + "time_to_first_token_seconds", "Arrival to first token", buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(n + "inter_token_latency_seconds", "Gap between output tokens", buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(n + "e2e_request_latency_seconds", "Arrival to final answer", buckets=E2E_BUCKETS, registry=r)
-        self.queue_time = Histogram(n + "request_queue_time_seconds", "Arrival to first scheduled", buckets=TTFT_BUCKETS, registry=r)
+        self.ttft = Histogram(n + "time_to_first_token_seconds", "Arrival to first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(n + "inter_token_latency_seconds", "Gap between output tokens",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(n + "e2e_request_latency_seconds", "Arrival to final answer",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram(n + "request_queue_time_seconds", "Arrival to first scheduled",
+                                    buckets=TTFT_BUCKETS, registry=r)
         for reason in ("stop", "length", "abort", "error"):
             self.requests_finished.labels(reason)  # export zeros from the start
         self._last: dict[str, int] = {"queries": 0, "hits": 0, "preemptions": 0}

@@ -23,8 +23,7 @@ import msgspec
 
 from pipeline.config import add_engine_args, config_from_args
 from pipeline.gateway.gateway import Answer, Gateway
-from pipeline.gateway.protocol import (Generate, ProtocolError, gateway_request, request_from_json,
-                                       sampling_params)
+from pipeline.gateway.protocol import Generate, ProtocolError, gateway_request, request_from_json, sampling_params
 from pipeline.gateway.supervisor import StartupError
 from pipeline.messages import GatewayRequest, RequestDelta, error_result
 

@@ -36,13 +36,19 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from pipeline.messages import (MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS, ErrorInfo, GatewayRequest, RequestDelta,
-                               RequestResult)
+from pipeline.messages import (
+    MAX_PROMPT_CHARS,
+    MAX_PROMPT_TOKENS,
+    ErrorInfo,
+    GatewayRequest,
+    RequestDelta,
+    RequestResult,
+)
 from pipeline.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -142,8 +148,8 @@ class StatsReply(_Msg, tag="stats_reply"):
     stats: dict[str, Any]
 
 
-ClientMsg = Union[Generate, Abort, Health, Stats, Ping, Bye]
-ReplyMsg = Union[Delta, Final, Error, HealthReply, StatsReply]
+ClientMsg = Generate | Abort | Health | Stats | Ping | Bye
+ReplyMsg = Delta | Final | Error | HealthReply | StatsReply
 
 
 class ProtocolError(ValueError):

@@ -8,7 +8,8 @@ a role or first sends/receives; a wait that outlives its peer raises `PeerDied`.
 """
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 from pipeline._ext import shmring
 from pipeline.ipc.names import Instance, attach_segment

@@ -7,7 +7,7 @@ The model calls it for float32 on CPU when the C ops are built. Owns no state.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -6,7 +6,7 @@ from the model config (``models.config.rope_inv_freq``).
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

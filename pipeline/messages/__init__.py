@@ -9,13 +9,33 @@ messages from here (``from pipeline.messages import EngineRequest``).
 - answers: RequestDelta, RequestResult (and their parts), ``error_result``
 - tags: ``Tag`` and the tag -> type map of each ring
 """
-from pipeline.messages.answers import (FINISH_REASONS, ErrorInfo, RequestDelta, RequestResult, Timings,
-                                       Usage, error_result)
+from pipeline.messages.answers import (
+                                       FINISH_REASONS,
+                                       ErrorInfo,
+                                       RequestDelta,
+                                       RequestResult,
+                                       Timings,
+                                       Usage,
+                                       error_result,
+)
 from pipeline.messages.outputs import EngineOutput, EngineOutputs, EngineStats
-from pipeline.messages.requests import (MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS, AbortRequest, EngineRequest,
-                                        GatewayRequest, OutputRegistration)
-from pipeline.messages.step import (CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput,
-                                    TokenLogprobs, bytes_to_ids, ids_to_bytes)
+from pipeline.messages.requests import (
+                                       MAX_PROMPT_CHARS,
+                                       MAX_PROMPT_TOKENS,
+                                       AbortRequest,
+                                       EngineRequest,
+                                       GatewayRequest,
+                                       OutputRegistration,
+)
+from pipeline.messages.step import (
+                                       CachedRequestData,
+                                       ModelRunnerOutput,
+                                       NewRequestData,
+                                       SchedulerOutput,
+                                       TokenLogprobs,
+                                       bytes_to_ids,
+                                       ids_to_bytes,
+)
 from pipeline.messages.tags import RING_MESSAGES, Tag
 
 __all__ = [

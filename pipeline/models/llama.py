@@ -11,7 +11,7 @@ rounding sequence matches transformers'.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

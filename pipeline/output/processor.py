@@ -19,11 +19,19 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pipeline.messages import EngineOutput, EngineOutputs
-from pipeline.messages import TokenLogprobs
+from pipeline.messages import (
+    FINISH_REASONS,
+    EngineOutput,
+    EngineOutputs,
+    ErrorInfo,
+    RequestDelta,
+    RequestResult,
+    Timings,
+    TokenLogprobs,
+    Usage,
+)
 from pipeline.output.detokenizer import DetokenizerTable, IncrementalDetokenizer
 from pipeline.output.stop_checker import StopChecker
-from pipeline.messages import FINISH_REASONS, ErrorInfo, RequestDelta, RequestResult, Timings, Usage
 from pipeline.sampling_params import SamplingParams
 
 Emit = Callable[[RequestDelta | RequestResult], None]

@@ -9,7 +9,6 @@ frees blocks itself. The first token of a request is forwarded before any bookke
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from pipeline.ipc.ring import wait_any

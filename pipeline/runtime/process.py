@@ -14,10 +14,9 @@ import importlib
 import os
 import signal
 import sys
-import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Callable
 
 import msgspec
 

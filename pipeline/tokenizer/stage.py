@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import time
 
-from pipeline.messages import (AbortRequest, EngineRequest, GatewayRequest, OutputRegistration,
-                               error_result, ids_to_bytes)
+from pipeline.messages import (
+    AbortRequest,
+    EngineRequest,
+    GatewayRequest,
+    OutputRegistration,
+    error_result,
+    ids_to_bytes,
+)
 from pipeline.runtime import rings
 from pipeline.runtime.process import ReadyFn, log
 from pipeline.runtime.spec import StageSpec
 from pipeline.tokenizer.tokenizer import Tokenizer
-from pipeline.tokenizer.validate import (InvalidRequest, check_prompt_text, one_prompt_field,
-                                         validate_request)
+from pipeline.tokenizer.validate import InvalidRequest, check_prompt_text, one_prompt_field, validate_request
 
 
 class TokenizerLoop:

@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 from pipeline.config import EngineConfig
+from pipeline.layers import ops
+from pipeline.layers.attention import AttentionMetadata
 from pipeline.messages import ModelRunnerOutput, SchedulerOutput
 from pipeline.models.config import load_model_config
-from pipeline.layers.attention import AttentionMetadata
 from pipeline.models.llama import CausalLM
 from pipeline.models.loader import load_weights
-from pipeline.layers import ops
 from pipeline.worker.device import resolve_dtype, worker_threads
 from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.kv_cache import KVCache, bytes_per_block

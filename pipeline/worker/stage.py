@@ -16,7 +16,7 @@ from pipeline.runtime.spec import ModelInfo, StageSpec
 
 
 def run(spec: StageSpec, ready: ReadyFn) -> None:
-    from pipeline.worker.model_runner import ModelRunner  # noqa: PLC0415 - heavy (torch)
+    from pipeline.worker.model_runner import ModelRunner
 
     cfg = spec.config
     log(spec, f"loading weights from {cfg.model} (device {cfg.device}, dtype {cfg.dtype})")
