@@ -13,6 +13,7 @@ evicted before its head (a shorter prefix stays useful longer than a longer one)
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -77,7 +78,7 @@ class FreeBlockQueue:
         b = self.head.next
         while b is not self.tail:
             yield b
-            b = b.next  # type: ignore[union-attr]
+            b = b.next
 
 
 class BlockPool:
@@ -120,7 +121,7 @@ class BlockPool:
         self.num_cached_free -= 1
         self.num_evictions += 1
 
-    def touch(self, blocks: list[KVBlock]) -> None:
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take prefix-cache hits: a free cached block leaves the queue's middle."""
         for b in blocks:
             if b.ref_cnt == 0:

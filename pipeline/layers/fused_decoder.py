@@ -28,6 +28,7 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     index checks still run in C). At batch 1 this is most of what is left of a step
     besides reading the weights."""
     ext = ops.backend(x.device)
+    assert ext is not None, "the model calls this only when the C ops are built"
     layer0 = model.layers[0]
     t, hidden = x.shape
     qs, kvs, nh, nkv, hd = layer0.q_size, layer0.kv_size, layer0.num_heads, layer0.num_kv_heads, layer0.head_dim

@@ -24,6 +24,8 @@ class RotaryEmbedding(nn.Module):
         # Called by reset(), not here: models are built on the meta device.
         self.inv_freq, self.head_dim, self.max_positions = inv_freq, head_dim, max_positions
         half = head_dim // 2
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", torch.empty(max_positions, 2 * half), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, 2 * half), persistent=False)
         self.reset()

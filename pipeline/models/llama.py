@@ -72,7 +72,7 @@ class DecoderLayer(nn.Module):
         q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         else:
             qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)

@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as HFTokenizer
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 
 def _token_str(v: Any) -> str | None:
@@ -51,7 +54,7 @@ class Tokenizer:
         self.special_ids = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items()
                                      if t.special)
         self.chat_template = self._template_source(d)
-        self._template = None
+        self._template: Template | None = None
 
     def _eos_ids(self, d: Path) -> list[int]:
         for name in ("generation_config.json", "config.json"):
@@ -76,8 +79,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
         # Some checkpoints ask for BOS in tokenizer_config without a post-processor doing it.
-        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
-            ids.insert(0, self.bos_token_id)
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

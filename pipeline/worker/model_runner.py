@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,6 +27,9 @@ from pipeline.worker.device import resolve_dtype, worker_threads
 from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.kv_cache import KVCache, bytes_per_block
 from pipeline.worker.sampler import Sampler, build_metadata
+
+if TYPE_CHECKING:
+    from pipeline.ipc.signal import LayerSignal
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -75,7 +79,7 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)
         self.sampler = Sampler(self.device, config.seed)
-        self._signal = None
+        self._signal: LayerSignal | None = None
         self._signal_stream = None
         self._step_id = 0
 
@@ -143,9 +147,11 @@ class ModelRunner:
             seq_lens=torch.tensor([num_tokens], device=dev, dtype=torch.int32),
             block_tables=torch.arange(nb, device=dev, dtype=torch.int32)[None, :])
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-        hidden = self.model(ids, torch.arange(num_tokens, device=dev), meta, tmp.layers)
+        model = self.model
+        assert model is not None
+        hidden = model(ids, torch.arange(num_tokens, device=dev), meta, tmp.layers)
         n_logits = min(self.config.max_num_seqs, num_tokens)
-        self.model.compute_logits(hidden[:n_logits]).softmax(-1)
+        model.compute_logits(hidden[:n_logits]).softmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del hidden
@@ -240,6 +246,7 @@ class ModelRunner:
                           sample_batch_idx=sample_idx)
 
     def _on_kv_written(self, layer: int) -> None:
+        assert self._signal is not None  # only installed while a signal is attached
         if self._signal_stream is not None:
             # Stream-ordered: a host function publishes once the layer's KV write is done,
             # without stalling this thread or the compute stream.
@@ -261,13 +268,15 @@ class ModelRunner:
             return self._forward_and_sample(sched.step_id, inp)
 
     def _forward_and_sample(self, step_id: int, inp: StepInputs) -> ModelRunnerOutput:
+        model, kv = self.model, self.kv_cache
+        assert model is not None and kv is not None  # execute() checked
         signal = self._on_kv_written if self._signal is not None else None
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache.layers, signal)
+        hidden = model(inp.input_ids, inp.positions, inp.meta, kv.layers, signal)
         b = self.batch
         b.num_computed_tokens[inp.rows] += inp.num_scheduled
         if len(inp.sample_batch_idx) == 0:
             return ModelRunnerOutput(step_id=step_id, req_ids=[], sampled_token_ids=[])
-        logits = self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
+        logits = model.compute_logits(hidden.index_select(0, inp.logits_indices))
         sample_rows = inp.rows[inp.sample_batch_idx]
         if b.num_needs_sampler == 0:
             # Every live request is plain greedy: the sampler would only take the argmax.

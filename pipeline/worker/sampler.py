@@ -61,6 +61,7 @@ def build_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int,
     banned: list[tuple[int, list[int]]] = []
     for i in np.nonzero(num_out < batch.min_tokens[rows])[0].tolist():
         sp = batch.params[int(rows[i])]
+        assert sp is not None  # a live row
         banned.append((i, [t for t in {*eos_token_ids, *sp.stop_token_ids} if 0 <= t < vocab_size]))
     rep, pres, freq = (batch.repetition_penalty[rows], batch.presence_penalty[rows],
                        batch.frequency_penalty[rows])
@@ -173,7 +174,8 @@ class Sampler:
     def _logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, md: SamplingMetadata
                   ) -> list[TokenLogprobs | None]:
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-        top_vals = top_ids = None
+        top_vals: list[list[float]] = []
+        top_ids: list[list[int]] = []
         if md.max_num_logprobs > 0:
             vals, ids = logprobs.topk(md.max_num_logprobs, dim=-1)
             top_vals, top_ids = vals.tolist(), ids.tolist()
