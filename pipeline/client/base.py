@@ -1,7 +1,8 @@
-"""Shared by ``pipeline.client.Client`` and ``pipeline.client.async_client.AsyncClient``: socket
-set-up, request building, reply routing and the errors a client reports by itself.
+"""Shared by ``Client`` and ``AsyncClient``: socket set-up, request building, reply routing
+and the errors a client reports by itself.
 
-Not a stage; no state. See client.py for the client-side behaviour and protocol.py for the wire.
+Not a stage; no state. See the package docstring for the client-side behaviour and
+``gateway.protocol`` for the wire.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`pipeline serve`: the daemon. Gateway front end speaking the ZMQ protocol (protocol.py).
+"""`pipeline serve`: the daemon. Gateway front end speaking the ZMQ protocol (``protocol``).
 
 Owns the ROUTER socket and the client sessions (which client waits for which request); the
 stages, the in-flight table and supervision belong to the Gateway. One thread (this

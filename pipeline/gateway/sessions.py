@@ -1,7 +1,7 @@
 """Gateway (daemon): which ZMQ client owns which in-flight request, and which clients are gone.
 
 State: per client identity (the ROUTER routing id) its last-seen time and its requests; per
-request the internal id the stages use. See protocol.py's docstring for the three ways a
+request the internal id the stages use. See ``protocol``'s docstring for the three ways a
 client is declared gone (``bye``, EHOSTUNREACH on send, idle time-out); each returns the
 internal ids the gateway must abort in the engine. Not thread-safe: the gateway's ZMQ loop
 owns it.

@@ -1,4 +1,4 @@
-"""Worker stage: the KV-cache and attention ops the model calls, dispatched by device.
+"""Layers: the KV-cache and attention ops the models call, dispatched by device.
 
 CPU tensors go to ``pipeline._ext.cpu_ops`` (C over OpenMP, GIL released), CUDA tensors to
 ``pipeline._ext.cuda_ops`` (kernels launched on the current stream). When an extension is

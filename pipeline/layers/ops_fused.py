@@ -1,4 +1,4 @@
-"""Worker stage: the fused per-layer CPU ops of the decoder (float32 activations), dispatched
+"""Layers: the fused per-layer CPU ops of the decoder (float32 activations), dispatched
 like ``pipeline.layers.ops``: C in ``pipeline._ext.cpu_ops`` (``cpu_ops_fused.h``,
 ``cpu_ops_gemv.h``; GIL released) on CPU, the plain-torch versions in ``ops_ref`` elsewhere
 (CUDA, or the extension not built).

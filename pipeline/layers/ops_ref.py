@@ -1,4 +1,4 @@
-"""Worker stage: plain-torch reference versions of the KV-cache and attention ops.
+"""Layers: plain-torch reference versions of the KV-cache and attention ops.
 
 These are the ground truth the C/C++ (``cython_ext/cpu_ops``) and CUDA (``cuda_ops/``)
 kernels are tested against, and the fallback ``pipeline.layers.ops`` uses when an

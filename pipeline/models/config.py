@@ -1,4 +1,4 @@
-"""Worker stage: parse a Hugging Face ``config.json`` into the one ModelConfig the model uses.
+"""Models: parse a Hugging Face ``config.json`` into the one ModelConfig the model uses.
 
 Owns no state beyond the parsed struct. Every config field that would change the math and
 that we do not implement raises UnsupportedModelError naming the field, so a checkpoint

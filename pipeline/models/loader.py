@@ -1,4 +1,4 @@
-"""Worker stage: load a Hugging Face safetensors checkpoint (single file or sharded with
+"""Models: load a Hugging Face safetensors checkpoint (single file or sharded with
 ``model.safetensors.index.json``) into a CausalLM, fusing q/k/v and gate/up on the way.
 
 Owns nothing after loading; prints progress to stderr (one line per shard).
