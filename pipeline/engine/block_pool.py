@@ -162,16 +162,6 @@ class BlockPool:
         self.cached[block_hash] = b
         return True
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; only possible when no block is in use."""
-        if self.num_used_blocks:
-            return False
-        for b in self.cached.values():
-            b.block_hash = b.block_key = None
-        self.cached.clear()
-        self.num_cached_free = 0
-        return True
-
     def check(self) -> list[str]:
         """Full O(num_blocks) consistency scan; returns violations (empty when sound)."""
         errs: list[str] = []

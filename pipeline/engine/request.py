@@ -93,18 +93,6 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens:]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status >= RequestStatus.FINISHED_STOPPED
-
-    @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 

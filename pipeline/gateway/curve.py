@@ -40,13 +40,6 @@ def generate_keys(keys_dir: str | Path, overwrite: bool = False) -> Path:
     return d
 
 
-def authorize_client(keys_dir: str | Path, public_key_file: str | Path) -> None:
-    """Let one more client key pair in (copy its public ``.key`` file)."""
-    src = Path(public_key_file)
-    zmq.auth.load_certificate(str(src))  # fail early on a malformed file
-    shutil.copyfile(src, Path(keys_dir) / AUTHORIZED / src.name)
-
-
 def _load(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
     if not path.exists():
         raise FileNotFoundError(f"CURVE key file {path} not found (create keys with generate_keys)")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -166,9 +166,6 @@ class IncrementalDetokenizer:
         """Bytes held back (an incomplete character): at most 3, which is what keeps every
         token's cost independent of the output length."""
         return len(self._utf8.getstate()[0])
-
-    def add_tokens(self, token_ids: Iterable[int]) -> str:
-        return "".join([self.add_token(t) for t in token_ids])
 
     def flush(self) -> str:
         """End of output: an incomplete trailing character becomes U+FFFD, like decode()."""

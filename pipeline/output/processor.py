@@ -69,9 +69,6 @@ class OutputProcessor:
     def num_unfinished(self) -> int:
         return len(self._reqs)
 
-    def has_request(self, req_id: str) -> bool:
-        return req_id in self._reqs
-
     def add_request(self, req_id: str, params: SamplingParams, arrival_time: float, *,
                     stream: bool = False, prompt_token_ids: Sequence[int] | None = None,
                     num_prompt_tokens: int = 0) -> None:
@@ -125,10 +122,6 @@ class OutputProcessor:
         if st is None:
             return None
         return self._finish(st, finish_reason, None, error, self.clock())
-
-    def abort_all(self, error: ErrorInfo | None = None) -> list[RequestResult]:
-        reason = "abort" if error is None else "error"
-        return [r for rid in list(self._reqs) if (r := self.abort(rid, reason, error)) is not None]
 
     def _process_one(self, st: _ReqState, o: EngineOutput, now: float, emit: Emit,
                      stopped: list[str]) -> None:
