@@ -98,12 +98,22 @@ def signal_dies_after_attach(name: str) -> None:
     LayerSignal.attach(name).claim_publisher()
 
 
+def view_segment_and_wait(instance_id: str, conn) -> None:
+    """Creates a segment through a view of another process's instance, then blocks until
+    killed (SIGTERM must unlink it, as for a worker's KV pool)."""
+    from pipeline.ipc.instance import Instance
+    Instance.view(instance_id).create_segment("kv.1", 4096)
+    conn.send("ready")
+    conn.recv()
+
+
 def make_instance_and_wait(conn, leak: bool) -> None:
     """Creates one of everything, reports its instance id, then blocks until killed."""
     import os
     from pipeline.ipc.broadcast import BroadcastRing
-    from pipeline.ipc.names import Instance, create_segment
+    from pipeline.ipc.instance import Instance
     from pipeline.ipc.ring import Doorbell
+    from pipeline.ipc.segment import create_segment
     from pipeline.ipc.signal import LayerSignal
     inst = Instance()
     bell = Doorbell.create(inst, "bell")

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.ipc import PeerDied
-from pipeline.ipc.names import Instance, list_entries
+from pipeline.ipc.instance import Instance, list_entries
 from pipeline.ipc.ring import Doorbell, Ring, wait_any
 
 from test_ipc_procs import CTX, NO_RESCUE, payload

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from test_ipc_procs import CTX, NO_RESCUE, signal_c_publisher, signal_dies_after_attach, signal_publisher
 
 from pipeline.ipc import PeerDied
-from pipeline.ipc.names import Instance, list_entries
+from pipeline.ipc.instance import Instance, list_entries
 from pipeline.ipc.signal import LayerSignal
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from pipeline.bench.report import Report
-from pipeline.ipc.names import Instance
+from pipeline.ipc.instance import Instance
 from pipeline.ipc.ring import Ring
 from pipeline.ipc.signal import LayerSignal
 

@@ -10,8 +10,9 @@ semaphore, never sleeps in a polling loop, and raises PeerDied if the publisher 
 from __future__ import annotations
 
 from pipeline._ext import shmring
-from pipeline.ipc.names import Instance, attach_segment
+from pipeline.ipc.instance import Instance
 from pipeline.ipc.ring import DEFAULT_SLICE_S
+from pipeline.ipc.segment import attach_segment
 
 MAX_LAYERS = 4096
 
