@@ -71,7 +71,7 @@ def bcast_slow_reader_then_die(name: str, index: int, ready) -> None:
 
 
 def signal_publisher(name: str, ack_name: str, steps: int, layers: int) -> None:
-    from pipeline.ipc.signal import LayerSignal
+    from pipeline.ipc.layer_signal import LayerSignal
     sig = LayerSignal.attach(name, slice_s=NO_RESCUE)
     ack = LayerSignal.attach(ack_name, slice_s=NO_RESCUE)
     sig.claim_publisher()
@@ -84,7 +84,7 @@ def signal_publisher(name: str, ack_name: str, steps: int, layers: int) -> None:
 def signal_c_publisher(name: str, lib: str, steps: int) -> None:
     """Publishes through the plain C entry point, as the CUDA host callback does."""
     import ctypes
-    from pipeline.ipc.signal import LayerSignal
+    from pipeline.ipc.layer_signal import LayerSignal
     sig = LayerSignal.attach(name)
     sig.claim_publisher()
     fn = ctypes.CDLL(lib).publish
@@ -94,7 +94,7 @@ def signal_c_publisher(name: str, lib: str, steps: int) -> None:
 
 
 def signal_dies_after_attach(name: str) -> None:
-    from pipeline.ipc.signal import LayerSignal
+    from pipeline.ipc.layer_signal import LayerSignal
     LayerSignal.attach(name).claim_publisher()
 
 
@@ -112,9 +112,9 @@ def make_instance_and_wait(conn, leak: bool) -> None:
     import os
     from pipeline.ipc.broadcast import BroadcastRing
     from pipeline.ipc.instance import Instance
+    from pipeline.ipc.layer_signal import LayerSignal
     from pipeline.ipc.ring import Doorbell
     from pipeline.ipc.segment import create_segment
-    from pipeline.ipc.signal import LayerSignal
     inst = Instance()
     bell = Doorbell.create(inst, "bell")
     ring = Ring.create(inst, "r", 4096, doorbell=bell, role="reader", claim=True)

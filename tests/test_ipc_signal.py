@@ -14,7 +14,7 @@ from test_ipc_procs import CTX, NO_RESCUE, signal_c_publisher, signal_dies_after
 
 from pipeline.ipc import PeerDied
 from pipeline.ipc.instance import Instance, list_entries
-from pipeline.ipc.signal import LayerSignal
+from pipeline.ipc.layer_signal import LayerSignal
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,10 +8,10 @@ Owns nothing itself; re-exports the transport errors. Modules:
 - sweep: `sweep_stale` (unlink the names of dead instances, orphan grace)
 - ring: `Ring` (SPSC), `Doorbell` and `wait_any` (one reader blocking on several rings)
 - broadcast: `BroadcastRing` (engine -> TP workers, the writer waits for the slowest reader)
-- signal: `LayerSignal` (worker -> cache messager, per-layer "KV written")
+- layer_signal: `LayerSignal` (worker -> cache messager, per-layer "KV written")
 - codec: msgspec msgpack encode/decode, token ids as raw little-endian int32 bytes
 - errors: `PeerDied`, `ShmSpaceError`
-Hot path: pipeline._ext.shmring (cython_ext/shmring.pyx).
+Hot paths: pipeline._ext.shmring and pipeline._ext.layer_signal (cython_ext/).
 """
 from pipeline.ipc.errors import PeerDied, ShmSpaceError
 

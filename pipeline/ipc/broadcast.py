@@ -23,8 +23,8 @@ class BroadcastRing(shmring.RingView):
                claim: bool = False) -> BroadcastRing:
         """Create the ring and return its writer end (claimed now if `claim`, else on send)."""
         _check_capacity(capacity)
-        if not 1 <= num_readers <= 64:
-            raise ValueError(f"num_readers={num_readers} must be within 1..64")
+        if not 1 <= num_readers <= shmring.MAX_READERS:
+            raise ValueError(f"num_readers={num_readers} must be within 1..{shmring.MAX_READERS}")
         seg = instance.create_segment(what, shmring.RingView.segment_size(num_readers, capacity))
         shmring.RingView.layout(seg, num_readers, capacity, "")
         ring = cls(seg, True, 0, None, spin_us, slice_s)

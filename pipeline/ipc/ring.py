@@ -40,7 +40,7 @@ class Doorbell:
 
     @classmethod
     def create(cls, instance: Instance, what: str) -> Doorbell:
-        seg = instance.create_segment(what, 128)
+        seg = instance.create_segment(what, shmring.DOORBELL_SIZE)
         shmring.layout_doorbell(seg)
         return cls(seg)
 
