@@ -43,6 +43,8 @@ cdef class SignalView:
 
     @staticmethod
     def layout(seg, uint32_t num_layers):
+        """Initialise a fresh segment; this process is recorded as the publisher until another
+        process claims the signal, so a reader sees it die even before it ever publishes."""
         cdef Py_buffer b
         _map(seg, &b)
         cdef pl_signal_shm *shm = <pl_signal_shm *>b.buf
@@ -53,6 +55,7 @@ cdef class SignalView:
             if pl_parker_init(&shm.parker) != 0:
                 raise OSError("sem_init failed for a layer signal")
             shm.num_layers = num_layers
+            shm.publisher_pid = getpid()
             shm.version = PL_VERSION
             shm.magic = PL_SIGNAL_MAGIC  # last: attachers check it
         finally:
@@ -89,6 +92,16 @@ cdef class SignalView:
         """Base address in this process, for C code such as the CUDA signal callback."""
         self._open()
         return <Py_ssize_t>self.shm
+
+    def publisher_pid(self) -> int:
+        """The pid recorded as the publisher (the creator's until a publisher claims)."""
+        self._open()
+        return self.shm.publisher_pid
+
+    def reader_parked(self) -> bool:
+        """Whether the reader is (about to be) blocked on its semaphore: for diagnostics."""
+        self._open()
+        return pl_load_acquire(&self.shm.parker.waiting) != 0
 
     def claim_publisher(self) -> None:
         self._open()

@@ -32,7 +32,11 @@
  * doorbell so the reader blocks on all of them.
  *
  * Layer signal segment (PL_SIGNAL_MAGIC):
- *   0     magic u64, version u32, num_layers u32, publisher pid i64
+ *   0     magic u64, version u32, num_layers u32
+ *   16    publisher pid i64: written by the creator when it lays the segment out (before the
+ *         magic), so a waiting reader sees the publisher die even before its first publish;
+ *         a publisher in another process overwrites it when it claims the signal (at the
+ *         latest on its first publish). 0 (never written) means "no publisher to check".
  *   64    reader parker
  *   128   seq[num_layers] u64: 1 + the last step whose layer was published, 0 = never
  *

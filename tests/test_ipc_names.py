@@ -112,6 +112,7 @@ def test_header_compiles_as_c_and_cxx_with_documented_layout(tmp_path, compiler,
         'SA(offsetof(pl_ring_shm, writer.parker) == 320, "writer parker");\n'
         'SA(offsetof(pl_ring_shm, readers) == 384 && sizeof(pl_ring_side) == 128, "readers");\n'
         'SA(offsetof(pl_signal_shm, parker) == 64 && offsetof(pl_signal_shm, seq) == 128, "signal");\n'
+        'SA(offsetof(pl_signal_shm, publisher_pid) == 16, "signal publisher pid");\n'
         'SA(offsetof(pl_doorbell_shm, parker) == 64 && PL_DOORBELL_SIZE == 128, "doorbell");\n'
         'SA(PL_LINE == 64, "line");\n'
         'SA(sizeof(pl_parker) == 64, "parker");\n'

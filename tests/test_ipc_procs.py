@@ -98,6 +98,24 @@ def signal_dies_after_attach(name: str) -> None:
     LayerSignal.attach(name).claim_publisher()
 
 
+def signal_create_then_die(instance_id: str, conn, how: str) -> None:
+    """Creates a layer signal as its publisher (through a view of the test's instance), waits
+    until the reader parks on it, then dies without ever publishing."""
+    import os
+    import signal
+    import time
+    from pipeline.ipc.instance import Instance
+    from pipeline.ipc.layer_signal import LayerSignal
+    sig = LayerSignal.create(Instance.view(instance_id), "early", 2)
+    conn.send(sig.name)
+    deadline = time.monotonic() + 30
+    while not sig.reader_parked() and time.monotonic() < deadline:
+        pass
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(0)  # skips atexit: the reader unlinks the name
+
+
 def view_segment_and_wait(instance_id: str, conn) -> None:
     """Creates a segment through a view of another process's instance, then blocks until
     killed (SIGTERM must unlink it, as for a worker's KV pool)."""
