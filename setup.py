@@ -1,6 +1,8 @@
 """Build: Cython extensions always; the CUDA ops library only where nvcc and a toolkit exist.
 
-Every ``cython_ext/NAME.pyx`` becomes ``pipeline._ext.NAME``. Every ``cuda_ops/*.cu`` is
+Every ``cython_ext/NAME.pyx`` becomes ``pipeline._ext.NAME`` (shmring, layer_signal, cpu_ops);
+``cython_ext/shm_atomic.pxd`` (the declarations of shm_atomic.h and the shared wait loop) is
+cimported by them, not built on its own. Every ``cuda_ops/*.cu`` is
 compiled by nvcc into ``pipeline/_ext/libpipeline_cuda.so`` and every ``cuda_ops/NAME.pyx``
 becomes ``pipeline._ext.NAME`` linked against it. ``PIPELINE_CUDA=0`` skips the CUDA part.
 """

@@ -1,8 +1,10 @@
 /* Transport hot path shared by every stage: 8-byte counters in POSIX shared memory, the
  * eventcount park/wake helper, the byte ring (SPSC and one-writer/N-reader broadcast) and the
- * per-layer signal. Used from Cython (cython_ext/shmring.pyx, GIL released) and from the CUDA
- * host-function callback (cuda_ops/, C++), so it is plain C that also compiles as C++: GCC
- * __atomic builtins instead of C11 <stdatomic.h>, which C++ before C++23 lacks.
+ * per-layer signal. The one written source of every shared-memory layout below: Cython
+ * declares it in cython_ext/shm_atomic.pxd (used, GIL released, by shmring.pyx and
+ * layer_signal.pyx), the CUDA host-function callback (cuda_ops/, C++) includes it directly, so
+ * it is plain C that also compiles as C++: GCC __atomic builtins instead of C11 <stdatomic.h>,
+ * which C++ before C++23 lacks.
  *
  * Ordering rules. A counter (ring head/tail, layer sequence) is only ever written with a
  * release store after the bytes it covers, and read with an acquire load before those bytes.
@@ -25,13 +27,20 @@
  *   data_offset  data[size]: records, each 16-byte aligned:
  *         len u32 (0xFFFFFFFF = wrap marker: skip to offset 0), flags u32, seq u64, payload
  *
- * Doorbell segment (PL_DOORBELL_MAGIC): magic u64 at 0, parker at 64. Several rings with the
- * same reader point their reader-0 parker at one doorbell so the reader blocks on all of them.
+ * Doorbell segment (PL_DOORBELL_MAGIC, pl_doorbell_shm, PL_DOORBELL_SIZE bytes): magic u64 at
+ * 0, parker at 64. Several rings with the same reader point their reader-0 parker at one
+ * doorbell so the reader blocks on all of them.
  *
  * Layer signal segment (PL_SIGNAL_MAGIC):
- *   0     magic u64, version u32, num_layers u32, publisher pid i64
+ *   0     magic u64, version u32, num_layers u32
+ *   16    publisher pid i64: written by the creator when it lays the segment out (before the
+ *         magic), so a waiting reader sees the publisher die even before its first publish;
+ *         a publisher in another process overwrites it when it claims the signal (at the
+ *         latest on its first publish). 0 (never written) means "no publisher to check".
  *   64    reader parker
  *   128   seq[num_layers] u64: 1 + the last step whose layer was published, 0 = never
+ *
+ * PL_VERSION changes whenever any of these layouts does.
  */
 #ifndef PIPELINE_SHM_ATOMIC_H
 #define PIPELINE_SHM_ATOMIC_H
@@ -59,6 +68,7 @@
 #define PL_WRAP 0xFFFFFFFFu
 #define PL_REC_HDR 16u
 #define PL_DOORBELL_NAME 192
+#define PL_LINE 64u /* every shared line; ring data starts on a line */
 
 /* sem_clockwait (glibc >= 2.30, GNU) parks against CLOCK_MONOTONIC: immune to clock steps. */
 #if defined(_GNU_SOURCE) && defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
@@ -237,6 +247,8 @@ static inline uint64_t pl_ring_data_offset(uint32_t num_readers)
     return sizeof(pl_ring_shm) + (uint64_t)num_readers * sizeof(pl_ring_side);
 }
 
+static inline uint64_t pl_line_up(uint64_t n) { return (n + PL_LINE - 1) & ~(uint64_t)(PL_LINE - 1); }
+
 static inline uint64_t pl_rec_size(uint64_t len) { return (PL_REC_HDR + len + 15u) & ~(uint64_t)15u; }
 
 static inline int pl_ring_readable(const void *ctx)
@@ -326,6 +338,14 @@ static inline void pl_ring_consume(pl_ring *r, uint64_t len)
 }
 
 /* ---- wait on several rings sharing one doorbell --------------------------------------- */
+typedef struct {
+    uint64_t magic;
+    char _pad[56];
+    pl_parker parker; /* 64 */
+} pl_doorbell_shm;
+
+#define PL_DOORBELL_SIZE sizeof(pl_doorbell_shm)
+
 typedef struct {
     pl_ring **rings;
     int n;

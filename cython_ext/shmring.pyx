@@ -1,17 +1,26 @@
 # cython: language_level=3
-"""Transport hot path (every stage): mapped segments, ring views, doorbells and layer signals.
+"""Transport hot path (every stage): mapped segments, ring views and doorbells.
 
-Owns no naming or lifetime policy (pipeline/ipc/names.py does): it maps a file descriptor,
-lays out or checks a segment, and moves bytes with the GIL released around waits and large
-copies. All counters go through the C atomics of shm_atomic.h.
+Owns `Segment` (a mapping; other extension modules use it through the buffer protocol),
+`RingView` (one end of an SPSC or broadcast ring), doorbells and `wait_any`. Owns no naming or
+lifetime policy (pipeline/ipc/segment.py and instance.py do) and no layer signal
+(layer_signal.pyx does): it maps a file descriptor, lays out or checks a segment, and moves
+bytes with the GIL released around waits and large copies. Layouts, counters and the park slice
+are shm_atomic.h's; every blocking wait is shm_atomic.pxd's `park_wait`.
 """
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.errno cimport errno
 from libc.string cimport memcpy, memset, strerror, strncpy
-from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_FillInfo, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_FillInfo, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from cpython.exc cimport PyErr_CheckSignals
 from posix.unistd cimport getpid
+
+from shm_atomic cimport (PL_DOORBELL_MAGIC, PL_DOORBELL_NAME, PL_DOORBELL_SIZE, PL_MAX_READERS,
+                         PL_RING_MAGIC, PL_VERSION, park_wait, pl_cond_fn, pl_doorbell_shm,
+                         pl_line_up, pl_load_acquire, pl_now_ns, pl_parker, pl_parker_init,
+                         pl_pid_alive, pl_ring, pl_ring_consume, pl_ring_data_offset, pl_ring_hdr,
+                         pl_ring_need, pl_ring_peek, pl_ring_readable, pl_ring_set, pl_ring_set_any,
+                         pl_ring_shm, pl_ring_writable, pl_ring_write)
 
 from pipeline.ipc.errors import PeerDied
 
@@ -21,68 +30,6 @@ cdef extern from "<sys/mman.h>" nogil:
     int PROT_READ, PROT_WRITE, MAP_SHARED, MAP_POPULATE
     void *MAP_FAILED
 
-cdef extern from "shm_atomic.h" nogil:
-    uint64_t PL_RING_MAGIC, PL_DOORBELL_MAGIC, PL_SIGNAL_MAGIC
-    uint32_t PL_VERSION
-    int PL_MAX_READERS, PL_DOORBELL_NAME
-    ctypedef int (*pl_cond_fn)(const void *ctx)
-    ctypedef struct pl_parker:
-        uint64_t waiting
-    ctypedef struct pl_ring_hdr:
-        uint64_t magic
-        uint32_t version
-        uint32_t num_readers
-        uint64_t size
-        uint64_t data_offset
-        char doorbell[192]
-    ctypedef struct pl_ring_side:
-        uint64_t pos
-        uint64_t seq
-        int64_t pid
-        pl_parker parker
-    ctypedef struct pl_ring_shm:
-        pl_ring_hdr hdr
-        pl_ring_side writer
-        pl_ring_side *readers
-    ctypedef struct pl_ring:
-        pl_ring_shm *shm
-        unsigned char *data
-        uint64_t size
-        uint32_t num_readers
-        uint32_t reader
-        pl_parker *reader_parker
-        uint64_t need
-    ctypedef struct pl_ring_set:
-        pl_ring **rings
-        int n
-    ctypedef struct pl_signal_shm:
-        uint64_t magic
-        uint32_t version
-        uint32_t num_layers
-        int64_t publisher_pid
-        pl_parker parker
-        uint64_t *seq
-    ctypedef struct pl_signal_wait:
-        pl_signal_shm *shm
-        int layer
-        uint64_t target
-    int64_t pl_now_ns()
-    int pl_parker_init(pl_parker *p)
-    int pl_wait_slice(pl_parker *p, pl_cond_fn cond, const void *ctx, int64_t spin_ns, int64_t slice_ns)
-    int pl_pid_alive(int64_t pid)
-    uint64_t pl_load_acquire(const uint64_t *p)
-    uint64_t pl_ring_data_offset(uint32_t num_readers)
-    int pl_ring_readable(const void *ctx)
-    int pl_ring_writable(const void *ctx)
-    int pl_ring_set_any(const void *ctx)
-    uint64_t pl_ring_need(const pl_ring *r, uint64_t len)
-    void pl_ring_write(pl_ring *r, const void *buf, uint64_t length)
-    uint64_t pl_ring_peek(pl_ring *r, uint64_t *length, uint64_t *seq)
-    void pl_ring_consume(pl_ring *r, uint64_t length)
-    uint64_t pl_signal_size(uint32_t num_layers)
-    int pl_signal_ready(const void *ctx)
-    void pipeline_signal_publish(void *base, int64_t step, int layer)
-
 # Below this size a copy is cheaper than dropping and re-taking the GIL.
 cdef enum:
     NOGIL_COPY = 16384
@@ -90,10 +37,13 @@ cdef enum:
     RING_DATA_SLACK = 64  # record header + alignment: keeps a capacity/2 message always placeable
 
 DATA_SLACK = RING_DATA_SLACK
+DOORBELL_SIZE = PL_DOORBELL_SIZE  # bytes of a doorbell segment
+MAX_READERS = PL_MAX_READERS  # readers of one (broadcast) ring
 
 
 cdef class Segment:
-    """A shared-memory mapping (MAP_SHARED | MAP_POPULATE) that unmaps on close()."""
+    """A shared-memory mapping (MAP_SHARED | MAP_POPULATE) that unmaps on close() (refused while
+    buffers of it are exported, e.g. to a layer signal view)."""
     cdef void *base
     cdef readonly Py_ssize_t size
     cdef readonly str name
@@ -183,7 +133,7 @@ cdef class RingView:
 
     @staticmethod
     def segment_size(uint32_t num_readers, uint64_t capacity) -> int:
-        return ((pl_ring_data_offset(num_readers) + 63) & ~(<uint64_t>63)) + capacity + RING_DATA_SLACK
+        return pl_line_up(pl_ring_data_offset(num_readers)) + capacity + RING_DATA_SLACK
 
     @staticmethod
     def doorbell_of(Segment seg) -> str:
@@ -198,7 +148,7 @@ cdef class RingView:
         """Initialise a fresh segment as a ring of `capacity` bytes with num_readers readers."""
         seg._check()
         cdef pl_ring_shm *shm = <pl_ring_shm *>seg.base
-        cdef uint64_t off = (pl_ring_data_offset(num_readers) + 63) & ~(<uint64_t>63)
+        cdef uint64_t off = pl_line_up(pl_ring_data_offset(num_readers))
         cdef bytes bname = doorbell.encode()
         if num_readers < 1 or num_readers > PL_MAX_READERS:
             raise ValueError(f"num_readers={num_readers} must be within 1..{PL_MAX_READERS}")
@@ -223,6 +173,7 @@ cdef class RingView:
                  double spin_us=20.0, double slice_s=0.05):
         seg._check()
         cdef pl_ring_shm *shm = <pl_ring_shm *>seg.base
+        cdef pl_doorbell_shm *db
         if shm.hdr.magic != PL_RING_MAGIC or shm.hdr.version != PL_VERSION:
             raise ValueError(f"{seg.name} is not a pipeline ring (bad magic or version)")
         if <uint64_t>seg.size < shm.hdr.data_offset + shm.hdr.size:
@@ -238,9 +189,10 @@ cdef class RingView:
         self.r.reader_parker = NULL
         if bell is not None:
             bell._check()
-            if (<uint64_t *>bell.base)[0] != PL_DOORBELL_MAGIC:
+            db = <pl_doorbell_shm *>bell.base
+            if <size_t>bell.size < sizeof(pl_doorbell_shm) or db.magic != PL_DOORBELL_MAGIC:
                 raise ValueError(f"{bell.name} is not a pipeline doorbell")
-            self.r.reader_parker = <pl_parker *>(<char *>bell.base + 64)
+            self.r.reader_parker = &db.parker
         elif not writer:
             self.r.reader_parker = &shm.readers[reader_index].parker
         self.spin_ns = self.spin_cur = <int64_t>(spin_us * 1000)
@@ -329,39 +281,23 @@ cdef class RingView:
                 return f"writer (pid {pid})"
         return None
 
-    cdef _wait(self, object timeout, bint writing):
-        cdef int64_t now = pl_now_ns(), start = now, deadline = -1, sl
-        cdef int64_t spin = self.spin_ns, spun
+    cdef inline int64_t _spin_start(self) noexcept:
         if self.adaptive_spin:
-            spin = _spin_for(self.spin_cur, &self.spin_skipped, self.spin_ns)
-        spun = spin
+            return _spin_for(self.spin_cur, &self.spin_skipped, self.spin_ns)
+        return self.spin_ns
+
+    cdef inline void _spin_end(self, int64_t spun, int64_t start) noexcept:
+        if self.adaptive_spin:
+            _adapt_spin(&self.spin_cur, self.spin_ns, spun, pl_now_ns() - start)
+
+    cdef _wait(self, object timeout, bint writing):
+        cdef int64_t start = pl_now_ns(), spin = self._spin_start()
         cdef pl_parker *p = &self.r.shm.writer.parker if writing else self.r.reader_parker
         cdef pl_cond_fn cond = pl_ring_writable if writing else pl_ring_readable
-        cdef const void *ctx = &self.r
-        cdef int ok
-        if timeout is not None:
-            deadline = now + <int64_t>(float(timeout) * 1e9)
-        while True:
-            sl = self.slice_ns
-            if deadline >= 0:
-                if deadline - now <= 0:
-                    if cond(ctx):
-                        return
-                    raise TimeoutError(f"ring {self.seg.name}: {'no space' if writing else 'no message'} "
-                                       f"within {timeout} s")
-                sl = min(sl, deadline - now)
-            with nogil:
-                ok = pl_wait_slice(p, cond, ctx, spin, sl)
-            if ok:
-                if self.adaptive_spin:
-                    _adapt_spin(&self.spin_cur, self.spin_ns, spun, pl_now_ns() - start)
-                return
-            spin = 0
-            PyErr_CheckSignals()  # SIGTERM/SIGINT handlers run while we block
-            who = self._dead_peer()
-            if who is not None and not cond(ctx):
-                raise PeerDied(f"ring {self.seg.name}: {who} died", name=self.seg.name)
-            now = pl_now_ns()
+        if not park_wait(p, cond, &self.r, spin, self.slice_ns, timeout, _ring_peer_died, self):
+            raise TimeoutError(f"ring {self.seg.name}: {'no space' if writing else 'no message'} "
+                               f"within {timeout} s")
+        self._spin_end(spin, start)
 
     def send(self, data, timeout=None) -> None:
         """Append one message; blocks (spin, then park) while the ring is full."""
@@ -431,12 +367,28 @@ cdef class RingView:
             self.bell.close()
 
 
+cdef object _ring_peer_died(object view):
+    cdef RingView v = <RingView>view
+    who = v._dead_peer()
+    return None if who is None else PeerDied(f"ring {v.seg.name}: {who} died", name=v.seg.name)
+
+
+cdef object _rings_peer_died(object views):
+    for v in <list>views:
+        died = _ring_peer_died(v)
+        if died is not None:
+            return died
+    return None
+
+
 def layout_doorbell(Segment seg) -> None:
     seg._check()
-    memset(seg.base, 0, 128)
-    if pl_parker_init(<pl_parker *>(<char *>seg.base + 64)) != 0:
+    if <size_t>seg.size < sizeof(pl_doorbell_shm):
+        raise ValueError(f"segment {seg.name} too small for a doorbell")
+    memset(seg.base, 0, sizeof(pl_doorbell_shm))
+    if pl_parker_init(&(<pl_doorbell_shm *>seg.base).parker) != 0:
         raise OSError("sem_init failed for a doorbell")
-    (<uint64_t *>seg.base)[0] = PL_DOORBELL_MAGIC
+    (<pl_doorbell_shm *>seg.base).magic = PL_DOORBELL_MAGIC
 
 
 def wait_any(list views, object timeout) -> list:
@@ -444,11 +396,11 @@ def wait_any(list views, object timeout) -> list:
 
     Every view must be a reader of a ring whose reader parker is the same doorbell segment, so
     one park covers all of them; writers post that doorbell. Spins with the first view's budget."""
-    cdef int n = len(views), i, ok
+    cdef int n = len(views), i
     cdef RingView v
     cdef pl_ring *ptrs[256]
     cdef pl_ring_set s
-    cdef int64_t now = pl_now_ns(), start = now, deadline = -1, sl, spin
+    cdef int64_t start, spin
     cdef RingView first
     if n == 0 or n > 256:
         raise ValueError(f"wait_any needs 1..256 rings, got {n}")
@@ -459,142 +411,17 @@ def wait_any(list views, object timeout) -> list:
         v._ready()
         ptrs[i] = &v.r
     first = views[0]
-    cdef pl_parker *p = first.r.reader_parker
-    spin = first.spin_ns
-    if first.adaptive_spin:
-        spin = _spin_for(first.spin_cur, &first.spin_skipped, first.spin_ns)
-    cdef int64_t spun = spin
     s.rings, s.n = ptrs, n
     if n > 1:
         for i in range(n):
             v = views[i]
-            if v.bell is None or v.doorbell_name != (<RingView>views[0]).doorbell_name:
+            if v.bell is None or v.doorbell_name != first.doorbell_name:
                 raise ValueError(f"wait_any over several rings needs one shared doorbell; "
                                  f"ring {v.seg.name} has {v.doorbell_name or 'none'}")
-    if timeout is not None:
-        deadline = now + <int64_t>(float(timeout) * 1e9)
-    while not pl_ring_set_any(&s):
-        sl = first.slice_ns
-        if deadline >= 0:
-            if deadline - now <= 0:
-                raise TimeoutError(f"no message on {n} rings within {timeout} s")
-            sl = min(sl, deadline - now)
-        with nogil:
-            ok = pl_wait_slice(p, pl_ring_set_any, &s, spin, sl)
-        if ok:
-            if first.adaptive_spin:
-                _adapt_spin(&first.spin_cur, first.spin_ns, spun, pl_now_ns() - start)
-            break
-        spin = 0
-        PyErr_CheckSignals()
-        for i in range(n):
-            v = views[i]
-            who = v._dead_peer()
-            if who is not None and not pl_ring_set_any(&s):
-                raise PeerDied(f"ring {v.seg.name}: {who} died", name=v.seg.name)
-        now = pl_now_ns()
+    start, spin = pl_now_ns(), first._spin_start()
+    if not pl_ring_set_any(&s):
+        if not park_wait(first.r.reader_parker, pl_ring_set_any, &s, spin, first.slice_ns, timeout,
+                         _rings_peer_died, views):
+            raise TimeoutError(f"no message on {n} rings within {timeout} s")
+        first._spin_end(spin, start)
     return [i for i in range(n) if pl_ring_readable(ptrs[i])]
-
-
-cdef class SignalView:
-    """Per-layer sequence numbers with one parked reader (worker -> cache messager)."""
-    cdef Segment seg
-    cdef pl_signal_shm *shm
-    cdef int claimed
-    cdef public int64_t spin_ns
-    cdef public int64_t slice_ns
-
-    @staticmethod
-    def size_for(uint32_t num_layers) -> int:
-        return pl_signal_size(num_layers)
-
-    @staticmethod
-    def layout(Segment seg, uint32_t num_layers):
-        seg._check()
-        cdef pl_signal_shm *shm = <pl_signal_shm *>seg.base
-        if <uint64_t>seg.size < pl_signal_size(num_layers):
-            raise ValueError(f"segment {seg.name} too small for {num_layers} layers")
-        memset(seg.base, 0, pl_signal_size(num_layers))
-        if pl_parker_init(&shm.parker) != 0:
-            raise OSError("sem_init failed for a layer signal")
-        shm.num_layers = num_layers
-        shm.version = PL_VERSION
-        shm.magic = PL_SIGNAL_MAGIC
-
-    def __init__(self, Segment seg, double spin_us=0.0, double slice_s=0.05):
-        seg._check()
-        self.seg = seg
-        self.shm = <pl_signal_shm *>seg.base
-        if self.shm.magic != PL_SIGNAL_MAGIC or self.shm.version != PL_VERSION:
-            raise ValueError(f"{seg.name} is not a pipeline layer signal (bad magic or version)")
-        self.spin_ns = <int64_t>(spin_us * 1000)
-        self.slice_ns = <int64_t>(slice_s * 1e9)
-
-    @property
-    def name(self) -> str:
-        return self.seg.name
-
-    @property
-    def num_layers(self) -> int:
-        self.seg._check()
-        return self.shm.num_layers
-
-    @property
-    def address(self) -> int:
-        return self.seg.address
-
-    def claim_publisher(self) -> None:
-        self.seg._check()
-        self.shm.publisher_pid = getpid()
-        self.claimed = 1
-
-    cdef _check_layer(self, int64_t step, int layer):
-        if self.seg.base == NULL:
-            raise ValueError(f"layer signal {self.seg.name} is closed")
-        if not 0 <= layer < <int>self.shm.num_layers:
-            raise ValueError(f"layer={layer} out of range 0..{self.shm.num_layers - 1}")
-        if step < 0:
-            raise ValueError(f"step={step} must be >= 0")
-
-    def publish(self, int64_t step, int layer) -> None:
-        self._check_layer(step, layer)
-        if not self.claimed:
-            self.claim_publisher()
-        pipeline_signal_publish(self.seg.base, step, layer)
-
-    def published(self, int layer) -> int:
-        """The last step published for `layer`, or -1. Never blocks."""
-        self._check_layer(0, layer)
-        return <int64_t>pl_load_acquire(&self.shm.seq[layer]) - 1
-
-    def wait(self, int64_t step, int layer, timeout=None) -> None:
-        self._check_layer(step, layer)
-        cdef pl_signal_wait w
-        w.shm, w.layer, w.target = self.shm, layer, <uint64_t>step + 1
-        if pl_signal_ready(&w):
-            return
-        cdef int64_t now = pl_now_ns(), deadline = -1, sl, spin = self.spin_ns, pid
-        cdef int ok
-        if timeout is not None:
-            deadline = now + <int64_t>(float(timeout) * 1e9)
-        while True:
-            sl = self.slice_ns
-            if deadline >= 0:
-                if deadline - now <= 0:
-                    raise TimeoutError(f"layer signal {self.seg.name}: step {step} layer {layer} "
-                                       f"not published within {timeout} s")
-                sl = min(sl, deadline - now)
-            with nogil:
-                ok = pl_wait_slice(&self.shm.parker, pl_signal_ready, &w, spin, sl)
-            if ok:
-                return
-            spin = 0
-            PyErr_CheckSignals()  # SIGTERM/SIGINT handlers run while we block
-            pid = self.shm.publisher_pid
-            if not pl_pid_alive(pid) and not pl_signal_ready(&w):
-                raise PeerDied(f"layer signal {self.seg.name}: publisher (pid {pid}) died",
-                               name=self.seg.name)
-            now = pl_now_ns()
-
-    def close(self) -> None:
-        self.seg.close()

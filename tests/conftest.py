@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.ipc.names import Instance, list_entries
+from pipeline.ipc.instance import Instance, list_entries
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """Naming and lifetime: per-instance names, 0600 + exclusive creation, cleanup on exit and
-SIGTERM, sweeping dead instances, a clear error when /dev/shm is too small, and the C header
-compiling as C11 and C++17 (the CUDA callback includes it)."""
+SIGTERM, views of an instance owning only what they create, sweeping dead instances, a clear
+error when /dev/shm is too small, and the C header compiling as C11 and C++17 (the CUDA
+callback includes it) with its documented layout."""
 from __future__ import annotations
 
 import os
@@ -13,11 +14,13 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
-from test_ipc_procs import CTX, make_instance_and_wait
+from test_ipc_procs import CTX, make_instance_and_wait, view_segment_and_wait
 
 from pipeline.ipc import ShmSpaceError
-from pipeline.ipc.names import Instance, create_segment, list_entries, shm_free_bytes, sweep_stale, unlink_segment
+from pipeline.ipc.instance import Instance, list_entries, unlink_instance
 from pipeline.ipc.ring import Ring
+from pipeline.ipc.segment import create_segment, shm_free_bytes, unlink_segment
+from pipeline.ipc.sweep import sweep_stale
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,6 +112,9 @@ def test_header_compiles_as_c_and_cxx_with_documented_layout(tmp_path, compiler,
         'SA(offsetof(pl_ring_shm, writer.parker) == 320, "writer parker");\n'
         'SA(offsetof(pl_ring_shm, readers) == 384 && sizeof(pl_ring_side) == 128, "readers");\n'
         'SA(offsetof(pl_signal_shm, parker) == 64 && offsetof(pl_signal_shm, seq) == 128, "signal");\n'
+        'SA(offsetof(pl_signal_shm, publisher_pid) == 16, "signal publisher pid");\n'
+        'SA(offsetof(pl_doorbell_shm, parker) == 64 && PL_DOORBELL_SIZE == 128, "doorbell");\n'
+        'SA(PL_LINE == 64, "line");\n'
         'SA(sizeof(pl_parker) == 64, "parker");\n'
         "int main(void) { pipeline_signal_publish((void *)0, -1, 0); return 0; }\n".replace(
             "pipeline_signal_publish((void *)0, -1, 0)", "(void)pipeline_signal_publish"))
@@ -125,3 +131,38 @@ def test_orphans_without_owner_record():
     unlink_segment(name)
     seg.close()
     assert list_entries(f"{os.getpid()}-abc") == []
+
+
+def test_view_names_like_its_instance_and_owns_only_what_it_creates():
+    with pytest.raises(ValueError, match="instance_id"):
+        Instance.view("")
+    with Instance() as inst:
+        view = Instance.view(inst.id)
+        assert view.name("kv.1") == inst.name("kv.1") == f"/pipeline.{inst.id}.kv.1"
+        assert list_entries(inst.id) == [f"pipeline.{inst.id}.owner"]  # no second owner record
+        seg = view.create_segment("kv", 4096)
+        assert stat.S_IMODE(os.stat(f"/dev/shm/pipeline.{inst.id}.kv").st_mode) == 0o600
+        with pytest.raises(ValueError, match="owner"):
+            view.create_semaphore("s")
+        view.cleanup()
+        assert list_entries(inst.id) == [f"pipeline.{inst.id}.owner"]
+        seg.close()
+        seg = view.create_segment("kv", 4096)
+        inst.cleanup()  # the owner leaves the view's segment alone; unlink_instance sweeps it
+        assert list_entries(inst.id) == [f"pipeline.{inst.id}.kv"]
+        assert unlink_instance(inst.id) == [f"pipeline.{inst.id}.kv"]
+        unlink_segment(seg.name)  # forget it: nothing left for this process's exit hook
+        seg.close()
+    assert list_entries(inst.id) == []
+
+
+def test_view_segment_is_unlinked_by_its_creator_on_sigterm(inst):
+    parent, child = CTX.Pipe()
+    p = CTX.Process(target=view_segment_and_wait, args=(inst.id, child), daemon=True)
+    p.start()
+    assert parent.poll(30) and parent.recv() == "ready"
+    assert list_entries(inst.id) == [f"pipeline.{inst.id}.kv.1", f"pipeline.{inst.id}.owner"]
+    os.kill(p.pid, signal.SIGTERM)
+    p.join(20)
+    assert p.exitcode == -signal.SIGTERM
+    assert list_entries(inst.id) == [f"pipeline.{inst.id}.owner"]  # the owner's is untouched

@@ -71,7 +71,7 @@ def bcast_slow_reader_then_die(name: str, index: int, ready) -> None:
 
 
 def signal_publisher(name: str, ack_name: str, steps: int, layers: int) -> None:
-    from pipeline.ipc.signal import LayerSignal
+    from pipeline.ipc.layer_signal import LayerSignal
     sig = LayerSignal.attach(name, slice_s=NO_RESCUE)
     ack = LayerSignal.attach(ack_name, slice_s=NO_RESCUE)
     sig.claim_publisher()
@@ -84,8 +84,7 @@ def signal_publisher(name: str, ack_name: str, steps: int, layers: int) -> None:
 def signal_c_publisher(name: str, lib: str, steps: int) -> None:
     """Publishes through the plain C entry point, as the CUDA host callback does."""
     import ctypes
-
-    from pipeline.ipc.signal import LayerSignal
+    from pipeline.ipc.layer_signal import LayerSignal
     sig = LayerSignal.attach(name)
     sig.claim_publisher()
     fn = ctypes.CDLL(lib).publish
@@ -95,18 +94,45 @@ def signal_c_publisher(name: str, lib: str, steps: int) -> None:
 
 
 def signal_dies_after_attach(name: str) -> None:
-    from pipeline.ipc.signal import LayerSignal
+    from pipeline.ipc.layer_signal import LayerSignal
     LayerSignal.attach(name).claim_publisher()
+
+
+def signal_create_then_die(instance_id: str, conn, how: str) -> None:
+    """Creates a layer signal as its publisher (through a view of the test's instance), waits
+    until the reader parks on it, then dies without ever publishing."""
+    import os
+    import signal
+    import time
+    from pipeline.ipc.instance import Instance
+    from pipeline.ipc.layer_signal import LayerSignal
+    sig = LayerSignal.create(Instance.view(instance_id), "early", 2)
+    conn.send(sig.name)
+    deadline = time.monotonic() + 30
+    while not sig.reader_parked() and time.monotonic() < deadline:
+        pass
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(0)  # skips atexit: the reader unlinks the name
+
+
+def view_segment_and_wait(instance_id: str, conn) -> None:
+    """Creates a segment through a view of another process's instance, then blocks until
+    killed (SIGTERM must unlink it, as for a worker's KV pool)."""
+    from pipeline.ipc.instance import Instance
+    Instance.view(instance_id).create_segment("kv.1", 4096)
+    conn.send("ready")
+    conn.recv()
 
 
 def make_instance_and_wait(conn, leak: bool) -> None:
     """Creates one of everything, reports its instance id, then blocks until killed."""
     import os
-
     from pipeline.ipc.broadcast import BroadcastRing
-    from pipeline.ipc.names import Instance, create_segment
+    from pipeline.ipc.instance import Instance
+    from pipeline.ipc.layer_signal import LayerSignal
     from pipeline.ipc.ring import Doorbell
-    from pipeline.ipc.signal import LayerSignal
+    from pipeline.ipc.segment import create_segment
     inst = Instance()
     bell = Doorbell.create(inst, "bell")
     ring = Ring.create(inst, "r", 4096, doorbell=bell, role="reader", claim=True)

@@ -1,20 +1,25 @@
 """Layer signal (worker -> cache messager): no publication is ever missed when publisher and
 waiter race, later steps satisfy earlier waits, the plain C publisher wakes a parked waiter,
-and a dead publisher raises PeerDied."""
+and a dead publisher raises PeerDied, also one that died before its first publish."""
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_ipc_procs import CTX, NO_RESCUE, signal_c_publisher, signal_dies_after_attach, signal_publisher
+from test_ipc_procs import (CTX, NO_RESCUE, signal_c_publisher, signal_create_then_die,
+                            signal_dies_after_attach, signal_publisher)
 
 from pipeline.ipc import PeerDied
-from pipeline.ipc.names import Instance, list_entries
-from pipeline.ipc.signal import LayerSignal
+from pipeline.ipc.instance import Instance, list_entries
+from pipeline.ipc.layer_signal import LayerSignal
+from pipeline.ipc.segment import unlink_segment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,3 +99,36 @@ def test_dead_publisher_raises_peer_died(inst):
     p.join(20)
     with pytest.raises(PeerDied, match="publisher"):
         sig.wait(0, 0, timeout=20)
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_publisher_dead_before_its_first_publish_raises_peer_died(inst, how):
+    # The publisher creates the signal (recording its pid) and dies once the reader parked,
+    # without publishing: the reader must see it die, not wait out its timeout.
+    parent, child = CTX.Pipe()
+    p = CTX.Process(target=signal_create_then_die, args=(inst.id, child, how), daemon=True)
+    p.start()
+    assert parent.poll(30), "publisher did not report its signal"
+    name = parent.recv()
+    sig = LayerSignal.attach(name)
+    unlink_segment(name)  # its creator dies without cleaning up; the mapping is enough
+    try:
+        assert sig.publisher_pid() == p.pid
+        t0 = time.monotonic()
+        with pytest.raises(PeerDied, match=rf"publisher \(pid {p.pid}\) died"):
+            sig.wait(0, 0, timeout=20)
+        assert time.monotonic() - t0 < 10  # a few park slices, far from the timeout
+        assert sig.published(0) == -1
+    finally:
+        sig.close()
+    p.join(20)
+    assert p.exitcode == (-signal.SIGKILL if how == "sigkill" else 0)
+
+
+def test_creator_is_the_publisher_until_one_claims(inst):
+    sig = LayerSignal.create(inst, "p", 1)
+    assert sig.publisher_pid() == os.getpid()
+    p = CTX.Process(target=signal_dies_after_attach, args=(sig.name,), daemon=True)
+    p.start()
+    p.join(20)
+    assert sig.publisher_pid() == p.pid

@@ -10,8 +10,9 @@ import pytest
 import torch
 from model_driver import Driver, make_runner, tiny_hf_model
 
-from pipeline.ipc.names import Instance, attach_segment, list_entries
-from pipeline.ipc.signal import LayerSignal
+from pipeline.ipc.instance import Instance, list_entries
+from pipeline.ipc.segment import attach_segment
+from pipeline.ipc.layer_signal import LayerSignal
 from pipeline.messages import CachedRequestData, NewRequestData, SchedulerOutput, ids_to_bytes
 from pipeline.sampling_params import SamplingParams
 

@@ -21,9 +21,9 @@ from collections.abc import Callable
 import numpy as np
 
 from pipeline.bench.report import Report
-from pipeline.ipc.names import Instance
+from pipeline.ipc.instance import Instance
+from pipeline.ipc.layer_signal import LayerSignal
 from pipeline.ipc.ring import Ring
-from pipeline.ipc.signal import LayerSignal
 
 CTX = mp.get_context("fork")
 STOP = b""

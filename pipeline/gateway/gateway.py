@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait as wait_sentinels
+from typing import Any
 
 import msgspec
 import psutil
@@ -23,8 +24,9 @@ from pipeline.config import EngineConfig
 from pipeline.gateway.supervisor import Stage, describe_exit, last_words, spawn_stage, wait_ready
 from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.errors import PeerDied
-from pipeline.ipc.names import Instance, sweep_stale, unlink_instance
+from pipeline.ipc.instance import Instance, unlink_instance
 from pipeline.ipc.ring import Doorbell, Ring, wait_any
+from pipeline.ipc.sweep import sweep_stale
 from pipeline.messages import AbortRequest, EngineStats, GatewayRequest, RequestDelta, RequestResult, error_result
 from pipeline.models.config import load_model_config
 from pipeline.runtime.process import EXIT_PEER_DIED, STOP_SIGNAL
@@ -238,10 +240,11 @@ class Gateway:
         """Per stage process: pid, liveness, RSS and CPU % since the previous call."""
         rows = []
         for s in self.stages:
-            row = {"stage": s.spec.name, "pid": s.process.pid, "alive": s.process.is_alive()}
+            pid = s.process.pid
+            assert pid is not None  # spawn_stage started every stage
+            row: dict[str, Any] = {"stage": s.spec.name, "pid": pid, "alive": s.process.is_alive()}
             try:
-                p = self._ps.get(s.process.pid) or self._ps.setdefault(
-                    s.process.pid, psutil.Process(s.process.pid))
+                p = self._ps.get(pid) or self._ps.setdefault(pid, psutil.Process(pid))
                 row |= {"rss_bytes": p.memory_info().rss, "cpu_percent": p.cpu_percent(None)}
             except (psutil.Error, TypeError):
                 pass
@@ -253,6 +256,7 @@ class Gateway:
         self.accepting = False
         for s in self.stages:
             if s.process.is_alive():
+                assert s.process.pid is not None  # alive, so started
                 try:
                     os.kill(s.process.pid, STOP_SIGNAL)
                 except ProcessLookupError:

@@ -1,5 +1,6 @@
 """Transport: the one-writer/N-reader broadcast ring (engine -> tensor-parallel workers).
 
+Owns `BroadcastRing` over pipeline._ext.shmring's `RingView`.
 State: one segment with the writer's head, one tail and parker per reader, and the records.
 Every reader sees every message in order; the writer waits for the slowest reader, and a
 dead reader (or a dead writer, seen from a reader) raises `PeerDied`.
@@ -7,8 +8,9 @@ dead reader (or a dead writer, seen from a reader) raises `PeerDied`.
 from __future__ import annotations
 
 from pipeline._ext import shmring
-from pipeline.ipc.names import Instance, attach_segment
+from pipeline.ipc.instance import Instance
 from pipeline.ipc.ring import DEFAULT_SLICE_S, DEFAULT_SPIN_US, _check_capacity
+from pipeline.ipc.segment import attach_segment
 
 
 class BroadcastRing(shmring.RingView):
@@ -21,8 +23,8 @@ class BroadcastRing(shmring.RingView):
                claim: bool = False) -> BroadcastRing:
         """Create the ring and return its writer end (claimed now if `claim`, else on send)."""
         _check_capacity(capacity)
-        if not 1 <= num_readers <= 64:
-            raise ValueError(f"num_readers={num_readers} must be within 1..64")
+        if not 1 <= num_readers <= shmring.MAX_READERS:
+            raise ValueError(f"num_readers={num_readers} must be within 1..{shmring.MAX_READERS}")
         seg = instance.create_segment(what, shmring.RingView.segment_size(num_readers, capacity))
         shmring.RingView.layout(seg, num_readers, capacity, "")
         ring = cls(seg, True, 0, None, spin_us, slice_s)

@@ -2,6 +2,7 @@
 doorbell that lets one reader block on several rings at once (the engine reads new requests,
 worker outputs and aborts).
 
+Owns `Ring`, `Doorbell` and `wait_any` over pipeline._ext.shmring's `RingView`.
 State: the ring segment (header, head/tail counters, record data, two parkers), created by an
 `Instance` and attached by name. Each end records its pid in the header when it attaches with
 a role or first sends/receives; a wait that outlives its peer raises `PeerDied`.
@@ -12,7 +13,8 @@ from collections.abc import Sequence
 from typing import Literal
 
 from pipeline._ext import shmring
-from pipeline.ipc.names import Instance, attach_segment
+from pipeline.ipc.instance import Instance
+from pipeline.ipc.segment import attach_segment
 
 Role = Literal["reader", "writer"]
 DEFAULT_SPIN_US = 20.0  # spin before parking: below a futex round trip, small on a shared box
@@ -39,7 +41,7 @@ class Doorbell:
 
     @classmethod
     def create(cls, instance: Instance, what: str) -> Doorbell:
-        seg = instance.create_segment(what, 128)
+        seg = instance.create_segment(what, shmring.DOORBELL_SIZE)
         shmring.layout_doorbell(seg)
         return cls(seg)
 

@@ -4,9 +4,10 @@ Owns the cache memory. Layout of the one allocation (CPU shared memory or one CU
 tensor): ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``, so
 each layer's K and V are contiguous and a layer can be shipped as two slabs. On CPU it is a
 POSIX shared-memory segment ``/pipeline.<instance_id>.kv`` (rank > 0 adds ``.<rank>``) that
-the cache messager maps by name (``pipeline.ipc.names.attach_segment``); it is created O_EXCL
-with mode 0600 by the transport's ``create_segment`` (space reserved up front, pre-faulted),
-unlinked on close(), and swept by ``sweep_stale`` if this process dies first.
+the cache messager maps by name (``pipeline.ipc.segment.attach_segment``); it is named and
+created O_EXCL with mode 0600 through a view of the instance (``Instance.view(id)`` of
+``pipeline.ipc.instance``; space reserved up front, pre-faulted), unlinked on close() or at
+this process's exit, and swept by ``unlink_instance``/``sweep_stale`` if this process dies first.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import posix_ipc
 import torch
 
-from pipeline.ipc.names import create_segment
+from pipeline.ipc.instance import Instance
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,8 +48,12 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
+def kv_segment_what(rank: int) -> str:
+    return "kv" + (f".{rank}" if rank else "")
+
+
 def shm_name_for(instance_id: str, rank: int) -> str:
-    return f"/pipeline.{instance_id}.kv" + (f".{rank}" if rank else "")
+    return Instance.view(instance_id).name(kv_segment_what(rank))
 
 
 class KVCache:
@@ -64,8 +69,9 @@ class KVCache:
         if device.type == "cpu":
             if not instance_id:
                 raise ValueError("instance_id is required for the CPU KV cache (it names the segment)")
-            self.shm_name = shm_name_for(instance_id, rank)
-            self._segment = create_segment(self.shm_name, nbytes)
+            instance = Instance.view(instance_id)
+            self.shm_name = instance.name(kv_segment_what(rank))
+            self._segment = instance.create_segment(kv_segment_what(rank), nbytes)
             self.buffer = torch.frombuffer(self._segment, dtype=torch.uint8).view(dtype).view(shape)
         else:
             self.buffer = torch.zeros(shape, dtype=dtype, device=device)

@@ -29,7 +29,7 @@ from pipeline.worker.kv_cache import KVCache, bytes_per_block
 from pipeline.worker.sampler import Sampler, build_metadata
 
 if TYPE_CHECKING:
-    from pipeline.ipc.signal import LayerSignal
+    from pipeline.ipc.layer_signal import LayerSignal
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
