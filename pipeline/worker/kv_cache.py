@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import posix_ipc
 import torch
 
 from pipeline.ipc.instance import Instance
+from pipeline.ipc.segment import unlink_segment
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,10 +50,6 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 
 def kv_segment_what(rank: int) -> str:
     return "kv" + (f".{rank}" if rank else "")
-
-
-def shm_name_for(instance_id: str, rank: int) -> str:
-    return Instance.view(instance_id).name(kv_segment_what(rank))
 
 
 class KVCache:
@@ -95,10 +91,8 @@ class KVCache:
             except BufferError:
                 # A caller still holds a view; the mapping dies with it, the name dies now.
                 pass
-            try:
-                posix_ipc.unlink_shared_memory(self.shm_name)
-            except posix_ipc.ExistentialError:
-                pass
+            assert self.shm_name is not None
+            unlink_segment(self.shm_name)  # and off this process's exit list
             self._segment = None
 
     def __del__(self) -> None:
