@@ -13,13 +13,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pipeline.config import DEFAULT_MODEL, EngineConfig
 from pipeline.engine.scheduler import Scheduler
 from pipeline.messages import EngineOutputs, EngineRequest, ids_to_bytes
 from pipeline.sampling_params import SamplingParams
 from pipeline.tokenizer.validate import check_prompt_text, validate_request
+
+if TYPE_CHECKING:
+    from pipeline.output.processor import OutputProcessor
+    from pipeline.tokenizer.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
@@ -46,9 +50,9 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_args)
         if not self.config.instance_id:
             self.config.instance_id = f"llm{id(self):x}"
-        self.worker = None
-        self.tokenizer = None
-        self.processor = None
+        self.worker: Any | None = None  # a ModelRunner, or an object with its interface; None once closed
+        self.tokenizer: Tokenizer | None = None
+        self.processor: OutputProcessor | None = None
         self._ids = itertools.count()
         owned = worker is None
         try:
@@ -90,17 +94,20 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True was set)")
         if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        ids = [self.tokenizer.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+            conversations = [conversations]
+        # Now a list of conversations (or empty): a single one was wrapped above.
+        ids = [self.tokenizer.apply_chat_template(c) for c in cast("list[list[dict]]", conversations)]
         return self.generate(ids, sampling_params, **kw)
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+    def generate(self, prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, priority: Sequence[int] | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        elif prompts and isinstance(prompts[0], int):  # one prompt of token ids
+            prompts = [cast("Sequence[int]", prompts)]
         params = sampling_params or SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -126,6 +133,8 @@ class LLM:
         tokens = self.encode(prompt) if text is not None else [int(t) for t in prompt]
         if sp.stop and self.processor is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True was set)")
+        if self.worker is None:
+            raise RuntimeError("this LLM is closed")
         validate_request(tokens, sp, field="prompt" if text is not None else "prompt_token_ids",
                          vocab_size=self.worker.vocab_size,
                          max_model_len=self.scheduler.max_model_len)
@@ -157,6 +166,7 @@ class LLM:
 
         sched, worker = self.scheduler, self.worker
         while sched.has_unfinished_requests():
+            assert worker is not None  # _add, which queued the requests, checked it
             so = sched.schedule()
             outs = sched.update_from_output(so, worker.execute(so))
             if self.processor is None:

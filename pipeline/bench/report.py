@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 
 def machine_info() -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(),
-            "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()}
+    info: dict[str, str | int | float | None] = {
+        "platform": platform.platform(), "python": platform.python_version(),
+        "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()}
     try:
         import psutil
         info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)

@@ -47,6 +47,7 @@ def ttft_check(a: argparse.Namespace, prompt_len: int = 1024) -> dict:
     sp = SamplingParams(max_tokens=1)
     with LLM(a.model, device=a.device, block_size=a.block_size, max_model_len=2048,
              max_num_seqs=4, max_num_batched_tokens=2048, skip_tokenizer_init=True) as llm:
+        assert llm.worker is not None  # open until the with block ends
         v = llm.worker.vocab_size
         base = [(i * 7919) % (v - 3) + 3 for i in range(prompt_len)]
         llm.generate([[3] * 16], sp)  # warm the kernels up

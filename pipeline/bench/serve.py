@@ -117,6 +117,7 @@ def _start_daemon(args) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "serve", "--model", args.model,
                              "--listen", address, *args.engine_args.split()],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None  # stderr=PIPE
     for line in proc.stderr:  # start-up log; "serving on" means it is ready
         if "serving on" in line:
             # Keep draining its log so the daemon never blocks on a full pipe.

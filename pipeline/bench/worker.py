@@ -139,6 +139,7 @@ def bench_ours(model_dir: str, batches: list[int], steps: int, prefill_tokens: i
             _, ids = s.admit(prompts, 1, f"p{rep}-")
             best = min(best, _clock() - t)
             s.finish(ids)
+        assert runner.model is not None  # set by runner.load()
         weight_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters()
                            if n != "embed_tokens" or runner.model_config.tie_word_embeddings)
         return decode, n_seq * plen / best, weight_bytes

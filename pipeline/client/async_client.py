@@ -12,7 +12,8 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from types import EllipsisType
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -52,49 +53,50 @@ class AsyncClient:
         self._closed = False
 
     async def generate(self, prompt: str | None = None, *, id: str | None = None,
-                       timeout: float | None = ..., **fields: Any) -> RequestResult:  # type: ignore[assignment]
+                       timeout: float | None | EllipsisType = ..., **fields: Any) -> RequestResult:
         """One request, its final answer (fields as in ``Client.generate``)."""
-        msg = generate_msg(prompt, id, False, fields)
+        rid, msg = generate_msg(prompt, id, False, fields)
         t = self.timeout if timeout is ... else timeout
         try:
             async with asyncio.timeout(t):
-                q = await self._submit(msg.id, msg, True)
+                q = await self._submit(rid, msg, True)
                 while not isinstance(item := await self._get(q), RequestResult):
                     pass
                 return item
         except TimeoutError:
-            await self._forget(msg.id, abort=True)
-            raise TimeoutError(f"request {msg.id!r}: no answer within {t:.3g}s") from None
+            await self._forget(rid, abort=True)
+            raise TimeoutError(f"request {rid!r}: no answer within {t:.3g}s") from None
         except asyncio.CancelledError:
-            await self._forget(msg.id, abort=True)
+            await self._forget(rid, abort=True)
             raise
 
     async def stream(self, prompt: str | None = None, *, id: str | None = None,
-                     timeout: float | None = ..., **fields: Any) -> AsyncIterator[RequestDelta | RequestResult]:  # type: ignore[assignment]
+                     timeout: float | None | EllipsisType = ...,
+                     **fields: Any) -> AsyncIterator[RequestDelta | RequestResult]:
         """Deltas, then the final answer; leaving the loop early aborts the request."""
-        msg = generate_msg(prompt, id, True, fields)
+        rid, msg = generate_msg(prompt, id, True, fields)
         t = self.timeout if timeout is ... else timeout
         done = False
         try:
-            q = await self._submit(msg.id, msg, True)
+            q = await self._submit(rid, msg, True)
             while not done:
                 try:
                     item = await asyncio.wait_for(self._get(q), t)
                 except TimeoutError:
-                    raise TimeoutError(f"request {msg.id!r}: no answer within {t:.3g}s") from None
+                    raise TimeoutError(f"request {rid!r}: no answer within {t:.3g}s") from None
                 done = isinstance(item, RequestResult)
-                yield item
+                yield cast("RequestDelta | RequestResult", item)  # all a generate's queue gets
         finally:
             if not done:
-                await self._forget(msg.id, abort=True)
+                await self._forget(rid, abort=True)
 
     async def abort(self, id: str) -> None:
         await self._send_nowait(P.encode(P.Abort(id=id)))
 
-    async def health(self, timeout: float | None = ...) -> P.HealthReply:  # type: ignore[assignment]
+    async def health(self, timeout: float | None | EllipsisType = ...) -> P.HealthReply:
         return await self._call(P.Health(id=uuid.uuid4().hex), timeout)
 
-    async def stats(self, timeout: float | None = ...) -> dict[str, Any]:  # type: ignore[assignment]
+    async def stats(self, timeout: float | None | EllipsisType = ...) -> dict[str, Any]:
         return (await self._call(P.Stats(id=uuid.uuid4().hex), timeout)).stats
 
     async def close(self) -> None:
@@ -121,7 +123,7 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, msg: P.Health | P.Stats, timeout: float | None) -> Any:
+    async def _call(self, msg: P.Health | P.Stats, timeout: float | None | EllipsisType) -> Any:
         t = self.timeout if timeout is ... else timeout
         try:
             async with asyncio.timeout(t):
@@ -145,7 +147,8 @@ class AsyncClient:
         self._waiting[rid] = (q, is_generate)
         # Not awaited: a DEALER send waits while no daemon is connected, and the caller
         # must keep waiting on its queue (answer, time-out or lost connection) meanwhile.
-        fut = self._sock.send(P.encode(msg))
+        # zmq.asyncio's send returns an asyncio.Future (its stub says only Awaitable).
+        fut = cast("asyncio.Future[zmq.MessageTracker | None]", self._sock.send(P.encode(msg)))
         if not fut.done():
             self._sending[rid] = fut
             fut.add_done_callback(lambda f: (self._sending.pop(rid, None),
@@ -203,6 +206,8 @@ class AsyncClient:
             rid, item, last = route(frame)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return
+        if rid is None:
+            return  # an error about a frame with no usable id: no request of ours waits on it
         w = self._waiting.pop(rid, None) if last else self._waiting.get(rid)
         if w is not None:
             w[0].put_nowait(item)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -28,8 +28,10 @@ class RequestError(RuntimeError):
         self.error = error
 
 
-def generate_msg(prompt: str | None, rid: str | None, stream: bool, kw: dict[str, Any]) -> P.Generate:
-    return P.Generate(id=rid or uuid.uuid4().hex, prompt=prompt, stream=stream, **kw)
+def generate_msg(prompt: str | None, rid: str | None, stream: bool, kw: dict[str, Any]) -> tuple[str, P.Generate]:
+    """The request's id (``rid``, or a new one) and its generate message."""
+    rid = rid or uuid.uuid4().hex
+    return rid, P.Generate(id=rid, prompt=prompt, stream=stream, **kw)
 
 
 def route(frame: bytes) -> tuple[str | None, object, bool]:
@@ -71,8 +73,11 @@ class Connection:
                                                             "requests in flight there are gone")
 
 
-def new_socket(ctx: zmq.Context, address: str, keys_dir: str | Path | None,
-                server_key: bytes | str | Path | None) -> zmq.Socket:
+_Socket = TypeVar("_Socket", bound=zmq.Socket)  # zmq.Socket, or zmq.asyncio.Socket for AsyncClient
+
+
+def new_socket(ctx: zmq.Context[_Socket], address: str, keys_dir: str | Path | None,
+               server_key: bytes | str | Path | None) -> _Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.SNDHWM, 0)  # never block the I/O loop on send
     sock.setsockopt(zmq.RCVHWM, 0)

@@ -14,7 +14,8 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import EllipsisType
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -67,42 +68,42 @@ class Client:
 
     # -- public API ---------------------------------------------------------------------
     def generate(self, prompt: str | None = None, *, id: str | None = None,
-                 timeout: float | None = ..., **fields: Any) -> RequestResult:  # type: ignore[assignment]
+                 timeout: float | None | EllipsisType = ..., **fields: Any) -> RequestResult:
         """One request, its final answer. ``fields``: prompt_token_ids, messages, priority,
         cache_salt and any SamplingParams field (max_tokens, temperature, stop, ...)."""
-        msg = generate_msg(prompt, id, False, fields)
-        q = self._submit(msg.id, P.encode(msg), True)
+        rid, msg = generate_msg(prompt, id, False, fields)
+        q = self._submit(rid, P.encode(msg), True)
         deadline = self._deadline(timeout)
         while True:
-            item = self._get(q, msg.id, deadline and deadline - time.monotonic())
+            item = self._get(q, rid, deadline and deadline - time.monotonic())
             if isinstance(item, RequestResult):
                 return item
 
     def stream(self, prompt: str | None = None, *, id: str | None = None,
-               timeout: float | None = ..., **fields: Any) -> Iterator[RequestDelta | RequestResult]:  # type: ignore[assignment]
+               timeout: float | None | EllipsisType = ..., **fields: Any) -> Iterator[RequestDelta | RequestResult]:
         """Deltas as they come, then the final answer. The request is sent on the first
         iteration; leaving the loop early (break, exception, garbage collection) aborts it."""
-        msg = generate_msg(prompt, id, True, fields)
-        q = self._submit(msg.id, P.encode(msg), True)
+        rid, msg = generate_msg(prompt, id, True, fields)
+        q = self._submit(rid, P.encode(msg), True)
         wait = self.timeout if timeout is ... else timeout
         done = False
         try:
             while not done:
-                item = self._get(q, msg.id, wait)
+                item = self._get(q, rid, wait)
                 done = isinstance(item, RequestResult)
-                yield item  # type: ignore[misc]
+                yield cast("RequestDelta | RequestResult", item)  # all a generate's queue gets
         finally:
             if not done:
-                self._forget(msg.id, abort=True)
+                self._forget(rid, abort=True)
 
     def abort(self, id: str) -> None:
         """Ask the daemon to abort; the request's waiter gets a final with "abort"."""
         self._send(P.encode(P.Abort(id=id)))
 
-    def health(self, timeout: float | None = ...) -> P.HealthReply:  # type: ignore[assignment]
+    def health(self, timeout: float | None | EllipsisType = ...) -> P.HealthReply:
         return self._call(P.Health(id=uuid.uuid4().hex), timeout)
 
-    def stats(self, timeout: float | None = ...) -> dict[str, Any]:  # type: ignore[assignment]
+    def stats(self, timeout: float | None | EllipsisType = ...) -> dict[str, Any]:
         return self._call(P.Stats(id=uuid.uuid4().hex), timeout).stats
 
     def close(self) -> None:
@@ -122,11 +123,11 @@ class Client:
         self.close()
 
     # -- internals ----------------------------------------------------------------------
-    def _deadline(self, timeout: float | None) -> float | None:
+    def _deadline(self, timeout: float | None | EllipsisType) -> float | None:
         t = self.timeout if timeout is ... else timeout
         return None if t is None else time.monotonic() + t
 
-    def _call(self, msg: P.Health | P.Stats, timeout: float | None) -> Any:
+    def _call(self, msg: P.Health | P.Stats, timeout: float | None | EllipsisType) -> Any:
         q = self._submit(msg.id, P.encode(msg), False)
         return self._get(q, msg.id, self.timeout if timeout is ... else timeout, abort=False)
 
@@ -186,7 +187,7 @@ class Client:
                         self._try_send(ping)
                     next_ping = now + self._hb
                 poller.register(sock, zmq.POLLIN | (zmq.POLLOUT if backlog else 0))
-                events = dict(poller.poll(max(next_ping - now, 0.0) * 1000))
+                events = dict(poller.poll(int(max(next_ping - now, 0.0) * 1000)))
                 if self._wake_r in events:
                     os.read(self._wake_r, 65536)
                 self._drain_out(backlog)
@@ -253,6 +254,8 @@ class Client:
             rid, item, last = route(frame)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return  # not our protocol (a newer daemon?): nobody to route it to
+        if rid is None:
+            return  # an error about a frame with no usable id: no request of ours waits on it
         with self._lock:
             w = self._waiting.pop(rid, None) if last else self._waiting.get(rid)
         if w is not None:  # else: a request given up on (time-out, abandoned stream)

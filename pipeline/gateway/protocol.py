@@ -217,9 +217,10 @@ def decode_client(frame: bytes, max_frame_bytes: int = MAX_FRAME_BYTES) -> Clien
         raise ProtocolError(invalid(f"frame is not valid msgpack: {exc}")) from None
     if msg.v != PROTOCOL_VERSION:
         rid = getattr(msg, "id", None)
+        tag = msg.__struct_config__.tag  # a str for every ClientMsg
         raise ProtocolError(invalid(f"field `v`: protocol version {msg.v} is not supported "
                                     f"(this daemon speaks {PROTOCOL_VERSION})", "unsupported_version"),
-                            rid if isinstance(rid, str) else None, msg.__struct_config__.tag)
+                            rid if isinstance(rid, str) else None, tag if isinstance(tag, str) else None)
     return msg
 
 

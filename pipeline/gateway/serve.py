@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import msgspec
@@ -30,6 +31,9 @@ from pipeline.gateway.sessions import ClientSessions, DuplicateRequestId
 from pipeline.gateway.supervisor import StartupError
 from pipeline.gateway.systemd import Notifier
 from pipeline.messages import RequestResult, error_result
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7001"
 
@@ -76,7 +80,7 @@ class Server:
         self.stop = threading.Event()
         self.draining: threading.Thread | None = None
         self.sock: zmq.Socket | None = None
-        self.auth = None  # the CURVE authenticator thread, when --curve-keys
+        self.auth: ThreadAuthenticator | None = None  # the CURVE authenticator thread, when --curve-keys
         # Gateway-only counters; finished requests by reason are in the metrics.
         self.counters = {"requests_received": 0, "requests_rejected": 0, "malformed_frames": 0,
                          "clients_dropped": 0}
@@ -89,7 +93,8 @@ class Server:
         except BlockingIOError:
             pass  # the pipe is full, so the loop is awake anyway
 
-    def _reply(self, identity: bytes, msg) -> bool:
+    def _reply(self, identity: bytes, msg: P.ReplyMsg) -> bool:
+        assert self.sock is not None  # set by serve(), whose loop is the only caller
         try:
             self.sock.send_multipart([identity, P.encode(msg)], flags=zmq.NOBLOCK)
             return True
@@ -116,15 +121,16 @@ class Server:
                 out = self.answers.get_nowait()
             except queue.Empty:
                 return
-            final = isinstance(out, RequestResult)
-            if final:
+            if isinstance(out, RequestResult):
                 self.metrics.observe_result(out)
-            owner = self.sessions.finish(out.id) if final else self.sessions.owner(out.id)
+                owner = self.sessions.finish(out.id)
+            else:
+                owner = self.sessions.owner(out.id)
             if owner is None:
                 continue  # its client is gone; the engine was told to abort it
             identity, client_id = owner
             out = msgspec.structs.replace(out, id=client_id)
-            self._reply(identity, P.Final(result=out) if final else P.Delta(delta=out))
+            self._reply(identity, P.Final(result=out) if isinstance(out, RequestResult) else P.Delta(delta=out))
 
     def _handle_frame(self, identity: bytes, frame: bytes, now: float) -> None:
         self.sessions.seen(identity, now)
@@ -220,7 +226,7 @@ class Server:
         self.draining.start()
 
     def serve(self) -> int:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket] = zmq.Context.instance()
         self.sock = sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.LINGER, 1000)

@@ -54,7 +54,8 @@ def wait_ready(stages: list[Stage], timeout_s: float) -> dict:
                                f"did not become ready within {timeout_s:.0f}s")
         by_sentinel = {s.process.sentinel: s for s in pending.values()}
         for obj in wait_objects([*pending, *by_sentinel], timeout=min(left, 1.0)):
-            stage = pending.get(obj) or by_sentinel.get(obj)
+            stage = (pending.get(obj) if isinstance(obj, Connection)
+                     else by_sentinel.get(obj) if isinstance(obj, int) else None)
             if stage is None or stage.ctrl not in pending:
                 continue
             try:
