@@ -18,6 +18,7 @@ from pipeline.client import Client
 from pipeline.messages import RequestResult
 
 NUM_CLIENTS = 8
+MAX_TOKENS = 240  # ENGINE_FLAGS' max_model_len of 256 less the prompt: as long as a request can run
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def load(d: Daemon) -> tuple[list[threading.Thread], dict[str, tuple[float, Requ
     def client(i: int) -> None:
         with Client(d.address, timeout=60) as c:
             first = True
-            for item in c.stream("x " * (i + 1), id=f"k{i}", max_tokens=200, temperature=0,
+            for item in c.stream("x " * (i + 1), id=f"k{i}", max_tokens=MAX_TOKENS, temperature=0,
                                  ignore_eos=True):
                 if first:
                     running.release()
@@ -61,8 +62,14 @@ def test_stage_killed_under_load(model, stage):
         for t in threads:
             t.join(10)
         assert len(answers) == NUM_CLIENTS, answers
-        for at, res in answers.values():
-            assert res.finish_reason == "error" and res.error.code == "stage_died", res
+        died = [(at, res) for at, res in answers.values() if res.finish_reason == "error"]
+        # On a loaded machine the first client may finish before the last one starts: a
+        # request that completed is a correct answer, not a lost one.
+        done = [res for _, res in answers.values() if res.finish_reason != "error"]
+        assert all(r.finish_reason == "length" and len(r.token_ids) == MAX_TOKENS for r in done), done
+        assert died, answers
+        for at, res in died:
+            assert res.error.code == "stage_died", res
             assert stage in res.error.message and "SIGKILL" in res.error.message
             assert at - killed_at < 2.0, (stage, at - killed_at)
         assert d.proc.wait(30) != 0
