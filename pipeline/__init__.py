@@ -1,14 +1,20 @@
-"""pipeline: an LLM serving engine whose stages are OS processes joined by shared-memory rings."""
+"""pipeline: an LLM serving engine whose stages are OS processes joined by shared-memory rings.
+
+The in-process API (``LLM`` and what it returns) is loaded on first use, so a process that
+only needs ``SamplingParams`` (a client) does not import the engine.
+"""
 from __future__ import annotations
 
 from pipeline.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
+
+_LLM_NAMES = ("LLM", "CompletionOutput", "Logprob", "RequestOutput")
 
 
 def __getattr__(name: str):
-    if name == "LLM":
-        from pipeline.llm import LLM
-        return LLM
+    if name in _LLM_NAMES:
+        import pipeline.llm
+        return getattr(pipeline.llm, name)
     raise AttributeError(name)

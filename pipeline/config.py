@@ -1,6 +1,7 @@
 """Shared by every stage: the engine configuration, built once by the entry point.
 
-The gateway parses flags into an EngineConfig and hands it (msgspec-encoded) to each stage.
+The gateway parses flags into an EngineConfig, checks it (``EngineConfig.check``, before
+anything loads) and hands it (msgspec-encoded) to each stage. Owns no state.
 """
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ from pathlib import Path
 import msgspec
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "default_model")
+MAX_BLOCK_SIZE = 256
+CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16", "float16"),
+           "preemption_policy": ("newest", "lowest_priority")}
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -32,6 +40,31 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     seed: int = 0
     instance_id: str = ""
 
+    def check(self) -> None:
+        """Raise ValueError naming the flag and its limit for a value no stage could run with
+        (called by ``config_from_args``, before the model loads)."""
+        ranges = (("max_num_seqs", 1, None), ("max_num_batched_tokens", 1, None),
+                  ("tensor_parallel_size", 1, None), ("num_blocks", 0, None),
+                  ("kv_cache_memory", 0, None), ("max_model_len", 0, None),
+                  ("long_prefill_token_threshold", 0, None), ("worker_threads", 0, None),
+                  ("seed", 0, 2**64 - 1))
+        for name, lo, hi in ranges:
+            v = getattr(self, name)
+            if v < lo or (hi is not None and v > hi):
+                limit = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+                raise ValueError(f"{_flag(name)} must be {limit}, got {v}")
+        bs = self.block_size
+        if bs and not (0 < bs <= MAX_BLOCK_SIZE and bs & (bs - 1) == 0):
+            raise ValueError(f"{_flag('block_size')} must be 0 (automatic) or a power of two up to "
+                             f"{MAX_BLOCK_SIZE}, got {bs}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"{_flag('gpu_memory_utilization')} must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got "
+                                 f"{getattr(self, name)!r}")
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
@@ -47,9 +80,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     p.add_argument("--model", default=d.model, help="checkpoint directory (Hugging Face format)")
-    p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--device", default=d.device, choices=CHOICES["device"])
+    p.add_argument("--dtype", default=d.dtype, choices=CHOICES["dtype"])
+    p.add_argument("--block-size", type=int, default=d.block_size,
+                   help=f"tokens per KV block: a power of two up to {MAX_BLOCK_SIZE} (0: 16 on CPU, 64 on GPU)")
     p.add_argument("--num-blocks", type=int, default=d.num_blocks)
     p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes (CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
@@ -58,7 +92,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--preemption-policy", default=d.preemption_policy, choices=["newest", "lowest_priority"])
+    p.add_argument("--preemption-policy", default=d.preemption_policy, choices=CHOICES["preemption_policy"])
     p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
     p.add_argument("--worker-threads", type=int, default=d.worker_threads,
                    help="CPU torch threads of the worker (0: PIPELINE_WORKER_THREADS or cores - 1)")
@@ -66,8 +100,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(a: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the engine flags; ValueError naming a flag whose value is out of range."""
     fields = {f: getattr(a, f) for f in EngineConfig.__struct_fields__ if hasattr(a, f)}
     cfg = EngineConfig(**fields)
+    cfg.check()
     if not cfg.instance_id:
         cfg.instance_id = f"{os.getpid():x}"
     return cfg

@@ -1,43 +1,105 @@
-"""In-process engine: ``pipeline.LLM(model=..., **engine_args).generate(prompts, params)``.
+"""In-process engine with vLLM's offline API: ``pipeline.LLM(model=..., **engine_args)``, then
+``generate(prompts, sampling_params)`` / ``chat(messages, ...)`` -> ``list[RequestOutput]``.
+docs/python_api.md says what still differs from vLLM.
 
 Runs the same objects as the stage pipeline, in one process and one thread: the tokenizer
 and its request validator, the engine's Scheduler, the worker's ModelRunner (or any object
 with its interface, e.g. the FakeWorker) and the token processor's OutputProcessor
-(detokenization, stop strings). Owns them for its
-lifetime; ``close()`` (or the context manager) releases the worker's KV cache.
+(detokenization, stop strings); without a tokenizer, ``_RawOutputs`` collects token ids and
+timings instead. A prompt is a string, a list of token ids, a vLLM prompt dict or a request
+dict of pipe mode / ZMQ (read by the same parser, so one request dict works on every path).
+
+Owns those objects for its lifetime; ``close()`` (or the context manager) releases the
+worker's KV cache. Its shared-memory segment records this process as its owner
+(``Instance.join`` in the worker's KV cache), and every start sweeps the segments of dead
+owners, so an LLM killed by SIGKILL leaves nothing behind past the next start.
+State: the stages' objects and the request-id counter.
 """
 from __future__ import annotations
 
 import itertools
+import numbers
+import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TextIO, cast
+
+import msgspec
 
 from pipeline.config import DEFAULT_MODEL, EngineConfig
 from pipeline.engine.scheduler import Scheduler
-from pipeline.messages import EngineOutputs, EngineRequest, ids_to_bytes
+from pipeline.messages import (
+    EngineOutput,
+    EngineOutputs,
+    EngineRequest,
+    ErrorInfo,
+    RequestResult,
+    Timings,
+    TokenLogprobs,
+    Usage,
+    ids_to_bytes,
+)
+from pipeline.messages.answers import Completion
 from pipeline.sampling_params import SamplingParams
-from pipeline.tokenizer.validate import check_prompt_text, validate_request
+from pipeline.tokenizer.validate import InvalidRequest, check_prompt_text, one_prompt_field, prepare_request
 
 if TYPE_CHECKING:
     from pipeline.output.processor import OutputProcessor
     from pipeline.tokenizer.tokenizer import Tokenizer
 
+MULTI_MODAL_FIELDS = ("multi_modal_data", "mm_processor_kwargs")
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One candidate token's log-probability at one position (vLLM's ``Logprob``)."""
+    logprob: float
+    rank: int | None = None  # 1 = most likely; None for a sampled token outside the top-N
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of a request's ``n`` completions (vLLM's ``CompletionOutput``)."""
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None  # per position: sampled token first, then top-N
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 @dataclass(slots=True)
 class RequestOutput:
+    """A request's final answer (vLLM's ``RequestOutput``); ``error`` is ours: why a completion
+    finished with "error" or "abort"."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    metrics: Timings | None = None
+    num_cached_tokens: int | None = None
+    error: ErrorInfo | None = None
+
+
+@dataclass(slots=True)
+class _Prompt:
+    """A validated prompt of one generate/chat call, before it is queued."""
+    request_id: str  # the caller's (a request dict's "id") or ours; the engine uses `rid`
+    rid: str
+    text: str | None
     token_ids: list[int]
-    finish_reason: str
-    num_cached_tokens: int
-    metrics: Any  # pipeline.messages.Timings
-    stop_reason: int | str | None = None
-    logprobs: list | None = None
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
 
 
 class LLM:
@@ -47,17 +109,24 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}; valid: "
                             f"{sorted(EngineConfig.__struct_fields__)}")
+        from pipeline.ipc.instance import new_instance_id
+
         self.config = EngineConfig(model=model, **engine_args)
-        if not self.config.instance_id:
-            self.config.instance_id = f"llm{id(self):x}"
+        self.config.check()  # a bad value is named before anything loads
+        # "<pid>-<hex>": unique across processes (the KV segment is named after it).
+        self.config.instance_id = self.config.instance_id or new_instance_id()
         self.worker: Any | None = None  # a ModelRunner, or an object with its interface; None once closed
         self.tokenizer: Tokenizer | None = None
         self.processor: OutputProcessor | None = None
+        self._raw = _RawOutputs()  # used instead of the processor without a tokenizer
         self._ids = itertools.count()
         owned = worker is None
         try:
             if owned:
+                from pipeline.ipc.sweep import sweep_stale
                 from pipeline.worker.model_runner import ModelRunner
+
+                sweep_stale()  # segments of killed LLMs and servers: their owners are dead
                 worker = ModelRunner(self.config)
                 self.worker = worker
                 worker.load()
@@ -82,124 +151,61 @@ class LLM:
             raise ValueError(f"{exc}; pass skip_tokenizer_init=True and token-id prompts") from None
         self.processor = OutputProcessor(DetokenizerTable(self.tokenizer.tok))
 
-    def encode(self, prompt: str) -> list[int]:
+    def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
-            raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True was set)")
-        return self.tokenizer.encode(prompt)
+            raise ValueError("no tokenizer: skip_tokenizer_init=True was set")
+        return self.tokenizer
 
-    def chat(self, conversations: list[list[dict]] | list[dict],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             **kw: Any) -> list[RequestOutput]:
-        """Like ``generate`` on chat messages rendered with the model's chat template."""
-        if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True was set)")
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        # Now a list of conversations (or empty): a single one was wrapped above.
-        ids = [self.tokenizer.apply_chat_template(c) for c in cast("list[list[dict]]", conversations)]
-        return self.generate(ids, sampling_params, **kw)
-
-    def generate(self, prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, priority: Sequence[int] | None = None,
+    # ---- the API ----------------------------------------------------------------------------
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool | None = None, priority: Sequence[int] | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the prompts' order."""
-        if isinstance(prompts, str):
+        """Run every prompt to completion; outputs come back in the prompts' order.
+
+        ``prompts``: one prompt or a sequence of them, each a string, a list of token ids, or
+        a dict: vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``, or a request
+        of pipe mode / ZMQ (``messages``, sampling fields, ``priority``, ``cache_salt``, ``id``;
+        its sampling fields override ``sampling_params``). ``use_tqdm``: a progress bar on
+        stderr; None shows it when stderr is a terminal."""
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        elif prompts and isinstance(prompts[0], int):  # one prompt of token ids
-            prompts = [cast("Sequence[int]", prompts)]
-        params = sampling_params or SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        ids: list[str] = []
-        meta: dict[str, tuple[str | None, list[int], float]] = {}
-        try:
-            for i, (p, sp) in enumerate(zip(prompts, params)):
-                rid = self._add(p, sp, priority[i] if priority else 0, cache_salt, meta)
-                ids.append(rid)
-            results = self._run(meta)
-        except BaseException:
-            self._abort(list(meta))
-            raise
-        return [results[rid] for rid in ids]
+        else:
+            prompts = list(prompts)
+            if prompts and _is_token_id(prompts[0]):  # one prompt of token ids
+                prompts = [prompts]
+        params = _per_prompt(sampling_params, len(prompts))
+        prios = [0] * len(prompts) if priority is None else list(priority)
+        if len(prios) != len(prompts):
+            raise InvalidRequest(f"priority: got {len(prios)} values for {len(prompts)} prompts")
+        batch = []
+        for i, (p, sp, prio) in enumerate(zip(prompts, params, prios)):
+            try:
+                batch.append(self._prompt(p, sp, prio, cache_salt))
+            except ValueError as exc:
+                raise InvalidRequest(f"prompts[{i}]: {exc}") from None
+        return self._run_batch(batch, use_tqdm)
 
-    def _add(self, prompt, sp: SamplingParams, priority: int, salt: str | None,
-             meta: dict) -> str:
-        text = prompt if isinstance(prompt, str) else None
-        if text is not None:
-            check_prompt_text(text)
-        tokens = self.encode(prompt) if text is not None else [int(t) for t in prompt]
-        if sp.stop and self.processor is None:
-            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True was set)")
-        if self.worker is None:
-            raise RuntimeError("this LLM is closed")
-        validate_request(tokens, sp, field="prompt" if text is not None else "prompt_token_ids",
-                         vocab_size=self.worker.vocab_size,
-                         max_model_len=self.scheduler.max_model_len)
-        rid = f"llm-{next(self._ids)}"
-        now = time.time()
-        self.scheduler.add_request(EngineRequest(rid, ids_to_bytes(tokens), sp, now,
-                                                 list(self.worker.eos_token_ids), priority, salt))
-        if self.processor is not None:
-            self.processor.add_request(rid, sp, now, prompt_token_ids=tokens[-8:],
-                                       num_prompt_tokens=len(tokens))
-        meta[rid] = (text, tokens, now)
-        return rid
-
-    def _run(self, meta: dict) -> dict[str, RequestOutput]:
-        from pipeline.messages import RequestResult, Timings
-
-        results: dict[str, RequestOutput] = {}
-        # Without a token processor (no tokenizer) the timings are kept here.
-        raw: dict[str, list[int]] = {rid: [] for rid in meta}
-        timings = {rid: Timings(arrival_time=arrival) for rid, (_, _, arrival) in meta.items()}
-        last: dict[str, float] = {}
-
-        def emit(r) -> None:
-            if isinstance(r, RequestResult):
-                text, toks, _ = meta[r.id]
-                results[r.id] = RequestOutput(r.id, text, toks, r.text, r.token_ids,
-                                              r.finish_reason, r.usage.cached_tokens, r.timings,
-                                              r.stop_reason, r.logprobs)
-
-        sched, worker = self.scheduler, self.worker
-        while sched.has_unfinished_requests():
-            assert worker is not None  # _add, which queued the requests, checked it
-            so = sched.schedule()
-            outs = sched.update_from_output(so, worker.execute(so))
-            if self.processor is None:
-                now = time.time()
-                for o in outs:
-                    raw[o.req_id] += o.new_token_ids
-                    t = timings[o.req_id]
-                    if o.new_token_ids:
-                        if t.first_token_time is None:
-                            t.first_token_time, t.ttft = now, now - t.arrival_time
-                        else:
-                            t.itl.append(now - last[o.req_id])
-                        last[o.req_id] = now
-                    if o.finish_reason is not None:
-                        text, toks, _ = meta[o.req_id]
-                        t.first_scheduled_time = o.first_scheduled_time or None
-                        if t.first_scheduled_time:
-                            t.queue_time = t.first_scheduled_time - t.arrival_time
-                        t.finish_time, t.e2e = now, now - t.arrival_time
-                        results[o.req_id] = RequestOutput(o.req_id, text, toks, "", raw[o.req_id],
-                                                          o.finish_reason, o.num_cached_tokens,
-                                                          t, o.stop_reason)
-                continue
-            stopped = self.processor.process(EngineOutputs(outs, time.time()), emit)
-            if stopped:  # a stop string ended them: the engine frees their blocks now
-                sched.abort_requests(stopped, reason="stop")
-        return results
-
-    def _abort(self, rids: list[str]) -> None:
-        self.scheduler.abort_requests(rids)
-        if self.processor is not None:
-            for rid in rids:
-                self.processor.abort(rid)
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | None = None, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """``generate`` on conversations (one, or a list of them) rendered with the model's
+        chat template, or ``chat_template``; ``chat_template_kwargs`` become template
+        variables (e.g. ``tools``)."""
+        convs = cast("list[list[dict]]", [messages] if messages and isinstance(messages[0], dict)
+                     else list(messages))
+        params = _per_prompt(sampling_params, len(convs))
+        options = dict(chat_template_kwargs or {}, chat_template=chat_template,
+                       continue_final_message=continue_final_message)
+        batch = []
+        for i, (conv, sp) in enumerate(zip(convs, params)):
+            try:
+                text, ids = self._render(conv, add_generation_prompt, options)
+                batch.append(self._make(text, ids, "messages", sp, 0, None, None))
+            except ValueError as exc:
+                raise InvalidRequest(f"conversations[{i}]: {exc}" if len(convs) > 1 else str(exc)) from None
+        return self._run_batch(batch, use_tqdm)
 
     def stats(self) -> dict[str, int | float]:
         return self.scheduler.stats().as_dict()
@@ -214,3 +220,300 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ---- prompts ----------------------------------------------------------------------------
+    def _prompt(self, p: Any, sp: SamplingParams, priority: int, salt: str | None) -> _Prompt:
+        if isinstance(p, str):
+            check_prompt_text(p)
+            return self._make(p, self._encode(p), "prompt", sp, priority, salt, None)
+        if isinstance(p, dict):
+            return self._from_dict(p, sp, priority, salt)
+        if isinstance(p, Sequence):
+            ids = []
+            for j, t in enumerate(p):
+                if not _is_token_id(t):
+                    raise InvalidRequest(f"field `prompt_token_ids[{j}]`: token ids must be integers, "
+                                         f"got {type(t).__name__}")
+                ids.append(int(t))
+            return self._make(None, ids, "prompt_token_ids", sp, priority, salt, None)
+        raise InvalidRequest(f"a prompt must be a string, a list of token ids or a dict, got {type(p).__name__}")
+
+    def _from_dict(self, p: dict, sp: SamplingParams, priority: int, salt: str | None) -> _Prompt:
+        """vLLM's prompt dicts and pipe mode's / ZMQ's request dicts, by the protocol's parser."""
+        from pipeline.gateway.protocol import request_from_json
+
+        for key in MULTI_MODAL_FIELDS:
+            if key in p:
+                raise InvalidRequest(f"field `{key}`: multi-modal input is not supported "
+                                     "(text-only models)")
+        gen, sp = request_from_json(p, msgspec.structs.asdict(sp))
+        field = one_prompt_field(prompt=gen.prompt, prompt_token_ids=gen.prompt_token_ids,
+                                 messages=gen.messages)
+        priority = gen.priority if "priority" in p else priority
+        salt = salt if gen.cache_salt is None else gen.cache_salt
+        rid = None if gen.id is None else str(gen.id)
+        if gen.messages is not None:
+            text, ids = self._render(msgspec.to_builtins(gen.messages), True, {})
+        elif gen.prompt is not None:
+            check_prompt_text(gen.prompt)
+            text, ids = gen.prompt, self._encode(gen.prompt)
+        else:
+            text, ids = None, list(gen.prompt_token_ids or [])
+        return self._make(text, ids, field, sp, priority, salt, rid)
+
+    def _render(self, conv: list[dict], add_generation_prompt: bool,
+                options: dict[str, Any]) -> tuple[str, list[int]]:
+        tok = self.get_tokenizer()
+        text = tok.render_chat(conv, add_generation_prompt, **options)
+        return text, tok.encode(text, add_special_tokens=False)  # the template places BOS
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequest("text prompts need a tokenizer (skip_tokenizer_init=True was set)")
+        return self.tokenizer.encode(text)
+
+    def _make(self, text: str | None, ids: list[int], field: str, sp: SamplingParams,
+              priority: int, salt: str | None, request_id: str | None) -> _Prompt:
+        if self.worker is None:
+            raise RuntimeError("this LLM is closed")
+        tok = self.tokenizer
+        if tok is None and (sp.stop or sp.bad_words):
+            raise InvalidRequest("stop strings and bad_words need a tokenizer "
+                                 "(skip_tokenizer_init=True was set)")
+        ids, sp = prepare_request(
+            ids, sp, field=field, vocab_size=self.worker.vocab_size,
+            max_model_len=self.scheduler.max_model_len,
+            encode=None if tok is None else lambda w: tok.encode(w, add_special_tokens=False))
+        rid = f"llm-{next(self._ids)}"
+        return _Prompt(request_id or rid, rid, text, ids, sp, priority, salt)
+
+    # ---- running ----------------------------------------------------------------------------
+    def _run_batch(self, batch: list[_Prompt], use_tqdm: bool | None) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        queued: list[str] = []
+        progress = _Progress(len(batch), use_tqdm)
+        try:
+            by_rid = {}
+            for pr in batch:
+                self._add(pr)
+                queued.append(pr.rid)
+                by_rid[pr.rid] = pr
+
+            def emit(r: RequestResult) -> None:
+                pr = by_rid[r.id]
+                results[r.id] = self._output(r, pr)
+                progress.update(len(pr.token_ids), r.usage.completion_tokens)
+
+            self._run(emit)
+        except BaseException:
+            self._abort([rid for rid in queued if rid not in results])
+            raise
+        finally:
+            progress.close()
+        return [results[pr.rid] for pr in batch]
+
+    def _add(self, pr: _Prompt) -> None:
+        assert self.worker is not None  # _make checked it
+        now = time.time()
+        self.scheduler.add_request(EngineRequest(pr.rid, ids_to_bytes(pr.token_ids), pr.params, now,
+                                                 list(self.worker.eos_token_ids), pr.priority,
+                                                 pr.cache_salt))
+        if self.processor is not None:
+            self.processor.add_request(pr.rid, pr.params, now, prompt_token_ids=pr.token_ids[-8:],
+                                       num_prompt_tokens=len(pr.token_ids))
+        else:
+            self._raw.add(pr.rid, pr.params, now, len(pr.token_ids))
+
+    def _run(self, emit: Callable[[RequestResult], None]) -> None:
+        def answer(r: Any) -> None:  # the processor's deltas are for streams: none here
+            if isinstance(r, RequestResult):
+                emit(r)
+
+        sched, worker = self.scheduler, self.worker
+        assert worker is not None  # _make, which built the requests, checked it
+        while sched.has_unfinished_requests():
+            so = sched.schedule()
+            outs = sched.update_from_output(so, worker.execute(so))
+            if self.processor is None:
+                self._raw.process(outs, time.time(), emit)
+                continue
+            stopped = self.processor.process(EngineOutputs(outs, time.time()), answer)
+            if stopped:  # a stop string ended them: the engine frees their blocks now
+                sched.abort_requests(stopped, reason="stop")
+
+    def _abort(self, rids: list[str]) -> None:
+        self.scheduler.abort_requests(rids)
+        for rid in rids:
+            if self.processor is not None:
+                self.processor.abort(rid)
+            else:
+                self._raw.abort(rid)
+
+    # ---- answers ----------------------------------------------------------------------------
+    def _output(self, r: RequestResult, pr: _Prompt) -> RequestOutput:
+        completions = r.outputs or [Completion(
+            index=0, text=r.text, token_ids=r.token_ids, finish_reason=r.finish_reason,
+            stop_reason=r.stop_reason, logprobs=r.logprobs, cumulative_logprob=r.cumulative_logprob)]
+        outputs = [CompletionOutput(c.index, c.text, c.token_ids, c.cumulative_logprob,
+                                    None if c.logprobs is None else [self._position(x) for x in c.logprobs],
+                                    c.finish_reason, c.stop_reason) for c in completions]
+        prompt_logprobs = None if r.prompt_logprobs is None else \
+            [None if x is None else self._position(x) for x in r.prompt_logprobs]
+        return RequestOutput(pr.request_id, pr.text, pr.token_ids, prompt_logprobs, outputs,
+                             True, r.timings, r.usage.cached_tokens, r.error)
+
+    def _position(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        """One position's logprobs as vLLM shows them: the sampled token first, then the top-N
+        by rank (a token in both appears once, with its rank)."""
+        ranks = {t: i for i, t in enumerate(lp.top_ids, 1)}
+        out = {lp.token_id: Logprob(lp.logprob, ranks.get(lp.token_id), self._decode1(lp.token_id))}
+        for t, x in zip(lp.top_ids, lp.top_logprobs):
+            if t not in out:
+                out[t] = Logprob(x, ranks[t], self._decode1(t))
+        return out
+
+    def _decode1(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _is_token_id(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * n
+    values = list(sampling_params)
+    if len(values) != n:
+        raise InvalidRequest(f"sampling_params: got {len(values)} for {n} prompts")
+    return values
+
+
+@dataclass(slots=True)
+class _RawState:
+    params: SamplingParams
+    timings: Timings
+    num_prompt_tokens: int
+    tokens: dict[int, list[int]]  # completion index -> token ids
+    logprobs: dict[int, list[TokenLogprobs]]
+    prompt_logprobs: list[TokenLogprobs | None]  # [None]: the first prompt token has none
+    finished: dict[int, EngineOutput] = field(default_factory=dict)  # index -> its final output
+    last_time: float = 0.0
+    cached_tokens: int = 0
+
+
+class _RawOutputs:
+    """The token processor's bookkeeping for an LLM without a tokenizer: token ids, logprobs and
+    timings per request and completion (``EngineOutput.index``), one answer per request once
+    all its ``n`` completions finished. State: one ``_RawState`` per unfinished request."""
+
+    def __init__(self) -> None:
+        self._reqs: dict[str, _RawState] = {}
+
+    def add(self, rid: str, sp: SamplingParams, arrival: float, num_prompt_tokens: int) -> None:
+        self._reqs[rid] = _RawState(sp, Timings(arrival_time=arrival), num_prompt_tokens,
+                                    {i: [] for i in range(sp.n)}, {i: [] for i in range(sp.n)}, [None])
+
+    def abort(self, rid: str) -> None:
+        self._reqs.pop(rid, None)
+
+    def process(self, outs: list[EngineOutput], now: float, emit: Callable[[RequestResult], None]) -> None:
+        stepped: set[str] = set()  # requests whose timings this step already counted
+        for o in outs:
+            st = self._reqs.get(o.req_id)
+            if st is None:
+                continue
+            t = st.timings
+            if o.first_scheduled_time and t.first_scheduled_time is None:
+                t.first_scheduled_time = o.first_scheduled_time
+                t.queue_time = o.first_scheduled_time - t.arrival_time
+            st.cached_tokens = max(st.cached_tokens, o.num_cached_tokens)
+            if o.new_token_ids and o.req_id not in stepped:
+                stepped.add(o.req_id)
+                if t.first_token_time is None:
+                    t.first_token_time, t.ttft = now, now - t.arrival_time
+                else:
+                    t.itl.append(now - st.last_time)
+                st.last_time = now
+            st.tokens[o.index] += o.new_token_ids
+            if o.logprobs:
+                st.logprobs[o.index] += o.logprobs
+            if o.prompt_logprobs:
+                st.prompt_logprobs += o.prompt_logprobs
+            if o.finish_reason is not None:
+                st.finished[o.index] = o
+            if len(st.finished) == st.params.n:
+                del self._reqs[o.req_id]
+                emit(self._result(o.req_id, st, now))
+
+    def _result(self, rid: str, st: _RawState, now: float) -> RequestResult:
+        t = st.timings
+        t.finish_time, t.e2e = now, now - t.arrival_time
+        sp = st.params
+        completions = []
+        for i in range(sp.n):
+            lps = st.logprobs[i] if sp.logprobs is not None else None
+            completions.append(Completion(
+                index=i, text="", token_ids=st.tokens[i], finish_reason=st.finished[i].finish_reason or "error",
+                stop_reason=st.finished[i].stop_reason, logprobs=lps,
+                cumulative_logprob=None if lps is None else sum(x.logprob for x in lps)))
+        first = completions[0]
+        # A completion that failed or was aborted makes the request's answer say so.
+        failed = next((c for c in completions if c.finish_reason in ("error", "abort")), None)
+        error = None
+        if failed is not None:
+            why = st.finished[failed.index].error or f"the engine ended completion {failed.index}"
+            error = ErrorInfo("aborted" if failed.finish_reason == "abort" else "engine_error", why)
+        return RequestResult(
+            id=rid, text="", token_ids=first.token_ids,
+            finish_reason=(failed or first).finish_reason,
+            usage=Usage(st.num_prompt_tokens, sum(len(c.token_ids) for c in completions), st.cached_tokens),
+            timings=t, error=error, stop_reason=first.stop_reason, logprobs=first.logprobs,
+            cumulative_logprob=first.cumulative_logprob, outputs=completions if sp.n > 1 else [],
+            prompt_logprobs=st.prompt_logprobs if sp.prompt_logprobs is not None else None)
+
+
+class _Progress:
+    """vLLM's "Processed prompts" bar on stderr: finished/total, elapsed and remaining time,
+    requests/s and prompt / output tokens per second. Shown when ``use_tqdm`` is True, or when
+    it is None and stderr is a terminal; redrawn at most ten times a second."""
+
+    def __init__(self, total: int, use_tqdm: bool | None) -> None:
+        if use_tqdm is not None and not isinstance(use_tqdm, bool):
+            raise TypeError(f"use_tqdm must be True, False or None, got {type(use_tqdm).__name__}")
+        self.out: TextIO = sys.stderr
+        self.on = total > 0 and (self.out.isatty() if use_tqdm is None else use_tqdm)
+        self.total, self.done, self.tokens_in, self.tokens_out = total, 0, 0, 0
+        self.start = self.drawn = time.monotonic()
+        if self.on:
+            self._draw()
+
+    def update(self, prompt_tokens: int, output_tokens: int) -> None:
+        self.done += 1
+        self.tokens_in += prompt_tokens
+        self.tokens_out += output_tokens
+        if self.on and (self.done == self.total or time.monotonic() - self.drawn >= 0.1):
+            self._draw()
+
+    def close(self) -> None:
+        if self.on:
+            self.out.write("\n")
+            self.out.flush()
+            self.on = False
+
+    def _draw(self) -> None:
+        self.drawn = now = time.monotonic()
+        elapsed = now - self.start
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        eta = _clock((self.total - self.done) / rate) if rate > 0 else "?"
+        filled = 20 * self.done // self.total
+        self.out.write(f"\rProcessed prompts: {100 * self.done // self.total:3d}%|{'#' * filled}{' ' * (20 - filled)}| "
+                       f"{self.done}/{self.total} [{_clock(elapsed)}<{eta}, {rate:.2f} it/s, "
+                       f"in: {self.tokens_in / max(elapsed, 1e-9):.0f} tok/s, "
+                       f"out: {self.tokens_out / max(elapsed, 1e-9):.0f} tok/s]")
+        self.out.flush()
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m:02d}:{s:02d}"

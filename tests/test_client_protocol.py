@@ -1,9 +1,11 @@
 """Client and AsyncClient against a small in-test ROUTER server that speaks the real protocol
 (real ZMQ sockets over loopback TCP, the real ClientSessions): multiplexing from many threads
-and tasks, streaming, aborts, time-outs, errors, disconnect detection, CURVE."""
+and tasks, streaming, aborts, time-outs, errors, disconnect detection, CURVE, no daemon at
+all, arguments the wire cannot carry, id reuse, a second event loop."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,10 +13,13 @@ from dataclasses import dataclass
 
 import pytest
 import zmq
+from hypothesis import given
+from hypothesis import strategies as st
 from zmq.utils.monitor import recv_monitor_message
 
 from pipeline.client import Client, RequestError
 from pipeline.client.async_client import AsyncClient
+from pipeline.client.base import Inflight
 from pipeline.gateway import protocol as P
 from pipeline.gateway.curve import generate_keys, server_socket_setup
 from pipeline.gateway.sessions import ClientSessions, DuplicateRequestId
@@ -42,7 +47,7 @@ def result(cid: str, text: str, reason: str, error: ErrorInfo | None = None) -> 
 class EchoServer(threading.Thread):
     """Generates the prompt's characters back, one per tick; prompt "hang" never produces."""
 
-    def __init__(self, curve_dir=None, idle_timeout_s: float = P.CLIENT_IDLE_TIMEOUT_S) -> None:
+    def __init__(self, curve_dir=None) -> None:
         super().__init__(daemon=True)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -50,7 +55,7 @@ class EchoServer(threading.Thread):
         self.sock.setsockopt(zmq.LINGER, 0)
         self.auth = server_socket_setup(self.sock, curve_dir) if curve_dir else None
         self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self.sessions = ClientSessions(idle_timeout_s)
+        self.sessions = ClientSessions()
         self.running: dict[str, Running] = {}
         self.gone: list[tuple[str, str]] = []  # (client id, why) aborted without an answer
         self.cond = threading.Condition()
@@ -81,7 +86,15 @@ class EchoServer(threading.Thread):
         self.send(r.identity, P.Final(result=result(r.client_id, r.out, reason)))
 
     def handle(self, identity: bytes, frame: bytes) -> None:
-        self.sessions.seen(identity, time.monotonic())
+        # The daemon probes clients with pings while they have requests in flight: clients
+        # must ignore them among their answers. Not after a bye: that client may be gone
+        # already, and a failed ping would report it "unreachable" before its bye is read.
+        try:
+            is_bye = isinstance(P.decode_client(frame), P.Bye)
+        except P.ProtocolError:
+            is_bye = False
+        if not is_bye:
+            self.send(identity, P.Ping())
         try:
             msg = P.decode_client(frame)
             if isinstance(msg, P.Generate):
@@ -89,7 +102,7 @@ class EchoServer(threading.Thread):
                 one_prompt_field(prompt=msg.prompt, prompt_token_ids=msg.prompt_token_ids,
                                  messages=msg.messages)
                 check_sampling(P.sampling_params(msg), vocab_size=1 << 20, max_model_len=10**7)
-                internal = self.sessions.start(identity, str(msg.id), time.monotonic())
+                internal = self.sessions.start(identity, str(msg.id))
                 mt = msg.max_tokens if isinstance(msg.max_tokens, int) else 16
                 self.running[internal] = Running(identity, str(msg.id), msg.prompt or "", mt, msg.stream)
         except P.ProtocolError as exc:
@@ -102,8 +115,8 @@ class EchoServer(threading.Thread):
             self.send(identity, P.Final(result=result(str(msg.id), "", "error",
                                                       ErrorInfo("invalid_request", str(exc)))))
             return
-        except DuplicateRequestId as exc:
-            self.send(identity, P.Final(result=result(str(msg.id), "", "error", ErrorInfo("duplicate_id", str(exc)))))
+        except DuplicateRequestId as exc:  # as the daemon: never keyed by the id in flight
+            self.send(identity, P.Error(id=None, error=ErrorInfo("duplicate_id", str(exc))))
             return
         if isinstance(msg, P.Abort):
             internal = self.sessions.internal_id(identity, msg.id)
@@ -137,7 +150,6 @@ class EchoServer(threading.Thread):
                         break
                     self.handle(identity, frame)
             self.step()
-            self.forget(self.sessions.expired(time.monotonic()), "idle")
 
     def close(self) -> None:
         self.stopping = True
@@ -164,7 +176,7 @@ def test_generate_many_threads_one_socket(server):
             results = list(ex.map(one, range(160)))
     for i, r in enumerate(results):
         assert r.id == f"id{i}" and r.text == (f"req{i}-" * 3)[:12] and r.finish_reason == "length"
-    assert server.sessions.expired(time.monotonic() + 3600) == []  # nothing left in flight
+    assert len(server.sessions) == 0 and server.sessions.clients() == []  # nothing left in flight
 
 
 def test_stream_then_final(server):
@@ -218,38 +230,53 @@ def test_duplicate_id_in_flight(server):
                 c.generate("x", id="dup")
             c.abort("dup")
             assert first.result().finish_reason == "abort"
-    # The daemon side refuses a second in-flight id from the same client too.
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.connect(server.address)
-    for _ in range(2):
-        s.send(P.encode(P.Generate(id="d", prompt="hang")))
-    reply = P.decode_reply(s.recv())
-    assert isinstance(reply, P.Final) and reply.result.error.code == "duplicate_id"
-    s.send(P.encode(P.Bye()))
-    s.close(linger=1000)
-    ctx.term()
-    assert ("d", "bye") in server.wait_gone(1)
+    # The daemon's own refusal of a duplicate is tested on the real daemon (test_serve_hostile).
+
+
+def test_id_reused_after_timeout_gets_its_own_answer(server):
+    """The timed-out request's abort answer comes back after the id was reused: it must not
+    be taken for the new request's (each request has its own id on the wire)."""
+    with Client(server.address, timeout=30) as c:
+        with pytest.raises(TimeoutError, match="'t'"):
+            c.generate("hang", id="t", timeout=0.1)
+        r = c.generate("abc", id="t", max_tokens=3)
+        assert (r.id, r.text, r.finish_reason) == ("t", "abc", "length")
+        assert c.stats()["running"] == 0
 
 
 def test_client_close_aborts_inflight(server):
     c = Client(server.address, timeout=30)
-    errors: list[BaseException] = []
-
-    def wait() -> None:
+    with ThreadPoolExecutor(2) as ex:
+        generate = ex.submit(c.generate, "hang", id="bye1")
+        health = ex.submit(c.health)  # may be answered before the close, or end with it
+        while c.stats()["running"] == 0:  # a round trip per check, no sleep
+            pass
+        c.close()
+        r = generate.result()
         try:
-            c.generate("hang", id="bye1")
+            health.result()
         except RequestError as exc:
-            errors.append(exc)
+            assert exc.error.code == "client_closed"
+    # The agreed abort shape: the client aborted it (and the daemon did, on its bye).
+    assert (r.id, r.finish_reason, r.error.code) == ("bye1", "abort", "aborted"), r
+    assert "closed" in r.error.message
+    assert [why for _, why in server.wait_gone(1)] == ["bye"]
+    with pytest.raises(RequestError, match="client_closed"):
+        c.generate("x")
 
-    t = threading.Thread(target=wait)
-    t.start()
-    server_ready = c.stats()  # the generate was sent before this round trip completed
-    assert server_ready["running"] == 1
-    c.close()
-    t.join()
-    assert errors and errors[0].error.code == "client_closed"
-    assert ("bye1", "bye") in server.wait_gone(1)
+
+def test_async_client_close_aborts_inflight(server):
+    async def main() -> None:
+        c = AsyncClient(server.address, timeout=30)
+        task = asyncio.create_task(c.generate("hang", id="ab"))
+        while (await c.stats())["running"] == 0:
+            pass
+        await c.close()
+        r = await task
+        assert (r.id, r.finish_reason, r.error.code) == ("ab", "abort", "aborted"), r
+
+    asyncio.run(main())
+    assert [why for _, why in server.wait_gone(1)] == ["bye"]
 
 
 def test_vanished_client_is_noticed(server):
@@ -258,25 +285,12 @@ def test_vanished_client_is_noticed(server):
     s = ctx.socket(zmq.DEALER)
     s.connect(server.address)
     s.send(P.encode(P.Generate(id="v1", prompt="abc", max_tokens=10**6, stream=True)))
-    assert isinstance(P.decode_reply(s.recv()), P.Delta)
+    while isinstance(reply := P.decode_reply(s.recv()), P.Ping):
+        pass
+    assert isinstance(reply, P.Delta)
     s.close(linger=0)
     ctx.term()
     assert ("v1", "unreachable") in server.wait_gone(1)
-
-
-def test_silent_client_times_out():
-    srv = EchoServer(idle_timeout_s=0.3)
-    srv.start()
-    try:
-        ctx = zmq.Context()
-        s = ctx.socket(zmq.DEALER)
-        s.connect(srv.address)
-        s.send(P.encode(P.Generate(id="quiet", prompt="hang")))  # connected, silent, no pings
-        assert ("quiet", "idle") in srv.wait_gone(1)
-        s.close(linger=0)
-        ctx.term()
-    finally:
-        srv.close()
 
 
 def test_async_client_many_tasks(server):
@@ -368,3 +382,145 @@ def test_async_daemon_gone_ends_requests_at_once():
                 assert r.finish_reason == "error" and r.error.code == "connection_lost"
 
     asyncio.run(main())
+
+
+def free_address() -> str:
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sk.getsockname()[1]}"  # nobody listens there once closed
+
+
+def test_no_daemon_fails_fast_with_a_named_error():
+    address = free_address()
+    with Client(address, timeout=60, connect_timeout=0.3) as c:
+        r = c.generate("x")
+        assert r.finish_reason == "error" and r.error.code == "unreachable", r
+        assert address in r.error.message and "connect_timeout" in r.error.message
+        with pytest.raises(RequestError, match="unreachable"):
+            c.health()
+
+    async def main() -> None:
+        async with AsyncClient(address, timeout=60, connect_timeout=0.3) as c:
+            r = await c.generate("x")
+            assert r.error.code == "unreachable", r
+            with pytest.raises(RequestError, match="unreachable"):
+                await c.stats()
+
+    asyncio.run(main())
+
+
+def test_a_daemon_that_comes_late_is_waited_for():
+    """connect_timeout counts only while there is no connection: a request sent before the
+    daemon is up is answered once it is."""
+    srv = EchoServer()
+    address = srv.address
+    with Client(address, timeout=60, connect_timeout=60) as c:
+        srv.start()
+        try:
+            assert c.generate("late", max_tokens=4).text == "late"
+        finally:
+            srv.close()
+
+
+@pytest.mark.parametrize("call", ["generate", "stream"])
+def test_arguments_the_wire_cannot_carry_are_named(server, call):
+    with pytest.raises(ValueError, match="127.0.0.1:1.*tcp://HOST:PORT"):
+        Client("127.0.0.1:1")  # no scheme
+    with pytest.raises(ValueError, match="tcp://nohost"):
+        Client("tcp://nohost")  # no port
+    with Client(server.address, timeout=30) as c:
+        def send(*args, **kw):
+            return c.generate(*args, **kw) if call == "generate" else list(c.stream(*args, **kw))
+
+        with pytest.raises(TypeError, match="'temprature'.*did you mean 'temperature'"):
+            send("x", temprature=1.0)
+        with pytest.raises(TypeError, match="`stream`.*stream\\(\\)"):
+            send("x", stream=True)
+        with pytest.raises(ValueError, match="field `seed`.*2\\*\\*64"):
+            send("x", seed=2**70)
+        with pytest.raises(ValueError, match="field `max_tokens`"):
+            send("x", max_tokens="many")
+        with pytest.raises(TypeError, match="`id`"):
+            send("x", id=5)
+        assert c.stats()["running"] == 0 and server.sessions.clients() == []  # nothing was sent
+        assert send("ok", seed=2**64 - 1, max_tokens=2) is not None  # the largest seed goes
+
+
+def test_async_client_in_a_second_event_loop(server):
+    c = AsyncClient(server.address, timeout=10)
+
+    async def one(text: str) -> str:
+        return (await c.generate(text, max_tokens=len(text))).text
+
+    assert asyncio.run(one("first")) == "first"
+    assert asyncio.run(one("second")) == "second"  # a new loop takes the client over
+    # A loop still running in another thread keeps it: refused, not a hang.
+    started, release = threading.Event(), threading.Event()
+
+    async def hold() -> None:
+        task = asyncio.create_task(c.generate("hang"))
+        await asyncio.sleep(0)  # one turn of the loop: the task submits its request
+        started.set()
+        await asyncio.to_thread(release.wait)
+        task.cancel()
+
+    t = threading.Thread(target=asyncio.run, args=(hold(),))
+    t.start()
+    try:
+        started.wait()
+        with pytest.raises(RuntimeError, match="another"):
+            asyncio.run(one("third"))
+    finally:
+        release.set()
+        t.join()
+    assert asyncio.run(one("fourth")) == "fourth"
+    asyncio.run(c.close())
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["start", "finish", "drop"]), st.sampled_from([b"A", b"B", b"C"]),
+                         st.sampled_from(["1", "2", "3"])), max_size=60)
+
+
+@given(OPS)
+def test_sessions_match_a_model(ops):
+    """ClientSessions against a dict model: ids unique per client, a refused duplicate changes
+    nothing, and a client is known only while it has requests in flight (memory is bounded by
+    the requests in flight, whatever clients come and go)."""
+    s, model = ClientSessions(), {}  # (identity, client id) -> internal id
+    for op, ident, cid in ops:
+        if op == "start":
+            if (ident, cid) in model:
+                with pytest.raises(DuplicateRequestId):
+                    s.start(ident, cid)
+            else:
+                model[(ident, cid)] = s.start(ident, cid)
+        elif op == "finish" and (ident, cid) in model:
+            assert s.finish(model.pop((ident, cid))) == (ident, cid)
+        elif op == "drop":
+            dropped = sorted(model.pop(k) for k in [k for k in model if k[0] == ident])
+            assert sorted(s.drop_client(ident)) == dropped
+        assert len(s) == len(model) and len(set(model.values())) == len(model)
+        assert sorted(s.clients()) == sorted({i for i, _ in model})
+        for (i, c), internal in model.items():
+            assert s.internal_id(i, c) == internal and s.owner(internal) == (i, c)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.sampled_from(["x", "y", "z"])), max_size=60))
+def test_inflight_wire_ids_never_repeat(ops):
+    """The client's table: every request gets a wire id never used before on this client,
+    so no answer of a finished or abandoned request can reach a later one."""
+    t, seen, live = Inflight(), set(), {}  # live: caller's id -> wire id
+    for add, user in ops:
+        if add:
+            wire = t.new_id()
+            assert wire not in seen
+            seen.add(wire)
+            if user in live:
+                with pytest.raises(ValueError, match="already in flight"):
+                    t.add(wire, user, None, True, 0.0)
+            else:
+                t.add(wire, user, None, True, 0.0)
+                live[user] = wire
+        elif user in live:
+            assert t.pop(live.pop(user)).user_id == user
+        assert {u: t.wire_id(u) for u in "xyz" if t.wire_id(u)} == live

@@ -15,8 +15,10 @@ import time
 import pytest
 from e2e_helpers import make_tiny_model, shm_entries
 
+from pipeline.config import config_from_args
 from pipeline.gateway import protocol as P
 from pipeline.gateway import serve
+from pipeline.gateway.systemd import Notifier
 from pipeline.messages import RequestResult
 
 
@@ -25,13 +27,12 @@ def server(tmp_path_factory):
     model = make_tiny_model(tmp_path_factory.getbasetemp() / "e2e-tiny")
     p = argparse.ArgumentParser()
     serve.add_args(p)
-    s = serve.Server(p.parse_args(["--model", str(model), "--device", "cpu", "--max-model-len",
-                                   "256", "--worker-threads", "1"]))
+    args = p.parse_args(["--model", str(model), "--device", "cpu", "--max-model-len", "256",
+                         "--worker-threads", "1"])
+    s = serve.Server(args, config_from_args(args), Notifier.from_env())
     s.gw.start(timeout_s=300)
     yield s
-    s.gw.close()
-    s.metrics.close()
-    s.notify.close()
+    s.close()
     assert shm_entries(s.config.instance_id) == []
 
 
@@ -45,7 +46,7 @@ def final(server: serve.Server, rid: str, timeout: float = 60.0) -> RequestResul
 
 def generate(server: serve.Server, rid: str) -> None:
     frame = P.encode(P.Generate(id=rid, prompt="the for statement", max_tokens=4, temperature=0))
-    server._handle_frame(b"client", frame, time.monotonic())
+    server._handle_frame(b"client", frame)
 
 
 def test_no_request_is_accepted_once_draining_is_reported(server):

@@ -18,7 +18,12 @@ def pipe(model, lines, *flags):
     p = subprocess.Popen([*PIPELINE, "run", "--model", str(model), *ENGINE_FLAGS, *flags],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, cwd=ROOT, env=env())
-    out, err = p.communicate("\n".join(lines) + "\n", timeout=240)
+    try:
+        out, err = p.communicate("\n".join(lines) + "\n", timeout=240)
+    finally:
+        if p.poll() is None:  # a hung run: leave nothing behind
+            p.kill()
+            p.wait()
     assert shm_entries(f"{p.pid:x}") == [], "shared memory outlived the run"
     return p.returncode, [json.loads(x) for x in out.splitlines()], err
 
@@ -104,6 +109,9 @@ def test_ctrl_c_drains_then_aborts_the_rest(model):
     finals = [a for a in map(json.loads, out.splitlines()) if "finish_reason" in a]
     assert sorted(a["id"] for a in finals) == [f"c{i}" for i in range(6)], err
     assert {a["finish_reason"] for a in finals} == {"abort"}, finals
+    # One shape on every path: who aborted is in the message (here pipe mode, interrupted).
+    assert {a["error"]["code"] for a in finals} == {"aborted"}, finals
+    assert all("interrupted" in a["error"]["message"] for a in finals), finals
     assert p.returncode == 130, err
     assert "draining" in err
     assert shm_entries(f"{p.pid:x}") == []

@@ -19,6 +19,7 @@ import msgspec
 import pytest
 import zmq
 from e2e_helpers import Daemon, free_port, make_tiny_model, run_pipe, shm_entries
+from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.client import Client
 from pipeline.client.async_client import AsyncClient
@@ -180,8 +181,8 @@ def test_malformed_frames_each_get_one_answer(daemon):
     poller.register(sock, zmq.POLLIN)
     deadline = time.monotonic() + 60
     while len(replies) < len(frames) and time.monotonic() < deadline:
-        if poller.poll(500):
-            replies.append(P.decode_reply(sock.recv()))
+        if poller.poll(500) and not isinstance(reply := P.decode_reply(sock.recv()), P.Ping):
+            replies.append(reply)  # the daemon pings a client with requests in flight
     sock.close(0)
     finals = {r.result.id: r.result for r in replies if isinstance(r, P.Final)}
     errors = [r for r in replies if isinstance(r, P.Error)]
@@ -202,9 +203,32 @@ def test_curve_keys_and_prometheus(daemon, tmp_path):
                     curve_server_key=daemon.client_kw["curve_keys_dir"] / "server.key") as c:
             c.health()
     port = int(daemon_flag(daemon, "--metrics-port"))
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    assert "pipeline_kv_blocks_total" in text and "pipeline_requests_finished" in text
+
+    def scrape() -> dict[tuple[str, str], float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            fams = text_string_to_metric_families(r.read().decode())
+            return {(s.name, next(iter(s.labels.values()), "")): s.value for f in fams for s in f.samples}
+
+    before = scrape()
+    # One refused by the tokenizer's validation, one refused by the daemon, one malformed frame.
+    with Client(daemon.address, timeout=60, **daemon.client_kw) as c:
+        assert c.generate("x", temperature=500.0).error.code == "invalid_request"
+        assert c.generate("x", max_tokens=2).finish_reason == "length"
+    sock = dealer(daemon)
+    sock.send(b"\xc1not msgpack")
+    assert sock.poll(60_000) and isinstance(P.decode_reply(sock.recv()), P.Error)
+    sock.close(0)
+    after = scrape()
+
+    def grew(name: str, label: str = "") -> float:
+        return after[(name, label)] - before.get((name, label), 0.0)
+
+    assert grew("pipeline_requests_rejected_total", "invalid_request") == 1
+    assert grew("pipeline_requests_received_total") == 2
+    assert grew("pipeline_malformed_frames_total") == 1
+    assert grew("pipeline_requests_finished_total", "length") == 1
+    assert after[("pipeline_requests_inflight", "")] == 0
+    assert ("pipeline_clients_dropped_total", "") in after and after[("pipeline_kv_blocks_total", "")] > 0
 
 
 def daemon_flag(daemon: Daemon, flag: str) -> str:
@@ -220,7 +244,9 @@ def test_client_gone_mid_request_aborts(daemon):
     sock.send(P.encode(P.Generate(id="gone", prompt="x", max_tokens=240, temperature=0,
                                   ignore_eos=True, stream=True)))
     assert sock.poll(60_000), "no first delta"
-    assert isinstance(P.decode_reply(sock.recv()), P.Delta)
+    while isinstance(reply := P.decode_reply(sock.recv()), P.Ping):
+        assert sock.poll(60_000), "no first delta"
+    assert isinstance(reply, P.Delta)
     sock.close(0)  # ZMQ drops the peer; the daemon's next send to it fails
     with Client(daemon.address, timeout=30, **daemon.client_kw) as c:
         deadline = time.monotonic() + 20

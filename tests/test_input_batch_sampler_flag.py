@@ -1,5 +1,6 @@
 """Worker persistent batch: the count of live rows that need the full sampler (the model
-runner takes a bare argmax while it is zero) stays exact through any add/remove sequence."""
+runner takes a bare argmax while it is zero), and of rows that ask for prompt logprobs,
+stay exact through any add/remove sequence."""
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -18,8 +19,12 @@ PARAMS = [
     SamplingParams(temperature=0.0, frequency_penalty=0.5),
     SamplingParams(temperature=0.0, logprobs=0),
     SamplingParams(temperature=0.0, min_tokens=2, max_tokens=4),
+    SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
+    SamplingParams(temperature=0.0, allowed_token_ids=[1, 2]),
+    SamplingParams(temperature=0.0, bad_words_token_ids=[[4, 5]]),
+    SamplingParams(temperature=0.0, prompt_logprobs=1),  # the model runner's, not the sampler's
 ]
-PLAIN = {0, 1}
+PLAIN = {0, 1, 11}
 
 
 @settings(max_examples=60, deadline=None)
@@ -38,3 +43,5 @@ def test_needs_sampler_count_tracks_live_rows(ops):
             live.pop(rid, None)
         assert b.num_needs_sampler == sum(p not in PLAIN for p in live.values())
         assert int(b.needs_sampler.sum()) == b.num_needs_sampler
+        assert b.num_prompt_logprob_rows == sum(p == 11 for p in live.values())
+        assert b.has_processors.sum() == sum(p in (8, 9, 10) for p in live.values())

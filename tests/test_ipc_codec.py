@@ -30,7 +30,7 @@ token_ids = st.lists(st.integers(0, 2**31 - 1), max_size=300)
 
 @settings(max_examples=60, deadline=None)
 @given(ids=token_ids, max_tokens=st.integers(1, 4096), temperature=st.floats(0, 2),
-       stop=st.lists(st.text(max_size=8), max_size=3), salt=st.none() | st.text(max_size=8))
+       stop=st.lists(st.text(min_size=1, max_size=8), max_size=3), salt=st.none() | st.text(max_size=8))
 def test_engine_request_round_trips(ids, max_tokens, temperature, stop, salt):
     req = EngineRequest("r-1", ids_to_bytes(ids),
                         SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stop),

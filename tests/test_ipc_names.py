@@ -1,7 +1,8 @@
 """Naming and lifetime: per-instance names, 0600 + exclusive creation, cleanup on exit and
-SIGTERM, views of an instance owning only what they create, sweeping dead instances, a clear
-error when /dev/shm is too small, and the C header compiling as C11 and C++17 (the CUDA
-callback includes it) with its documented layout."""
+SIGTERM, views of an instance owning only what they create, `Instance.join` (a view of a live
+owner, else this process owns the id), sweeping dead instances, a clear error when /dev/shm is
+too small, and the C header compiling as C11 and C++17 (the CUDA callback includes it) with
+its documented layout."""
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ import pytest
 from test_ipc_procs import CTX, make_instance_and_wait, view_segment_and_wait
 
 from pipeline.ipc import ShmSpaceError
-from pipeline.ipc.instance import Instance, list_entries, unlink_instance
+from pipeline.ipc.instance import Instance, list_entries, read_owner, unlink_instance
 from pipeline.ipc.ring import Ring
 from pipeline.ipc.segment import create_segment, shm_free_bytes, unlink_segment
 from pipeline.ipc.sweep import sweep_stale
@@ -166,3 +167,51 @@ def test_view_segment_is_unlinked_by_its_creator_on_sigterm(inst):
     p.join(20)
     assert p.exitcode == -signal.SIGTERM
     assert list_entries(inst.id) == [f"pipeline.{inst.id}.owner"]  # the owner's is untouched
+
+
+def test_join_views_a_live_owner_and_owns_an_id_nobody_owns():
+    with Instance() as inst:
+        view = Instance.join(inst.id)
+        assert not view.owner
+        assert list_entries(inst.id) == [f"pipeline.{inst.id}.owner"]  # no second record
+    iid = f"{os.getpid()}-join"
+    own = Instance.join(iid)
+    try:
+        assert own.owner and read_owner(iid)[0] == os.getpid()
+        own.create_segment("kv", 4096).close()
+        assert list_entries(iid) == [f"pipeline.{iid}.kv", f"pipeline.{iid}.owner"]
+        assert not set(sweep_stale()) & set(list_entries(iid))  # its owner lives
+    finally:
+        own.cleanup()
+    assert list_entries(iid) == []
+
+
+def test_join_takes_over_an_id_whose_owner_died():
+    p, iid = _spawn_instance(leak=True)
+    p.join(20)
+    assert len(list_entries(iid)) == 7  # the dead owner's record and names
+    inst = Instance.join(iid)
+    try:
+        assert inst.owner and read_owner(iid)[0] == os.getpid()
+        assert list_entries(iid) == [f"pipeline.{iid}.owner"]
+    finally:
+        inst.cleanup()
+    assert list_entries(iid) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's entries needs root")
+def test_sweep_leaves_other_users_instances_alone():
+    # Another user's names cannot be read nor unlinked by us (0600, sticky /dev/shm): a sweep
+    # must pass them by, even when their owner is dead, instead of failing on them.
+    p, iid = _spawn_instance(leak=True)
+    p.join(20)
+    entries = list_entries(iid)
+    for e in entries:
+        os.chown(f"/dev/shm/{e}", 65534, 65534)
+    try:
+        assert not set(sweep_stale()) & set(entries)
+        assert list_entries(iid) == entries
+    finally:
+        for e in entries:
+            os.chown(f"/dev/shm/{e}", 0, 0)
+    assert set(entries) <= set(sweep_stale())

@@ -8,9 +8,12 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from model_driver import make_runner, tiny_hf_model
 
 from pipeline.cli import main as cli_main
+from pipeline.config import DEFAULT_MODEL
 from pipeline.models.config import UnsupportedModelError, parse_model_config, rope_inv_freq
 from pipeline.tokenizer.tokenizer import Tokenizer
 
@@ -146,3 +149,54 @@ def test_make_model_is_a_transformers_checkpoint(tmp_path, arch, extra):
         assert runner.eos_token_ids == ours_tok.eos_token_ids
     finally:
         runner.close()
+
+
+# ---- the checkpoint tokenizer's chat rendering ------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizers():
+    from transformers import PreTrainedTokenizerFast
+    return Tokenizer(DEFAULT_MODEL), PreTrainedTokenizerFast.from_pretrained(DEFAULT_MODEL)
+
+
+@pytest.mark.parametrize("msgs, error", [
+    ([{"role": "robot", "content": "hi"}],
+     r"field `messages\[0\]\.role`: must be one of system, user, assistant, tool, got 'robot'"),
+    ([{"role": "user", "content": "a"}, {"content": "b"}], r"field `messages\[1\]\.role`: .* got 'None'"),
+    (["hello"], r"field `messages\[0\]`: must be an object"),
+    ([], r"field `messages`: at least one message"),
+    ([{"role": "user", "content": 5}], r"field `messages\[0\]\.content`: must be a string or a list of text"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     r"field `messages\[0\]\.content\[0\]`: .*no multi-modal input.*'image_url'"),
+])
+def test_chat_messages_are_checked_naming_the_field(tokenizers, msgs, error):
+    with pytest.raises(ValueError, match=error):
+        tokenizers[0].apply_chat_template(msgs)
+
+
+def test_chat_text_parts_tool_role_and_custom_template(tokenizers):
+    tok = tokenizers[0]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+             {"role": "tool", "content": "42"}]
+    assert tok.render_chat(parts, False) == "<|bos|>user: a\nb\n\ntool: 42\n\n"
+    custom = "{% for m in messages %}[{{ m['role'] }}|{{ m['content'] }}|{{ flavour }}]{% endfor %}"
+    assert tok.render_chat(parts, chat_template=custom, flavour="x") == "[user|a\nb|x][tool|42|x]"
+    with pytest.raises(ValueError, match="add_generation_prompt and continue_final_message"):
+        tok.render_chat(parts, True, continue_final_message=True)
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content`: continue_final_message"):
+        tok.render_chat([parts[0], {"role": "assistant", "content": " "}], False, continue_final_message=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(conv=st.lists(st.tuples(st.sampled_from(["system", "user", "assistant", "tool"]),
+                               st.text(max_size=12).filter(str.strip)), min_size=1, max_size=4),
+       continue_final=st.booleans())
+def test_chat_ids_match_transformers(tokenizers, conv, continue_final):
+    # Our rendering (roles, generation prompt, continuing the final message) gives the token
+    # ids transformers' apply_chat_template gives on the same checkpoint.
+    ours, hf = tokenizers
+    msgs = [{"role": r, "content": c} for r, c in conv]
+    want = hf.apply_chat_template(msgs, tokenize=True, return_dict=False,
+                                  add_generation_prompt=not continue_final,
+                                  continue_final_message=continue_final)
+    got = ours.apply_chat_template(msgs, not continue_final, continue_final_message=continue_final)
+    assert got == list(want)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pipeline.messages import EngineOutput, EngineOutputs, RequestDelta, RequestResult, TokenLogprobs
+from pipeline.messages import EngineOutput, EngineOutputs, ErrorInfo, RequestDelta, RequestResult, TokenLogprobs
 from pipeline.output.detokenizer import DetokenizerTable
 from pipeline.output.processor import OutputProcessor
 from pipeline.sampling_params import SamplingParams
@@ -190,3 +190,43 @@ def test_any_batching_one_answer(text, stops, sizes, stream):
         assert final.stop_reason == s and final.text == full[: full.find(s)]
     else:
         assert final.text == full and final.token_ids == toks
+
+
+def test_aborts_answer_the_agreed_shape_naming_who():
+    p = OutputProcessor(TABLE, Clock())
+    for r in "abc":
+        p.add_request(r, SamplingParams(), 0.0)
+    got, emit = collect()
+    # Client aborts reach the token processor as the engine's "abort" outputs.
+    p.process(EngineOutputs([EngineOutput("a", [], "abort", error="aborted by the client"),
+                             EngineOutput("b", [], "abort", error="aborted: timeout")]), emit)
+    res = {r.id: r for r in got}
+    assert all(r.finish_reason == "abort" and r.error.code == "aborted" for r in res.values())
+    assert (res["a"].error.message, res["b"].error.message) == ("aborted by the client", "aborted: timeout")
+    c = p.abort("c", error=ErrorInfo("aborted", "aborted: the server shut down"))
+    assert (c.finish_reason, c.error.code, c.error.message) == ("abort", "aborted", "aborted: the server shut down")
+    p.add_request("d", SamplingParams(), 0.0)
+    d = p.abort("d")
+    assert (d.finish_reason, d.error.code) == ("abort", "aborted")
+
+
+def test_answer_too_large_for_its_ring_becomes_an_error_answer(inst, capsys):
+    from pipeline.ipc.ring import Ring
+    from pipeline.output.stage import OutputLoop
+    from pipeline.runtime.rings import Channel
+
+    writer = Ring.create(inst, "answers", 4096, role="writer", claim=True)
+    reader = Channel(Ring.attach(writer.name, "reader"), "answers")
+    loop = OutputLoop.__new__(OutputLoop)  # only its answers ring: no stage around it
+    loop.answers, loop.spec = Channel(writer, "answers"), type("S", (), {"name": "output"})()
+    p = OutputProcessor(TABLE, Clock())
+    p.add_request("big", SamplingParams(max_tokens=5000), 0.0)
+    p.add_request("ok", SamplingParams(), 0.0)
+    p.process(EngineOutputs([EngineOutput("big", [5] * 3000, "length"), EngineOutput("ok", [5], "length")]),
+              loop._send)
+    big, ok = reader.try_recv(), reader.try_recv()
+    assert (big.id, big.finish_reason, big.error.code, big.token_ids) == ("big", "error", "answer_too_large", [])
+    assert "bytes exceeds the limit of" in big.error.message and big.usage.completion_tokens == 3000
+    assert ok.id == "ok" and ok.error is None and reader.try_recv() is None
+    reader.close()
+    writer.close()

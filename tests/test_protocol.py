@@ -95,17 +95,15 @@ def test_request_from_json_is_the_same_path():
 
 
 def test_sessions_lifecycle():
-    s = ClientSessions(idle_timeout_s=5.0)
-    a1 = s.start(b"A", "1", now=0.0)
-    b1 = s.start(b"B", "1", now=0.0)  # same client id, other client: fine
+    s = ClientSessions()
+    a1 = s.start(b"A", "1")
+    b1 = s.start(b"B", "1")  # same client id, other client: fine
     assert a1 != b1 and s.owner(a1) == (b"A", "1")
     with pytest.raises(DuplicateRequestId, match="already in flight"):
-        s.start(b"A", "1", now=1.0)
+        s.start(b"A", "1")
     assert s.internal_id(b"A", "1") == a1
     assert s.finish(a1) == (b"A", "1") and s.finish(a1) is None
-    a2 = s.start(b"A", "1", now=2.0)  # id reusable once finished, new internal id
-    assert a2 != a1
-    s.seen(b"A", now=6.0)
-    assert s.expired(now=6.5) == [b1]  # B silent since 0.0
-    assert s.drop_client(b"A") == [a2] and len(s) == 0
-    assert s.owner(a2) is None
+    a2 = s.start(b"A", "1")  # id reusable once finished, new internal id
+    assert a2 != a1 and sorted(s.clients()) == [b"A", b"B"]
+    assert s.drop_client(b"A") == [a2] and s.drop_client(b"B") == [b1] and len(s) == 0
+    assert s.owner(a2) is None and s.clients() == []

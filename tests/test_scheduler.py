@@ -332,3 +332,51 @@ def test_preempted_request_resumes_before_later_arrivals():
     assert admitted.index("B") < admitted.index("C")
     # On resume B prefilled prompt + generated tokens; none was emitted twice or skipped.
     assert e.tokens["B"] == reference(e.worker, [5, 6, 7, 8], max_tokens=12, ignore_eos=True)[0]
+
+
+@pytest.mark.parametrize("reason, finish, error", [
+    ("abort", "abort", "aborted by the client"),
+    ("timeout", "abort", "aborted: timeout"),  # any other reason is an abort that names it
+    ("stop", "stop", None),
+    ("error", "error", None),
+])
+def test_abort_outputs_one_shape_whatever_the_reason(reason, finish, error):
+    e = Engine()
+    e.add("w", [1, 2, 3])
+    e.add("r", [4, 5, 6])
+    e.step()  # both running now
+    e.add("q", [7, 8])  # waiting
+    outs = e.sched.abort_requests(["w", "q", "ghost"], reason)
+    assert [(o.req_id, o.finish_reason, o.error) for o in outs] == [("w", finish, error), ("q", finish, error)]
+    e.run()
+    assert list(e.finish) == ["r"] and e.sched.stats().kv_blocks_used == 0
+
+
+def test_abort_message_names_who_aborted():
+    e = Engine()
+    e.add("a", [1, 2, 3])
+    [o] = e.sched.abort_requests(["a"], "abort", "aborted: the server shut down")
+    assert (o.finish_reason, o.error) == ("abort", "aborted: the server shut down")
+
+
+def test_a_step_carries_no_more_new_requests_than_its_ring_can():
+    """Requests that share a long cached prompt are admitted one token each: the step must
+    still not carry more of their token ids (and params) than the step ring takes."""
+    import msgspec
+
+    from pipeline.engine.scheduler import NEW_REQUESTS_BYTES_PER_STEP
+    prompt = [(i * 7) % 40 + 1 for i in range(300_000)]  # 1.2 MB as int32
+    e = Engine(num_blocks=20_000, block_size=16, max_model_len=400_000, max_num_seqs=32, budget=16384)
+    e.add("warm", prompt, max_tokens=1)
+    e.run()
+    for i in range(20):
+        e.add(f"r{i}", prompt, max_tokens=1)
+    admitted = []
+    while e.sched.has_unfinished_requests():
+        so = e.sched.schedule()
+        size = len(msgspec.msgpack.encode(so))
+        assert size <= 16 << 20  # the step ring's smallest largest message (runtime/rings.py)
+        assert size <= NEW_REQUESTS_BYTES_PER_STEP + 4096 or len(so.new_reqs) == 1
+        admitted.append(len(so.new_reqs))
+        e.record(e.sched.update_from_output(so, e.worker.execute(so)))
+    assert sum(admitted) == 20 and max(admitted) < 20

@@ -75,7 +75,7 @@ def preemption_check(n: int, a: argparse.Namespace) -> dict:
                  num_blocks=num_blocks, max_num_seqs=n, max_num_batched_tokens=1024) as llm:
             outs = llm.generate(prompts, sp)
             st = llm.stats()
-        runs[num_blocks] = ([o.token_ids for o in outs], st["num_preemptions"],
+        runs[num_blocks] = ([o.outputs[0].token_ids for o in outs], st["num_preemptions"],
                             time.perf_counter() - t0)
     (big, small) = runs
     same = sum(x == y for x, y in zip(runs[big][0], runs[small][0]))

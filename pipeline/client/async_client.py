@@ -1,14 +1,17 @@
 """asyncio client of ``pipeline serve``: ``AsyncClient`` (also importable from pipeline.client).
 
 Not a stage: client-side state only. One DEALER socket (zmq.asyncio) multiplexes all
-requests; an I/O task routes replies by request id to per-request asyncio queues and watches
-the socket monitor (ending the requests of a lost connection), a pinger task sends the
-heartbeat, so any number of tasks of one event loop may share it. Same protocol, time-out, error and
-connection-loss rules as ``Client`` (see the package docstring).
+requests; an I/O task routes replies by wire id (``base.Inflight``) to per-request asyncio
+queues and watches the socket monitor (ending the requests of a lost connection), so any
+number of tasks of one event loop may share it. It belongs to the event loop that uses it
+first; once that loop has ended (``asyncio.run`` returned) the next loop that uses it takes
+it over, while a loop still running elsewhere keeps it (RuntimeError). Same protocol,
+time-out, error and connection-loss rules as ``Client`` (see the package docstring).
 """
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,90 +25,107 @@ from zmq.utils.monitor import parse_monitor_message
 
 from pipeline.client.base import (
     CLOSED,
+    DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
-    MONITOR_EVENTS,
     Connection,
+    Inflight,
     RequestError,
-    generate_msg,
+    check_user_id,
+    closed_answer,
+    for_caller,
+    generate_frame,
     new_socket,
     route,
 )
 from pipeline.gateway import protocol as P
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, error_result
 
+# While unconnected, how often the I/O task looks for requests past connect_timeout.
+UNCONNECTED_CHECK_MS = 100
+
 
 class AsyncClient:
     """asyncio client, safe to share between tasks of one event loop. ``await close()``."""
 
     def __init__(self, address: str, timeout: float | None = DEFAULT_TIMEOUT_S, *,
+                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
                  curve_server_key: bytes | str | Path | None = None,
-                 curve_keys_dir: str | Path | None = None,
-                 heartbeat_interval: float = P.HEARTBEAT_INTERVAL_S) -> None:
+                 curve_keys_dir: str | Path | None = None) -> None:
         self.timeout = timeout
-        self._conn = Connection(address)
+        self._conn = Connection(address, connect_timeout)
         self._ctx = zmq.asyncio.Context()
-        self._sock = new_socket(self._ctx, address, curve_keys_dir, curve_server_key)
-        self._mon = self._sock.get_monitor_socket(MONITOR_EVENTS)
-        self._hb = heartbeat_interval
-        self._waiting: dict[str, tuple[asyncio.Queue, bool]] = {}  # id -> (queue, is generate)
+        try:
+            self._sock, self._mon = new_socket(self._ctx, address, curve_keys_dir, curve_server_key)
+        except BaseException:
+            self._ctx.term()
+            raise
+        self._reqs = Inflight()
         self._sending: dict[str, asyncio.Future] = {}  # sends still waiting for a peer
-        self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop it belongs to
+        self._io_task: asyncio.Task | None = None
         self._closed = False
 
     async def generate(self, prompt: str | None = None, *, id: str | None = None,
                        timeout: float | None | EllipsisType = ..., **fields: Any) -> RequestResult:
         """One request, its final answer (fields as in ``Client.generate``)."""
-        rid, msg = generate_msg(prompt, id, False, fields)
+        wire, q = self._submit_generate("generate", prompt, id, False, fields)
         t = self.timeout if timeout is ... else timeout
         try:
             async with asyncio.timeout(t):
-                q = await self._submit(rid, msg, True)
                 while not isinstance(item := await self._get(q), RequestResult):
                     pass
                 return item
         except TimeoutError:
-            await self._forget(rid, abort=True)
-            raise TimeoutError(f"request {rid!r}: no answer within {t:.3g}s") from None
+            user_id = await self._forget(wire, abort=True)
+            raise TimeoutError(f"request {user_id!r}: no answer within {t:.3g}s") from None
         except asyncio.CancelledError:
-            await self._forget(rid, abort=True)
+            await self._forget(wire, abort=True)
             raise
 
     async def stream(self, prompt: str | None = None, *, id: str | None = None,
                      timeout: float | None | EllipsisType = ...,
                      **fields: Any) -> AsyncIterator[RequestDelta | RequestResult]:
         """Deltas, then the final answer; leaving the loop early aborts the request."""
-        rid, msg = generate_msg(prompt, id, True, fields)
+        wire, q = self._submit_generate("stream", prompt, id, True, fields)
         t = self.timeout if timeout is ... else timeout
         done = False
         try:
-            q = await self._submit(rid, msg, True)
             while not done:
                 try:
                     item = await asyncio.wait_for(self._get(q), t)
                 except TimeoutError:
-                    raise TimeoutError(f"request {rid!r}: no answer within {t:.3g}s") from None
+                    user_id = await self._forget(wire, abort=True)
+                    raise TimeoutError(f"request {user_id!r}: no answer within {t:.3g}s") from None
                 done = isinstance(item, RequestResult)
                 yield cast("RequestDelta | RequestResult", item)  # all a generate's queue gets
         finally:
             if not done:
-                await self._forget(rid, abort=True)
+                await self._forget(wire, abort=True)
 
     async def abort(self, id: str) -> None:
-        await self._send_nowait(P.encode(P.Abort(id=id)))
+        """Ask the daemon to abort the request with this id (see ``Client.abort``)."""
+        wire = self._reqs.wire_id(id)
+        if wire is not None:
+            await self._send_nowait(P.encode(P.Abort(id=wire)))
 
     async def health(self, timeout: float | None | EllipsisType = ...) -> P.HealthReply:
-        return await self._call(P.Health(id=uuid.uuid4().hex), timeout)
+        wire = self._reqs.new_id()
+        return await self._call(wire, P.Health(id=wire), timeout)
 
     async def stats(self, timeout: float | None | EllipsisType = ...) -> dict[str, Any]:
-        return (await self._call(P.Stats(id=uuid.uuid4().hex), timeout)).stats
+        wire = self._reqs.new_id()
+        return (await self._call(wire, P.Stats(id=wire), timeout)).stats
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for task in [*self._tasks, *self._sending.values()]:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        mine = self._loop is asyncio.get_running_loop()  # else its loop ended with its tasks
+        if mine:
+            tasks = [t for t in (self._io_task,) if t is not None]
+            for task in [*tasks, *self._sending.values()]:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         try:
             await self._send_nowait(P.encode(P.Bye()))
         finally:
@@ -113,9 +133,9 @@ class AsyncClient:
             self._mon.close(linger=0)
             self._sock.close()
             self._ctx.term()
-        for q, _ in self._waiting.values():
-            q.put_nowait(RequestError(CLOSED))
-        self._waiting.clear()
+        for w in self._reqs.pop_all().values():
+            if mine:
+                w.queue.put_nowait(closed_answer(w))
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -123,35 +143,54 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, msg: P.Health | P.Stats, timeout: float | None | EllipsisType) -> Any:
+    async def _call(self, wire: str, msg: P.Health | P.Stats, timeout: float | None | EllipsisType) -> Any:
         t = self.timeout if timeout is ... else timeout
         try:
             async with asyncio.timeout(t):
-                return await self._get(await self._submit(msg.id, msg, False))
+                return await self._get(self._submit(wire, wire, P.encode(msg), False))
         finally:
-            self._waiting.pop(msg.id, None)
+            self._reqs.pop(wire)
 
-    async def _submit(self, rid: str, msg: P.ClientMsg, is_generate: bool) -> asyncio.Queue:
+    def _submit_generate(self, call: str, prompt: str | None, user_id: str | None, stream: bool,
+                         fields: dict[str, Any]) -> tuple[str, asyncio.Queue]:
+        check_user_id(call, user_id)
+        wire = self._reqs.new_id()
+        frame = generate_frame(call, prompt, wire, stream, fields)
+        return wire, self._submit(wire, user_id or uuid.uuid4().hex, frame, True)
+
+    def _take_loop(self) -> None:
+        """Bind to the running loop (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._loop is not None and self._loop.is_running():
+            raise RuntimeError("AsyncClient: in use by an event loop still running (in another "
+                               "thread); use one client per event loop")
+        # The previous loop ended, and with it every task that waited there: their late
+        # answers are dropped (their queues belong to the dead loop).
+        self._reqs.pop_all()
+        self._sending.clear()
+        self._loop = loop
+        self._io_task = loop.create_task(self._io())
+
+    def _submit(self, wire: str, user_id: str, frame: bytes, is_generate: bool) -> asyncio.Queue:
         if self._closed:
             raise RequestError(CLOSED)
-        if not self._tasks:  # started lazily: the loop must be running
-            self._tasks = [asyncio.create_task(c) for c in (self._io(), self._pinger())]
-        if rid in self._waiting:
-            raise ValueError(f"id: request {rid!r} is already in flight on this client")
+        self._take_loop()
         q: asyncio.Queue = asyncio.Queue()
         if self._conn.refused is not None:  # see Connection.on_event
             refused = self._conn.refused
-            q.put_nowait(error_result(rid, refused.code, refused.message) if is_generate
+            q.put_nowait(error_result(user_id, refused.code, refused.message) if is_generate
                          else RequestError(refused))
             return q
-        self._waiting[rid] = (q, is_generate)
+        self._reqs.add(wire, user_id, q, is_generate, time.monotonic())
         # Not awaited: a DEALER send waits while no daemon is connected, and the caller
         # must keep waiting on its queue (answer, time-out or lost connection) meanwhile.
         # zmq.asyncio's send returns an asyncio.Future (its stub says only Awaitable).
-        fut = cast("asyncio.Future[zmq.MessageTracker | None]", self._sock.send(P.encode(msg)))
+        fut = cast("asyncio.Future[zmq.MessageTracker | None]", self._sock.send(frame))
         if not fut.done():
-            self._sending[rid] = fut
-            fut.add_done_callback(lambda f: (self._sending.pop(rid, None),
+            self._sending[wire] = fut
+            fut.add_done_callback(lambda f: (self._sending.pop(wire, None),
                                              f.cancelled() or f.exception()))
         return q
 
@@ -162,17 +201,18 @@ class AsyncClient:
             raise item
         return item
 
-    async def _forget(self, rid: str, abort: bool) -> None:
-        self._waiting.pop(rid, None)
-        unsent = self._sending.pop(rid, None)
+    async def _forget(self, wire: str, abort: bool) -> str:
+        """Stop waiting for a request (its late answers are dropped); returns the caller's id."""
+        w = self._reqs.pop(wire)
+        unsent = self._sending.pop(wire, None)
         if unsent is not None:
             unsent.cancel()
-            return
-        if abort and not self._closed:
-            await self.abort(rid)
+        elif abort and w is not None and not self._closed:
+            await self._send_nowait(P.encode(P.Abort(id=wire)))
+        return wire if w is None else w.user_id
 
     async def _send_nowait(self, frame: bytes) -> bool:
-        """Fire-and-forget frames (abort, ping, bye) never wait for a peer to appear."""
+        """Fire-and-forget frames (abort, bye) never wait for a peer to appear."""
         try:
             await self._sock.send(frame, zmq.NOBLOCK)
             return True
@@ -184,7 +224,7 @@ class AsyncClient:
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._mon, zmq.POLLIN)
         while True:
-            events = dict(await poller.poll())
+            events = dict(await poller.poll(None if self._conn.up else UNCONNECTED_CHECK_MS))
             # Answers first: a daemon's last answers precede the disconnect they cause.
             while True:
                 try:
@@ -199,32 +239,34 @@ class AsyncClient:
                     except zmq.Again:
                         break
                     if (err := self._conn.on_event(event)) is not None:
-                        await self._connection_lost(err)
+                        await self._connection_lost(err, list(self._reqs.waiting))
+            if not self._conn.up:
+                late = self._reqs.unconnected(time.monotonic(), self._conn.connect_timeout)
+                if late:
+                    await self._connection_lost(self._conn.unreachable(), late)
 
     def _deliver(self, frame: bytes) -> None:
         try:
-            rid, item, last = route(frame)
+            routed = route(frame)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return
-        if rid is None:
-            return  # an error about a frame with no usable id: no request of ours waits on it
-        w = self._waiting.pop(rid, None) if last else self._waiting.get(rid)
+        if routed is None:
+            return  # a ping, or an error about no request of ours
+        wire, item, last = routed
+        w = self._reqs.pop(wire) if last else self._reqs.get(wire)
         if w is not None:
-            w[0].put_nowait(item)
+            w.queue.put_nowait(for_caller(item, w))
 
-    async def _pinger(self) -> None:
-        ping = P.encode(P.Ping())
-        while True:
-            await self._send_nowait(ping)
-            await asyncio.sleep(self._hb)  # the heartbeat period, not a synchronisation
-
-    async def _connection_lost(self, err: ErrorInfo) -> None:
+    async def _connection_lost(self, err: ErrorInfo, wires: list[str]) -> None:
         """See Client._connection_lost."""
-        lost, self._waiting = self._waiting, {}
-        for rid, (q, is_generate) in lost.items():
-            q.put_nowait(error_result(rid, err.code, err.message) if is_generate else RequestError(err))
-            unsent = self._sending.pop(rid, None)
+        for wire in wires:
+            w = self._reqs.pop(wire)
+            if w is None:
+                continue
+            w.queue.put_nowait(error_result(w.user_id, err.code, err.message) if w.is_generate
+                               else RequestError(err))
+            unsent = self._sending.pop(wire, None)
             if unsent is not None:
                 unsent.cancel()
-            elif is_generate:
-                await self._send_nowait(P.encode(P.Abort(id=rid)))
+            elif w.is_generate:
+                await self._send_nowait(P.encode(P.Abort(id=wire)))

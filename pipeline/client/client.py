@@ -1,12 +1,13 @@
 """``Client``: the thread-safe client of ``pipeline serve`` (see the package docstring).
 
-Owns one DEALER socket, kept by a background I/O thread (ZMQ sockets are not thread-safe)
-and fed through a queue plus a wake-up pipe, so any number of threads may call it; replies
-are routed by request id to per-request queues.
+Owns one DEALER socket and its monitor, kept by a background I/O thread (ZMQ sockets are not
+thread-safe) and fed through a queue plus a wake-up pipe, so any number of threads may call
+it; replies are routed by wire id (``base.Inflight``) to per-request queues.
 """
 from __future__ import annotations
 
 import collections
+import math
 import os
 import queue
 import threading
@@ -23,11 +24,15 @@ from zmq.utils.monitor import parse_monitor_message
 
 from pipeline.client.base import (
     CLOSED,
+    DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
-    MONITOR_EVENTS,
     Connection,
+    Inflight,
     RequestError,
-    generate_msg,
+    check_user_id,
+    closed_answer,
+    for_caller,
+    generate_frame,
     new_socket,
     route,
 )
@@ -35,6 +40,8 @@ from pipeline.gateway import protocol as P
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, error_result
 
 __all__ = ["Client", "RequestError"]
+
+_Backlog = collections.deque[tuple[str | None, bytes]]  # (wire id of a request, frame) not sent yet
 
 
 def _monitor_event(mon: zmq.Socket) -> int | None:
@@ -48,18 +55,20 @@ class Client:
     """Thread-safe synchronous client. Use as a context manager or call ``close()``."""
 
     def __init__(self, address: str, timeout: float | None = DEFAULT_TIMEOUT_S, *,
+                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
                  curve_server_key: bytes | str | Path | None = None,
-                 curve_keys_dir: str | Path | None = None,
-                 heartbeat_interval: float = P.HEARTBEAT_INTERVAL_S) -> None:
+                 curve_keys_dir: str | Path | None = None) -> None:
         self.timeout = timeout
         self._ctx = zmq.Context()
-        self._sock = new_socket(self._ctx, address, curve_keys_dir, curve_server_key)
-        self._conn = Connection(address)
-        self._hb = heartbeat_interval
+        try:
+            self._sock, self._mon = new_socket(self._ctx, address, curve_keys_dir, curve_server_key)
+        except BaseException:
+            self._ctx.term()
+            raise
+        self._conn = Connection(address, connect_timeout)
         self._out: queue.SimpleQueue[tuple[str | None, bytes]] = queue.SimpleQueue()
-        # request id -> (its reply queue, whether it is a generate)
-        self._waiting: dict[str, tuple[queue.SimpleQueue, bool]] = {}
-        self._lock = threading.Lock()
+        self._reqs = Inflight()
+        self._lock = threading.Lock()  # self._reqs and the closed flag
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._closed = False
@@ -71,11 +80,10 @@ class Client:
                  timeout: float | None | EllipsisType = ..., **fields: Any) -> RequestResult:
         """One request, its final answer. ``fields``: prompt_token_ids, messages, priority,
         cache_salt and any SamplingParams field (max_tokens, temperature, stop, ...)."""
-        rid, msg = generate_msg(prompt, id, False, fields)
-        q = self._submit(rid, P.encode(msg), True)
+        wire, q = self._submit_generate("generate", prompt, id, False, fields)
         deadline = self._deadline(timeout)
         while True:
-            item = self._get(q, rid, deadline and deadline - time.monotonic())
+            item = self._get(q, wire, deadline and deadline - time.monotonic())
             if isinstance(item, RequestResult):
                 return item
 
@@ -83,28 +91,33 @@ class Client:
                timeout: float | None | EllipsisType = ..., **fields: Any) -> Iterator[RequestDelta | RequestResult]:
         """Deltas as they come, then the final answer. The request is sent on the first
         iteration; leaving the loop early (break, exception, garbage collection) aborts it."""
-        rid, msg = generate_msg(prompt, id, True, fields)
-        q = self._submit(rid, P.encode(msg), True)
+        wire, q = self._submit_generate("stream", prompt, id, True, fields)
         wait = self.timeout if timeout is ... else timeout
         done = False
         try:
             while not done:
-                item = self._get(q, rid, wait)
+                item = self._get(q, wire, wait)
                 done = isinstance(item, RequestResult)
                 yield cast("RequestDelta | RequestResult", item)  # all a generate's queue gets
         finally:
             if not done:
-                self._forget(rid, abort=True)
+                self._forget(wire, abort=True)
 
     def abort(self, id: str) -> None:
-        """Ask the daemon to abort; the request's waiter gets a final with "abort"."""
-        self._send(P.encode(P.Abort(id=id)))
+        """Ask the daemon to abort the request with this id; its waiter gets its final answer.
+        Nothing to do if no request with this id is in flight."""
+        with self._lock:
+            wire = self._reqs.wire_id(id)
+        if wire is not None:
+            self._send(P.encode(P.Abort(id=wire)))
 
     def health(self, timeout: float | None | EllipsisType = ...) -> P.HealthReply:
-        return self._call(P.Health(id=uuid.uuid4().hex), timeout)
+        wire = self._reqs.new_id()
+        return self._call(wire, P.Health(id=wire), timeout)
 
     def stats(self, timeout: float | None | EllipsisType = ...) -> dict[str, Any]:
-        return self._call(P.Stats(id=uuid.uuid4().hex), timeout).stats
+        wire = self._reqs.new_id()
+        return self._call(wire, P.Stats(id=wire), timeout).stats
 
     def close(self) -> None:
         if self._closed:
@@ -127,37 +140,44 @@ class Client:
         t = self.timeout if timeout is ... else timeout
         return None if t is None else time.monotonic() + t
 
-    def _call(self, msg: P.Health | P.Stats, timeout: float | None | EllipsisType) -> Any:
-        q = self._submit(msg.id, P.encode(msg), False)
-        return self._get(q, msg.id, self.timeout if timeout is ... else timeout, abort=False)
+    def _submit_generate(self, call: str, prompt: str | None, user_id: str | None, stream: bool,
+                         fields: dict[str, Any]) -> tuple[str, queue.SimpleQueue]:
+        check_user_id(call, user_id)
+        wire = self._reqs.new_id()
+        frame = generate_frame(call, prompt, wire, stream, fields)
+        return wire, self._submit(wire, user_id or uuid.uuid4().hex, frame, True)
 
-    def _submit(self, rid: str, frame: bytes, is_generate: bool) -> queue.SimpleQueue:
+    def _call(self, wire: str, msg: P.Health | P.Stats, timeout: float | None | EllipsisType) -> Any:
+        q = self._submit(wire, wire, P.encode(msg), False)
+        return self._get(q, wire, self.timeout if timeout is ... else timeout, abort=False)
+
+    def _submit(self, wire: str, user_id: str, frame: bytes, is_generate: bool) -> queue.SimpleQueue:
         q: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:  # registered and queued atomically: see _connection_lost
             if self._closed:
                 raise RequestError(CLOSED)
-            if rid in self._waiting:
-                raise ValueError(f"id: request {rid!r} is already in flight on this client")
-            self._waiting[rid] = (q, is_generate)
-            self._out.put((rid, frame))
+            self._reqs.add(wire, user_id, q, is_generate, time.monotonic())
+            self._out.put((wire, frame))
         self._wake()
         return q
 
-    def _get(self, q: queue.SimpleQueue, rid: str, timeout: float | None, abort: bool = True) -> object:
+    def _get(self, q: queue.SimpleQueue, wire: str, timeout: float | None, abort: bool = True) -> object:
         try:
             item = q.get(timeout=None if timeout is None else max(timeout, 0.0))
         except queue.Empty:
-            self._forget(rid, abort)
-            raise TimeoutError(f"request {rid!r}: no answer within {timeout:.3g}s") from None
+            user_id = self._forget(wire, abort)
+            raise TimeoutError(f"request {user_id!r}: no answer within {timeout:.3g}s") from None
         if isinstance(item, RequestError):
             raise item
         return item
 
-    def _forget(self, rid: str, abort: bool) -> None:
+    def _forget(self, wire: str, abort: bool) -> str:
+        """Stop waiting for a request (its late answers are dropped); returns the caller's id."""
         with self._lock:
-            self._waiting.pop(rid, None)
-        if abort and not self._closed:
-            self.abort(rid)
+            w = self._reqs.pop(wire)
+        if abort and w is not None and not self._closed:
+            self._send(P.encode(P.Abort(id=wire)))
+        return wire if w is None else w.user_id
 
     def _send(self, frame: bytes) -> None:
         self._out.put((None, frame))
@@ -169,25 +189,25 @@ class Client:
         except BlockingIOError:  # pipe full: the I/O thread is already due to wake
             pass
 
+    def _poll_ms(self) -> int | None:
+        """Until the next request that may time out unconnected (never while connected)."""
+        if self._conn.up:
+            return None
+        with self._lock:
+            deadline = self._reqs.next_deadline(self._conn.connect_timeout)
+        return None if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
+
     def _io_loop(self) -> None:
-        sock, poller = self._sock, zmq.Poller()
+        sock, mon, poller = self._sock, self._mon, zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
-        mon = sock.get_monitor_socket(MONITOR_EVENTS)
         poller.register(mon, zmq.POLLIN)
         # A DEALER blocks on send while it has no peer (daemon down, handshake refused):
         # never block here, keep unsent frames and wait for POLLOUT instead.
-        backlog: collections.deque[tuple[str | None, bytes]] = collections.deque()
-        ping = P.encode(P.Ping())
-        next_ping = 0.0
+        backlog: _Backlog = collections.deque()
         try:
             while not self._closed:
-                now = time.monotonic()
-                if now >= next_ping:
-                    if not backlog:  # a ping behind a backlog says nothing new
-                        self._try_send(ping)
-                    next_ping = now + self._hb
                 poller.register(sock, zmq.POLLIN | (zmq.POLLOUT if backlog else 0))
-                events = dict(poller.poll(int(max(next_ping - now, 0.0) * 1000)))
+                events = dict(poller.poll(self._poll_ms()))
                 if self._wake_r in events:
                     os.read(self._wake_r, 65536)
                 self._drain_out(backlog)
@@ -205,42 +225,52 @@ class Client:
                     while (ev := _monitor_event(mon)) is not None:
                         if (err := self._conn.on_event(ev)) is not None:
                             self._connection_lost(err, backlog)
-                if self._conn.refused is not None and self._waiting:
+                if self._conn.refused is not None and self._reqs.waiting:
                     self._connection_lost(self._conn.refused, backlog)
+                if not self._conn.up:
+                    with self._lock:
+                        late = self._reqs.unconnected(time.monotonic(), self._conn.connect_timeout)
+                    if late:
+                        self._connection_lost(self._conn.unreachable(), backlog, late)
             self._try_send(P.encode(P.Bye()))
         finally:
             sock.disable_monitor()
             mon.close(linger=0)
             sock.close()
             with self._lock:
-                waiting, self._waiting = self._waiting, {}
+                waiting = self._reqs.pop_all()
                 self._closed = True
-            for q, _ in waiting.values():
-                q.put(RequestError(CLOSED))
+            for w in waiting.values():
+                w.queue.put(closed_answer(w))
 
-    def _drain_out(self, backlog: collections.deque[tuple[str | None, bytes]]) -> None:
+    def _drain_out(self, backlog: _Backlog) -> None:
         while True:
             try:
                 backlog.append(self._out.get_nowait())
             except queue.Empty:
                 return
 
-    def _connection_lost(self, err: ErrorInfo, backlog: collections.deque[tuple[str | None, bytes]]) -> None:
-        """The daemon went away or refused us: every request in flight ends now with an
-        error instead of at its time-out (the caller may retry). Unsent frames are dropped;
-        for sent generates an abort is queued, so a frame that ZMQ still holds and delivers
-        after reconnecting is cancelled there at once."""
+    def _connection_lost(self, err: ErrorInfo, backlog: _Backlog, only: list[str] | None = None) -> None:
+        """The daemon went away, refused us, or was never reached (``only``: the requests
+        that waited connect_timeout for it): those requests end now with an error instead of
+        at their time-out (the caller may retry). Their unsent frames are dropped; for sent
+        generates an abort is queued, so a frame that ZMQ still holds and delivers after
+        reconnecting is cancelled there at once."""
         with self._lock:
             self._drain_out(backlog)
-            lost, self._waiting = self._waiting, {}
-        unsent = {rid for rid, _ in backlog if rid is not None}
-        kept = [(rid, f) for rid, f in backlog if rid is None or rid not in lost]
+            if only is None:
+                lost = self._reqs.pop_all()
+            else:
+                lost = {wire: w for wire in only if (w := self._reqs.pop(wire)) is not None}
+        unsent = {wire for wire, _ in backlog if wire is not None}
+        kept = [(wire, f) for wire, f in backlog if wire is None or wire not in lost]
         backlog.clear()
         backlog.extend(kept)
-        for rid, (q, is_generate) in lost.items():
-            q.put(error_result(rid, err.code, err.message) if is_generate else RequestError(err))
-            if is_generate and rid not in unsent:
-                backlog.append((None, P.encode(P.Abort(id=rid))))
+        for wire, w in lost.items():
+            w.queue.put(error_result(w.user_id, err.code, err.message) if w.is_generate
+                        else RequestError(err))
+            if w.is_generate and wire not in unsent:
+                backlog.append((None, P.encode(P.Abort(id=wire))))
 
     def _try_send(self, frame: bytes) -> bool:
         try:
@@ -251,12 +281,13 @@ class Client:
 
     def _deliver(self, frame: bytes) -> None:
         try:
-            rid, item, last = route(frame)
+            routed = route(frame)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return  # not our protocol (a newer daemon?): nobody to route it to
-        if rid is None:
-            return  # an error about a frame with no usable id: no request of ours waits on it
+        if routed is None:
+            return  # a ping, or an error about no request of ours
+        wire, item, last = routed
         with self._lock:
-            w = self._waiting.pop(rid, None) if last else self._waiting.get(rid)
+            w = self._reqs.pop(wire) if last else self._reqs.get(wire)
         if w is not None:  # else: a request given up on (time-out, abandoned stream)
-            w[0].put(item)
+            w.queue.put(for_caller(item, w))

@@ -5,6 +5,8 @@ each request (tokens, blocks, computed count) built from the step diffs, drops f
 preempted ids first, and samples one token for a request only when ``num_computed_tokens +
 scheduled == all known tokens``. The sampled token is a pure function of the request's whole
 token sequence, so outputs do not depend on batching, chunking, caching or preemption.
+Prompt logprobs, for requests that ask, are a pure function of the position (``logprob =
+-position``), so a test can tell each prompt token's entry apart.
 
 With ``check_kv=True`` it also simulates the paged KV cache: every computed position writes a
 fingerprint of the sequence prefix it belongs to into its slot, and before sampling every slot
@@ -15,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.messages import ModelRunnerOutput, SchedulerOutput, bytes_to_ids
+from pipeline.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs, bytes_to_ids
+from pipeline.messages.step import PromptLogprobs
 
 _MASK = (1 << 64) - 1
 
@@ -30,6 +33,8 @@ class _Seq:
     tokens: list[int]
     block_ids: list[int]
     num_computed: int
+    num_prompt: int = 0
+    prompt_logprobs: bool = False
     fps: list[int] = field(default_factory=list)  # fps[p]: fingerprint of tokens[:p + 1]
     h: int = 0  # fingerprint of tokens[:h_len], advanced lazily
     h_len: int = 0
@@ -70,7 +75,8 @@ class FakeWorker:
             self.seqs.pop(rid, None)
         for nr in sched.new_reqs:
             self.seqs[nr.req_id] = _Seq(bytes_to_ids(nr.token_ids).tolist(), list(nr.block_ids),
-                                        nr.num_computed_tokens)
+                                        nr.num_computed_tokens, nr.num_prompt_tokens,
+                                        nr.sampling_params.prompt_logprobs is not None)
         for cr in sched.cached_reqs:
             s = self.seqs[cr.req_id]
             if s.num_computed != cr.num_computed_tokens:
@@ -79,6 +85,7 @@ class FakeWorker:
             s.block_ids.extend(cr.new_block_ids)
         req_ids: list[str] = []
         sampled: list[int] = []
+        prompt_lps: list[PromptLogprobs] = []
         bs = self.block_size
         for rid, n in sched.num_scheduled_tokens.items():
             s = self.seqs[rid]
@@ -90,6 +97,11 @@ class FakeWorker:
                 raise AssertionError(f"{rid}: {end} tokens but only {len(s.block_ids)} blocks")
             if self.kv is not None:
                 self._write_kv(s, end)
+            last = min(end, s.num_prompt - 1)  # position p predicts prompt token p + 1
+            if s.prompt_logprobs and last > s.num_computed:
+                prompt_lps.append(PromptLogprobs(rid, s.num_computed + 1, [
+                    TokenLogprobs(s.tokens[p + 1], -float(p + 1), [], [])
+                    for p in range(s.num_computed, last)]))
             s.num_computed = end
             if end == len(s.tokens):
                 if self.kv is not None:
@@ -101,7 +113,7 @@ class FakeWorker:
                 s.tokens.append(tok)
                 req_ids.append(rid)
                 sampled.append(tok)
-        return ModelRunnerOutput(sched.step_id, req_ids, sampled)
+        return ModelRunnerOutput(sched.step_id, req_ids, sampled, prompt_logprobs=prompt_lps)
 
     def _fingerprints(self, s: _Seq, upto: int) -> None:
         h = s.fps[-1] if s.fps else 0

@@ -3,7 +3,9 @@
 A Request lives from ``Scheduler.add_request`` until it finishes or is aborted. It holds the
 token ids known so far (prompt, then every sampled token), how many of them have KV in the
 cache, the blocks it owns, the chain hashes of its full blocks, and the timings the token
-processor reports. Nothing outside the engine stage ever sees or mutates it.
+processor reports. A client request of ``n > 1`` completions is n Requests ("children"):
+each has its own id, ``out_id`` (the client request's id) and ``index``. Nothing outside the
+engine stage ever sees or mutates it.
 """
 from __future__ import annotations
 
@@ -50,6 +52,9 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0
     cache_salt: str | None = None
+    out_id: str = ""  # the id outputs carry: the client request's ("" : req_id)
+    index: int = 0  # which completion of the client request
+    params_bytes: int = 0  # its sampling params, encoded (what admitting it costs a step)
 
     status: RequestStatus = RequestStatus.WAITING
     # Prompt followed by every sampled token; grows by one per decode step.
@@ -78,8 +83,17 @@ class Request:
     # Fast pre-check for check_stop: tokens that may end it, and the length that does.
     stop_ids: frozenset[int] = frozenset()
     max_num_tokens: int = 0
+    # Set by the waiting queue while the request is in it; its place there at arrival.
+    in_queue: bool = False
+    order: int = 0
+    # First child of n > 1: its siblings, queued once its prompt KV is computed and cached.
+    held: list[Request] = field(default_factory=list)
+    # Next prompt token whose logprobs go out (token 0 has none); prompt_logprobs only.
+    prompt_logprobs_sent: int = 1
 
     def __post_init__(self) -> None:
+        if not self.out_id:
+            self.out_id = self.req_id
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -91,6 +105,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        return (self.sampling_params.prompt_logprobs is not None
+                and self.prompt_logprobs_sent < self.num_prompt_tokens)
 
     @property
     def finish_reason(self) -> str | None:

@@ -7,12 +7,21 @@ scheduled in a step whose result is not back yet is "in flight" and is not sched
 so an engine may schedule step N+1 before step N's result arrives. A result for a request
 that was preempted, aborted or finished meanwhile is stale and dropped, so such a request
 never caches blocks it no longer owns (seed 001).
+
+A request of ``n > 1`` completions (parallel sampling) is n child Requests under one client
+id (``parents``). Only the first child is queued at first; its siblings are queued at its
+place once its prompt's KV is computed, so they take the prompt's full blocks from the
+prefix cache instead of computing them again (each recomputes at most its last, partial
+block, for its own first token's logits). Aborting the client id aborts every child; a stop
+string ends one child (the token processor names it by ``child_id``).
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
+
+import msgspec
 
 from pipeline.config import EngineConfig
 from pipeline.engine.audit import audit_block_table
@@ -28,9 +37,13 @@ from pipeline.messages import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    TokenLogprobs,
     bytes_to_ids,
     ids_to_bytes,
 )
+from pipeline.messages.outputs import child_id
+from pipeline.messages.step import PromptLogprobs
+from pipeline.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +52,19 @@ logger = logging.getLogger(__name__)
 RESERVE_INIT = 1.0
 RESERVE_MIN = 0.05
 RESERVE_DECAY = 0.98
+# Newly admitted requests one step may carry to the workers (their token ids and sampling
+# params, encoded): the step must cross the step ring (runtime/rings.py: messages of at least
+# 16 MiB, and of one largest request plus the rest of a step) with room for the rest. The
+# first request of a step always goes.
+NEW_REQUESTS_BYTES_PER_STEP = 8 << 20
+
+
+def _child_params(sp: SamplingParams, index: int) -> SamplingParams:
+    """Completion ``index``'s own params: one sample, its own seed (seed + index, as vLLM),
+    and only the first child computes the prompt's logprobs."""
+    return msgspec.structs.replace(
+        sp, n=1, seed=None if sp.seed is None else (sp.seed + index) % 2**63,
+        prompt_logprobs=sp.prompt_logprobs if index == 0 else None)
 
 
 @dataclass(slots=True)
@@ -48,6 +74,7 @@ class _Step:
     num_sched: dict[str, int] = field(default_factory=dict)
     new_blocks: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    new_request_bytes: int = 0  # of the requests admitted in this step
 
 
 class Scheduler:
@@ -75,6 +102,7 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, hash_key)
         self.policy = make_policy(config.preemption_policy)
         self.requests: dict[str, Request] = {}
+        self.parents: dict[str, list[Request]] = {}  # client id -> children (n > 1)
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # admission order
         self.step_id = 0
@@ -91,37 +119,69 @@ class Scheduler:
     def add_request(self, er: EngineRequest) -> None:
         """Queue a validated request (``tokenizer.validate``); ValueError if it could never
         fit in the whole KV cache, which only the engine knows."""
-        if er.req_id in self.requests:
-            raise ValueError(f"request id {er.req_id!r} is already in the engine")
-        prompt = bytes_to_ids(er.prompt_token_ids).tolist()
         sp = er.sampling_params
+        n = sp.n
+        ids = [child_id(er.req_id, k, n) for k in range(n)]
+        for rid in {er.req_id, *ids}:
+            if rid in self.requests or rid in self.parents:
+                raise ValueError(f"request id {rid!r} is already in the engine")
+        prompt = bytes_to_ids(er.prompt_token_ids).tolist()
         # The last sampled token's KV is never computed, hence total - 1.
         need = -(-(len(prompt) + sp.max_tokens - 1) // self.block_size)
         if need > self.kv.pool.num_blocks:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({sp.max_tokens}) needs "
                              f"{need} KV blocks of {self.block_size} tokens, more than the whole "
                              f"KV cache (num_blocks={self.kv.pool.num_blocks})")
-        req = Request(er.req_id, prompt, sp, er.arrival_time, frozenset(er.eos_token_ids),
-                      er.priority, er.cache_salt)
-        self.kv.hash_new_blocks(req)
-        self.requests[req.req_id] = req
-        self.waiting.add(req)
+        eos = frozenset(er.eos_token_ids)
+        params_bytes = len(msgspec.msgpack.encode(sp))
+        children = [Request(rid, prompt, _child_params(sp, k) if n > 1 else sp, er.arrival_time,
+                            eos, er.priority, er.cache_salt, out_id=er.req_id, index=k,
+                            params_bytes=params_bytes)
+                    for k, rid in enumerate(ids)]
+        first = children[0]
+        self.kv.hash_new_blocks(first)
+        for c in children:
+            c.block_hashes = list(first.block_hashes)  # same prompt, same chain
+            self.requests[c.req_id] = c
+        first.order = self.waiting.add(first)
+        if n > 1:
+            self.parents[er.req_id] = children
+            first.held = children[1:]
+            if not self.kv.enable_caching:
+                self._release_siblings(first)  # nothing to share: no reason to wait
         self.num_prompt_tokens += len(prompt)
 
-    def abort_requests(self, req_ids, reason: str = "abort") -> list[EngineOutput]:
+    def _release_siblings(self, first: Request) -> None:
+        """Queue the held siblings of ``first`` at its place in the queue."""
+        held, first.held = first.held, []
+        for c in held:
+            if c.status == RequestStatus.WAITING:
+                self.waiting.add(c, first.order)
+
+    def abort_requests(self, req_ids, reason: str = "abort", message: str = "") -> list[EngineOutput]:
+        """End requests (a client id ends all its children, a child id that child alone).
+
+        ``reason`` "stop" (a stop string), "length" and "error" end them as such; any other
+        aborts them, and the outputs say who and why: ``message``, else "aborted by the
+        client" for "abort", else the reason itself.
+        """
         status = ABORT_STATUS.get(reason, RequestStatus.FINISHED_ABORTED)
+        why = message or None
+        if status == RequestStatus.FINISHED_ABORTED and not why:
+            why = "aborted by the client" if reason == "abort" else f"aborted: {reason}"
         outs = []
         for rid in req_ids:
-            req = self.requests.get(rid)
-            if req is None:
-                continue  # unknown or already finished: its final output went out already
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.discard(req)
-            req.status = status
-            self._finish(req)
-            outs.append(self._output(req, [], reason))
+            children = self.parents.get(rid)
+            for req in children if children is not None else [self.requests.get(rid)]:
+                if req is None or req.req_id not in self.requests:
+                    continue  # unknown or already finished: its final output went out already
+                if req.status == RequestStatus.RUNNING:
+                    self.running.remove(req)
+                else:
+                    self.waiting.discard(req)  # a no-op for a held sibling
+                req.status = status
+                self._finish(req)
+                outs.append(self._output(req, [], why))
         return outs
 
     def _finish(self, req: Request) -> None:
@@ -131,6 +191,11 @@ class Scheduler:
         del self.requests[req.req_id]
         if req.sent_to_worker:
             self._finished_ids.append(req.req_id)
+        if req.held:  # never computed its prompt: the siblings compute it themselves
+            self._release_siblings(req)
+        children = self.parents.get(req.out_id)
+        if children is not None and all(c.req_id not in self.requests for c in children):
+            del self.parents[req.out_id]
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -192,7 +257,7 @@ class Scheduler:
         # No admission in a step that had to preempt: the pool is too tight for more work.
         if not preempted:
             self._reserve = max(RESERVE_MIN, self._reserve * RESERVE_DECAY)
-            self._admit(step, budget, num_sched, new_reqs)
+            self._admit(step, budget, num_sched, new_reqs, st)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(step, new_reqs, cached_reqs, num_sched, sum(num_sched.values()),
                                finished, [r.req_id for r in preempted])
@@ -221,17 +286,21 @@ class Scheduler:
         return True
 
     def _admit(self, step: int, budget: int, num_sched: dict[str, int],
-               new_reqs: list[NewRequestData]) -> None:
+               new_reqs: list[NewRequestData], st: _Step) -> None:
         running, kv = self.running, self.kv
         reserve = int(self._reserve * len(running))
         while budget > 0 and len(running) < self.max_num_seqs:
             req = self.waiting.peek()
             if req is None:
                 break
-            computed, n_hit = kv.get_computed_blocks(req)
+            # Prompt logprobs need every prompt position's logits: no prefix-cache hit.
+            computed, n_hit = ([], 0) if req.owes_prompt_logprobs else kv.get_computed_blocks(req)
             n = min(req.num_tokens - n_hit, budget)
             if self._explicit_threshold or running:
                 n = min(n, self.long_prefill_token_threshold)
+            size = 4 * req.num_tokens + req.params_bytes  # what NewRequestData carries
+            if new_reqs and st.new_request_bytes + size > NEW_REQUESTS_BYTES_PER_STEP:
+                break
             if running and kv.blocks_needed(req, n, computed) + reserve > kv.pool.num_free_blocks:
                 break
             if kv.allocate_slots(req, n, computed) is None:
@@ -249,6 +318,7 @@ class Scheduler:
             running.append(req)
             num_sched[req.req_id] = n
             budget -= n
+            st.new_request_bytes += size
             new_reqs.append(NewRequestData(req.req_id, ids_to_bytes(req.all_token_ids),
                                            req.num_prompt_tokens, req.sampling_params,
                                            [b.block_id for b in req.blocks],
@@ -258,6 +328,7 @@ class Scheduler:
                            out: ModelRunnerOutput) -> list[EngineOutput]:
         sampled = dict(zip(out.req_ids, out.sampled_token_ids))
         logprobs = dict(zip(out.req_ids, out.logprobs)) if out.logprobs else None
+        prompt_lps = {p.req_id: p for p in out.prompt_logprobs} if out.prompt_logprobs else None
         outputs: list[EngineOutput] = []
         any_finished = False
         kv, step, max_len, bs = self.kv, sched.step_id, self.max_model_len, self.block_size
@@ -275,12 +346,17 @@ class Scheduler:
             self.num_computed_tokens += n
             if caching and computed // bs > req.num_cached_blocks:
                 kv.cache_computed_blocks(req)
+            if req.held and computed >= req.num_prompt_tokens:
+                self._release_siblings(req)  # the prompt's blocks are cached now
+            plp = self._prompt_logprobs(req, prompt_lps.get(rid)) if prompt_lps else None
             toks = req.all_token_ids
             tok = sampled.get(rid)
             if tok is None:
                 if computed == len(toks):
                     raise RuntimeError(f"worker sampled no token for {rid!r} after computing all "
                                        f"{computed} known tokens")
+                if plp:
+                    outputs.append(self._output(req, [], None, prompt_logprobs=plp))
                 continue
             if computed != len(toks):
                 raise RuntimeError(f"worker sampled a token for {rid!r} mid-prefill "
@@ -294,10 +370,10 @@ class Scheduler:
             done = (tok in req.stop_ids or n_toks >= req.max_num_tokens
                     or n_toks >= max_len) and req.check_stop(max_len)
             lp = logprobs.get(rid) if logprobs else None
-            outputs.append(EngineOutput(rid, [tok], FINISH_REASONS.get(req.status) if done else None,
+            outputs.append(EngineOutput(req.out_id, [tok], FINISH_REASONS.get(req.status) if done else None,
                                         req.stop_reason, [lp] if lp else None,
                                         req.num_prompt_tokens, req.num_cached_tokens,
-                                        req.first_scheduled_time))
+                                        req.first_scheduled_time, None, req.index, plp))
             if done:
                 any_finished = True
                 self._finish(req)
@@ -305,11 +381,26 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
 
-    def _output(self, req: Request, toks: list[int], reason: str | None,
-                logprobs=None) -> EngineOutput:
-        return EngineOutput(req.req_id, toks, reason, req.stop_reason, logprobs,
+    @staticmethod
+    def _prompt_logprobs(req: Request, p: PromptLogprobs | None) -> list[TokenLogprobs] | None:
+        """The part of a step's prompt logprobs not sent yet (a rerun after preemption
+        computes them again)."""
+        if p is None:
+            return None
+        sent = req.prompt_logprobs_sent
+        if p.start > sent:
+            raise RuntimeError(f"worker sent prompt logprobs of {req.req_id!r} from token "
+                               f"{p.start}, expected from {sent} or before")
+        new = p.logprobs[sent - p.start:]
+        req.prompt_logprobs_sent = max(sent, p.start + len(p.logprobs))
+        return new or None
+
+    @staticmethod
+    def _output(req: Request, toks: list[int], error: str | None,
+                prompt_logprobs: list[TokenLogprobs] | None = None) -> EngineOutput:
+        return EngineOutput(req.out_id, toks, req.finish_reason, req.stop_reason, None,
                             req.num_prompt_tokens, max(req.num_cached_tokens, 0),
-                            req.first_scheduled_time)
+                            req.first_scheduled_time, error, req.index, prompt_logprobs)
 
     # -- observability ------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -50,7 +50,7 @@ class EngineLoop:
         self.next_stats = 0.0
 
     def _abort(self, msg: AbortRequest) -> list[EngineOutput]:
-        return list(self.sched.abort_requests(msg.req_ids, msg.reason) or [])
+        return self.sched.abort_requests(msg.req_ids, msg.reason, msg.message)
 
     def _drain_inputs(self) -> list[EngineOutput]:
         outs: list[EngineOutput] = []

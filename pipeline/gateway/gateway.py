@@ -5,6 +5,11 @@ processes, and the table of in-flight requests, which is what guarantees every a
 request exactly one final answer: from the token processor, from the tokenizer (invalid
 request), or from the gateway itself when a stage died or a drain ran out of time. It never
 tokenizes or schedules. `pipeline run` and `pipeline serve` are thin front ends over it.
+
+A request `submit` cannot take (the server is failed or draining, a request over the byte
+limits of ``messages.requests``, measured as it will cross the submit ring) gets an error
+answer through ``on_output`` instead of being accepted; `submit` does not raise for it.
+The rings are sized from those limits and max_model_len (``runtime.rings``).
 """
 from __future__ import annotations
 
@@ -30,11 +35,33 @@ from pipeline.ipc.sweep import sweep_stale
 from pipeline.messages import AbortRequest, EngineStats, GatewayRequest, RequestDelta, RequestResult, error_result
 from pipeline.models.config import load_model_config
 from pipeline.runtime.process import EXIT_PEER_DIED, STOP_SIGNAL
-from pipeline.runtime.rings import RING_ROLES, SHARED_DOORBELLS, STEPS_CAPACITY, STEPS_ROLE, Channel
+from pipeline.runtime.rings import RING_ROLES, SHARED_DOORBELLS, STEPS_ROLE, Channel, capacity, message_limits
 from pipeline.runtime.spec import ModelInfo, StageSpec
+from pipeline.tokenizer.validate import InvalidRequest, check_messages_bytes, check_prompt_text
 
 Answer = RequestDelta | RequestResult
+ABORT_CHUNK = 1024  # request ids per AbortRequest (ids are at most 1 KiB of UTF-8 each)
 OnOutput = Callable[[Answer], None]
+
+
+def size_problem(req: GatewayRequest, encoded_size: int, limit: int) -> str | None:
+    """Why ``req`` (``encoded_size`` bytes as the submit ring carries it) is too large, if
+    it is: its prompt over MAX_PROMPT_BYTES, or the whole over ``limit`` (naming the field
+    that takes the most)."""
+    try:
+        if req.prompt is not None:
+            check_prompt_text(req.prompt)
+        if req.messages is not None:
+            check_messages_bytes(req.messages)
+    except InvalidRequest as exc:
+        return str(exc)
+    if encoded_size <= limit:
+        return None
+    fields = {f: len(msgspec.msgpack.encode(getattr(req, f))) for f in
+              ("prompt", "prompt_token_ids", "messages", "sampling_params", "cache_salt", "req_id")}
+    name = max(fields, key=fields.__getitem__)
+    return (f"request: {encoded_size} bytes encoded, the limit is {limit} bytes "
+            f"(MAX_REQUEST_BYTES); field `{name}` takes {fields[name]} of them")
 
 
 class Gateway:
@@ -63,7 +90,9 @@ class Gateway:
     # ---- start-up ----
     def start(self, timeout_s: float = 600.0) -> ModelInfo:
         # A bad path or an unsupported checkpoint fails here, before any process starts.
-        load_model_config(self.config.model)
+        mc = load_model_config(self.config.model)
+        # The worker's max_model_len is at most this (it refuses more than the checkpoint's).
+        limits = message_limits(self.config, self.config.max_model_len or mc.max_position_embeddings)
         removed = sweep_stale()
         if removed:
             self.log(f"removed {len(removed)} stale shared-memory entries of dead instances")
@@ -71,13 +100,14 @@ class Gateway:
         try:
             bells = {c: Doorbell.create(self.instance, f"bell.{c}") for c in SHARED_DOORBELLS}
             self.doorbells = list(bells.values())
-            for role, (cap, producer, consumer) in RING_ROLES.items():
+            for role, (producer, consumer) in RING_ROLES.items():
                 mine = "gateway" in (producer, consumer)
                 self.rings[role] = Channel(Ring.create(
-                    self.instance, role, cap, doorbell=bells.get(consumer),
+                    self.instance, role, capacity(limits[role]), doorbell=bells.get(consumer),
                     role="writer" if producer == "gateway" else "reader", claim=mine), role)
             tp = self.config.tensor_parallel_size
-            self.steps = BroadcastRing.create(self.instance, STEPS_ROLE, STEPS_CAPACITY, tp)
+            self.steps = BroadcastRing.create(self.instance, STEPS_ROLE,
+                                              capacity(limits[STEPS_ROLE]), tp)
             names = {r: ch.ring.name for r, ch in self.rings.items()} | {STEPS_ROLE: self.steps.name}
             ctx = mp.get_context("spawn")
             workers = [self._spawn(ctx, f"worker{r}", "worker", names, r) for r in range(tp)]
@@ -103,38 +133,61 @@ class Gateway:
 
     # ---- requests ----
     def submit(self, req: GatewayRequest) -> bool:
-        """Hand a request to the tokenizer stage; False (and an error answer) if refused."""
+        """Hand a request to the tokenizer stage. False if refused: then it got its error
+        answer; ``failure`` / ``accepting`` say whether later requests will be refused too.
+
+        ValueError only for a ``req_id`` already in flight: internal ids are the front end's
+        to keep unique, and an answer under that id would be taken for the running one's."""
+        ring = self.rings["submit"]
+        buf: bytearray | None = None
+        try:
+            buf = ring.encode(req)
+            problem = size_problem(req, len(buf), ring.max_message_bytes)
+        except Exception as exc:  # noqa: BLE001 - e.g. a string msgpack cannot carry
+            problem = f"request: cannot be encoded: {exc}"
         with self.lock:
             code, refusal = "unavailable", self.failure
             if refusal is None and not self.accepting:
                 code, refusal = "draining", "the server is draining: it accepts no new requests"
-            if refusal is None and req.req_id in self.inflight:
-                refusal = f"id: request id {req.req_id!r} is already in flight"
+            if refusal is None and problem is not None:
+                code, refusal = "invalid_request", problem
+            if req.req_id in self.inflight:
+                raise ValueError(f"request id {req.req_id!r} is already in flight")
             if refusal is None:
                 self.inflight[req.req_id] = req.stream
         if refusal is not None:
-            self._answer(error_result(req.req_id, code, refusal))
+            self._answer(error_result(req.req_id, code, refusal, arrival_time=req.arrival_time))
             return False
+        assert buf is not None  # else `problem` refused it
         try:
             with self.submit_lock:
-                self.rings["submit"].send(req, timeout=30.0)
+                ring.send_encoded(buf, timeout=30.0)
             return True
-        except (PeerDied, TimeoutError) as exc:
+        except Exception as exc:  # noqa: BLE001 - PeerDied, TimeoutError, ...: answered here
             with self.lock:
                 if self.inflight.pop(req.req_id, None) is not None:
                     self._answer(error_result(req.req_id, "unavailable",
-                                                f"tokenizer stage unavailable: {exc}"))
+                                              f"tokenizer stage unavailable: {exc}",
+                                              arrival_time=req.arrival_time))
+                    if not self.inflight:
+                        self.idle.notify_all()
             return False
 
-    def abort(self, req_ids: list[str], reason: str = "abort") -> None:
+    def abort(self, req_ids: list[str], message: str = "aborted by the client") -> None:
+        """Abort requests in flight; each gets a final answer with finish_reason "abort" and
+        ``ErrorInfo("aborted", message)`` (``message`` says who aborted and why)."""
         with self.lock:
             ids = [i for i in req_ids if i in self.inflight]
-        if ids and self.failure is None:
-            try:
+        try:
+            # In chunks: a drain may abort any number of requests, and each message (and the
+            # engine's answer to it) must fit its ring.
+            for at in range(0, len(ids) if self.failure is None else 0, ABORT_CHUNK):
                 with self.submit_lock:
-                    self.rings["submit"].send(AbortRequest(req_ids=ids, reason=reason), timeout=5.0)
-            except (PeerDied, TimeoutError):
-                pass  # the supervisor answers everything when a stage is gone
+                    self.rings["submit"].send(AbortRequest(req_ids=ids[at:at + ABORT_CHUNK],
+                                                           reason="abort", message=message),
+                                              timeout=5.0)
+        except (PeerDied, TimeoutError):
+            pass  # the supervisor answers everything when a stage is gone
 
     def _answer(self, out: Answer) -> None:
         # A front end that fails to take an answer (stdout closed, ...) must not stop the
@@ -175,6 +228,9 @@ class Gateway:
                     self.stats_updated.set()
             except PeerDied:
                 self.failed.wait(2.0)  # the supervisor names the stage and answers
+                return
+            except Exception as exc:  # noqa: BLE001 - nobody would answer in-flight requests
+                self._fail(f"gateway: receiving answers failed: {type(exc).__name__}: {exc}")
                 return
 
     def fresh_engine_stats(self, timeout_s: float = 1.0) -> EngineStats:
@@ -218,8 +274,10 @@ class Gateway:
         it: the flag is one attribute store, which submit reads under its lock."""
         self.accepting = False
 
-    def drain(self, timeout_s: float) -> int:
-        """Stop accepting, wait for in-flight requests, abort what is left; returns #aborted."""
+    def drain(self, timeout_s: float, message: str = "aborted by the server: it shut down "
+                                                        "before the request finished") -> int:
+        """Stop accepting, wait for in-flight requests, abort what is left with ``message``;
+        returns #aborted."""
         with self.lock:
             self.accepting = False
             self.idle.wait_for(lambda: not self.inflight or self.failure is not None, timeout_s)
@@ -227,12 +285,11 @@ class Gateway:
         if not left:
             return 0
         self.log(f"drain timeout: aborting {len(left)} request(s)")
-        self.abort(left, "abort")
+        self.abort(left, message)
         with self.lock:
             self.idle.wait_for(lambda: not self.inflight or self.failure is not None, 2.0)
             for req_id in self.inflight:
-                self._answer(error_result(req_id, "abort", "aborted: the server shut down",
-                                            finish_reason="abort"))
+                self._answer(error_result(req_id, "aborted", message, finish_reason="abort"))
             self.inflight.clear()
         return len(left)
 

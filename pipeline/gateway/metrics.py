@@ -3,17 +3,23 @@
 State: one prometheus_client ``CollectorRegistry`` of our own (never the global one, so
 several instances can live in one process, e.g. in tests) holding counters, gauges and
 histograms; ``snapshot()`` reads them back, so there is one source of truth. The gateway
-feeds it: ``observe_result`` for every final answer, ``set_engine_state`` whenever the
-engine reports its scheduler/KV state (cumulative counters are turned into increments).
-All methods are thread-safe (prometheus_client's metrics are).
+feeds it: ``observe_result`` for every final answer, ``reject`` for a generate refused
+without one, and the daemon's counters (received, malformed, dropped clients). The engine
+state (running, waiting, KV blocks, prefix cache, preemptions) and the in-flight count are
+pulled from their sources at every collection (a scrape or ``snapshot()``), so they are as
+fresh as the engine's last stats snapshot (it publishes a few per second); cumulative engine
+counters are turned into increments.
+All methods are thread-safe (prometheus_client's metrics are; the engine refresh holds a lock).
 """
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
-from pipeline.messages import RequestResult
+from pipeline.messages import EngineStats, RequestResult
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -21,11 +27,33 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
                0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
                240.0, 480.0, 960.0)
+# Error codes of requests refused before they ran (the rest of the errors are failures).
+REJECTION_CODES = ("invalid_request", "unsupported_version", "duplicate_id", "draining", "unavailable")
+
+
+class _OnCollect:
+    """Registered first in the registry, so ``refresh`` runs before any metric is read."""
+
+    def __init__(self, refresh: Callable[[], None]) -> None:
+        self.refresh = refresh
+
+    def describe(self) -> list:
+        return []  # no metrics of its own (and no collect() at registration)
+
+    def collect(self) -> list:
+        self.refresh()
+        return []
 
 
 class Metrics:
-    def __init__(self, prefix: str = "pipeline") -> None:
+    def __init__(self, prefix: str = "pipeline", *, engine_state: Callable[[], EngineStats] | None = None,
+                 inflight: Callable[[], int] | None = None) -> None:
+        """``engine_state``: the engine's latest stats snapshot; ``inflight``: requests accepted
+        and not yet answered. Both are read at every collection."""
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._engine_state = engine_state
+        self._lock = threading.Lock()  # one engine refresh at a time (concurrent scrapes)
+        r.register(_OnCollect(self._refresh))
         n = f"{prefix}_"
         self.requests_running = Gauge(n + "num_requests_running", "Requests in the running batch", registry=r)
         self.requests_waiting = Gauge(n + "num_requests_waiting", "Requests waiting to be scheduled", registry=r)
@@ -54,15 +82,33 @@ class Metrics:
                              buckets=E2E_BUCKETS, registry=r)
         self.queue_time = Histogram(n + "request_queue_time_seconds", "Arrival to first scheduled",
                                     buckets=TTFT_BUCKETS, registry=r)
+        self.requests_received = Counter(n + "requests_received", "Generate requests received over ZMQ",
+                                         registry=r)
+        self.requests_rejected = Counter(n + "requests_rejected", "Requests refused before they ran, by "
+                                         "error code (invalid_request: failed validation)", ["code"],
+                                         registry=r)
+        self.malformed_frames = Counter(n + "malformed_frames", "Client frames that could not be decoded "
+                                        "(each one answered with an error)", registry=r)
+        self.clients_dropped = Counter(n + "clients_dropped", "Clients gone (bye or connection lost) with "
+                                       "requests in flight, which were aborted", registry=r)
+        self.requests_inflight = Gauge(n + "requests_inflight", "Requests accepted and not yet answered",
+                                       registry=r)
+        if inflight is not None:
+            self.requests_inflight.set_function(inflight)
         for reason in ("stop", "length", "abort", "error"):
             self.requests_finished.labels(reason)  # export zeros from the start
+        for code in REJECTION_CODES:
+            self.requests_rejected.labels(code)
         self._last: dict[str, int] = {"queries": 0, "hits": 0, "preemptions": 0}
+        self._last_snapshot = 0.0  # timestamp of the engine snapshot last applied
         self._prefix = n
         self._server: Any = None
 
     def observe_result(self, res: RequestResult) -> None:
         """Account one final answer (call exactly once per request)."""
         self.requests_finished.labels(res.finish_reason).inc()
+        if res.finish_reason == "error" and res.error is not None and res.error.code in REJECTION_CODES:
+            self.requests_rejected.labels(res.error.code).inc()
         u, t = res.usage, res.timings
         self.prompt_tokens.inc(u.prompt_tokens)
         self.generation_tokens.inc(u.completion_tokens)
@@ -76,23 +122,36 @@ class Metrics:
         for gap in t.itl:
             self.itl.observe(gap)
 
-    def set_engine_state(self, *, running: int, waiting: int, kv_blocks_used: int,
-                         kv_blocks_cached: int, kv_blocks_total: int, prefix_cache_queries: int,
-                         prefix_cache_hits: int, preemptions: int) -> None:
-        """The engine's current state; the last three are cumulative since engine start."""
-        self.requests_running.set(running)
-        self.requests_waiting.set(waiting)
-        self.kv_blocks_used.set(kv_blocks_used)
-        self.kv_blocks_cached.set(kv_blocks_cached)
-        self.kv_blocks_total.set(kv_blocks_total)
-        for key, counter, value in (("queries", self.prefix_cache_queries, prefix_cache_queries),
-                                    ("hits", self.prefix_cache_hits, prefix_cache_hits),
-                                    ("preemptions", self.preemptions, preemptions)):
+    def reject(self, code: str) -> None:
+        """A generate refused without a final answer of its own (``duplicate_id``)."""
+        self.requests_rejected.labels(code).inc()
+
+    def _refresh(self) -> None:
+        if self._engine_state is None:
+            return
+        with self._lock:
+            e = self._engine_state()
+            if e.timestamp and e.timestamp != self._last_snapshot:  # published, and not applied yet
+                self._last_snapshot = e.timestamp
+                self.set_engine_state(e)
+
+    def set_engine_state(self, e: EngineStats) -> None:
+        """The engine's current state; its prefix-cache and preemption counts are cumulative
+        since the engine started."""
+        self.requests_running.set(e.running)
+        self.requests_waiting.set(e.waiting)
+        self.kv_blocks_used.set(e.kv_blocks_used)
+        self.kv_blocks_cached.set(e.kv_blocks_cached)
+        self.kv_blocks_total.set(e.kv_blocks_total)
+        for key, counter, value in (("queries", self.prefix_cache_queries, e.prefix_cache_queried_tokens),
+                                    ("hits", self.prefix_cache_hits, e.prefix_cache_hit_tokens),
+                                    ("preemptions", self.preemptions, e.num_preemptions)):
             # A restarted engine starts from zero again: count from there.
             inc = value - self._last[key] if value >= self._last[key] else value
             counter.inc(inc)
             self._last[key] = value
-        self.prefix_cache_hit_rate.set(prefix_cache_hits / prefix_cache_queries if prefix_cache_queries else 0.0)
+        queried = e.prefix_cache_queried_tokens
+        self.prefix_cache_hit_rate.set(e.prefix_cache_hit_tokens / queried if queried else 0.0)
 
     def snapshot(self) -> dict[str, Any]:
         """Plain dict (msgpack/JSON-able): name (without prefix) -> value; labelled metrics

@@ -1,23 +1,42 @@
 """`pipeline run`: pipe mode. Gateway front end reading stdin, writing JSON lines to stdout.
 
-Each stdin line is a plain prompt or a JSON object (``id``, ``prompt`` | ``prompt_token_ids``
-| ``messages``, sampling fields). Lines are submitted as they are read (bounded by
-``--max-inflight`` so a huge file does not sit in memory), so the engine stays busy while the
-input streams. Each answer is one JSON line (RequestResult); streaming requests (``--stream``
-for all, or ``"stream": true`` per line) also get delta lines (``id``, ``text``,
-``token_ids``) as they come; ``--ordered`` writes final answers in input order. Owns the output ordering buffer and the
-progress bar. Exit status 1 if any request failed or a stage died, 2 if the engine could not
-start, 130 after Ctrl-C/SIGTERM (in-flight requests drain, the rest get an "abort" answer).
+Input is read as bytes, one line per ``\n``, each at most ``MAX_LINE_BYTES``. A line is, after
+stripping white space and a UTF-8 byte order mark (BOM; a concatenated file may carry one on
+any line):
+- empty: skipped, no answer;
+- a JSON object (it starts with ``{``): one request (``id``, ``prompt`` | ``prompt_token_ids``
+  | ``messages``, sampling fields, ``stream``);
+- another JSON value (a number, a quoted string, an array, true/false/null): an error, since
+  a JSON line must be an object; send such text as ``{"prompt": ...}``;
+- anything else: a plain prompt.
+Every line that is not empty gets exactly one final answer line (a RequestResult): an error
+one (finish_reason "error") for a line that is not valid UTF-8, too long, not a valid
+request, or over the byte limits of README.md "Limits". A request's id is its ``id``, else its
+line's 0-based index; ids are unique within a run: a line reusing one is not run and gets an
+error answer with that id and ``error.code == "duplicate_id"`` naming both lines' indices,
+so the first line's answer is the only one under that id without that code.
+
+Lines are submitted as they are read (bounded by ``--max-inflight`` so a huge file does not
+sit in memory), so the engine stays busy while the input streams. Streaming requests
+(``--stream`` for all, or ``"stream": true`` per line) also get delta lines (``id``,
+``text``, ``token_ids``) as they come; ``--ordered`` writes final answers in input order.
+Owns the output ordering buffer, the run's ids and the progress bar. Exit status: 0 if every
+line got a successful answer, 1 if any failed (or a stage died, or stdin could not be read),
+2 for a bad flag or an engine that could not start (both before reading any input), 130
+after Ctrl-C/SIGTERM (in-flight requests drain, the rest get an "abort" answer).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from typing import BinaryIO
 
 import msgspec
 
@@ -26,8 +45,14 @@ from pipeline.gateway.gateway import Answer, Gateway
 from pipeline.gateway.protocol import Generate, ProtocolError, gateway_request, request_from_json, sampling_params
 from pipeline.gateway.supervisor import StartupError
 from pipeline.messages import GatewayRequest, RequestDelta, error_result
+from pipeline.messages.requests import MAX_PROMPT_BYTES
+from pipeline.sampling_params import SamplingParams
 
-MAX_LINE_BYTES = 8 << 20
+# Room for a maximal prompt in any JSON escaping (up to 6 bytes per byte, "\u0001").
+MAX_LINE_BYTES = 8 * MAX_PROMPT_BYTES
+BOM = "\ufeff"
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -46,6 +71,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="write the engine's final stats (blocks, steps, overhead) to PATH")
 
 
+def sampling_defaults(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in (("max_tokens", args.max_tokens),
+                              ("temperature", args.temperature)) if v is not None}
+
+
+def bad_flag(args: argparse.Namespace) -> str | None:
+    """Why a pipe-mode flag value cannot work (checked before the model loads), if one can't."""
+    if args.max_inflight < 0:
+        return f"--max-inflight: must be >= 0 (0: 4 x --max-num-seqs), got {args.max_inflight}"
+    if not 0 <= args.drain_timeout < math.inf:
+        return f"--drain-timeout: must be a number of seconds >= 0, got {args.drain_timeout}"
+    try:
+        SamplingParams(**sampling_defaults(args)).validate()
+    except ValueError as exc:  # "<field> must be <limit>, got <value>"
+        name, _, rest = str(exc).partition(" ")
+        return f"--{name.replace('_', '-')}: {rest}"
+    return None
+
+
 class RequestError(ValueError):
     def __init__(self, message: str, req_id: str | None = None) -> None:
         super().__init__(message)
@@ -61,19 +105,84 @@ def _loose_id(line: str) -> str | None:
     return str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
 
 
-def parse_line(line: str, default_id: str, defaults: dict) -> GatewayRequest:
-    """A plain prompt, or a JSON object parsed by the protocol's shared request parser."""
-    if len(line) > MAX_LINE_BYTES:
-        raise RequestError(f"line: at most {MAX_LINE_BYTES} bytes, got {len(line)}")
+def read_lines(stream: BinaryIO) -> Iterator[bytes | int]:
+    """The lines of ``stream`` (with their newline); for a line over MAX_LINE_BYTES, its size
+    instead: it is read through in pieces, never held whole."""
+    while line := stream.readline(MAX_LINE_BYTES + 1):
+        if len(line) <= MAX_LINE_BYTES or line.endswith(b"\n"):
+            yield line
+            continue
+        size = len(line)
+        while line and not line.endswith(b"\n"):
+            line = stream.readline(1 << 20)
+            size += len(line)
+        yield size - line.endswith(b"\n")
+
+
+def parse_line(raw: bytes | int, default_id: str, defaults: dict) -> tuple[GatewayRequest, bool] | None:
+    """The request of one input line and whether it named its id; None for an empty line.
+    RequestError for a line that is no request (its message names what is wrong)."""
+    if isinstance(raw, int):
+        raise RequestError(f"line: {raw} bytes, the limit is {MAX_LINE_BYTES} bytes")
+    try:
+        line = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"line: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset "
+                           f"{exc.start})") from None
+    if line.startswith(BOM):
+        line = line[len(BOM):].strip()
+    if not line:
+        return None
     try:
         if line.startswith("{"):
             gen, sp = request_from_json(line, defaults)
         else:
-            gen = Generate(prompt=line)
-            sp = sampling_params(gen, defaults)
+            try:
+                value = msgspec.json.decode(line)
+            except msgspec.DecodeError:  # not JSON: a plain prompt
+                gen = Generate(prompt=line)
+                sp = sampling_params(gen, defaults)
+            else:
+                raise RequestError(f"line: a JSON line must be an object, got a JSON "
+                                   f"{_JSON_KINDS.get(type(value), 'value')}; to send this text "
+                                   f"as a prompt, send {{\"prompt\": ...}}")
     except ProtocolError as exc:
         raise RequestError(str(exc), exc.req_id or _loose_id(line)) from None
-    return gateway_request(gen, sp, default_id if gen.id is None else str(gen.id))
+    req = gateway_request(gen, sp, default_id if gen.id is None else str(gen.id))
+    return req, gen.id is not None
+
+
+def _index_of(rid: str) -> int | None:
+    """The line index ``rid`` is the default id of, if it is one ("7", not "07" or "+7")."""
+    if rid.isascii() and rid.isdigit() and (rid == "0" or rid[0] != "0"):
+        return int(rid)
+    return None
+
+
+class RunIds:
+    """The ids a run has used. A line without an id uses its index, kept as one bit, so a
+    long input of such lines costs little memory."""
+
+    def __init__(self) -> None:
+        self.named: dict[str, int] = {}  # an id a line gave itself -> that line's index
+        self.numbered = bytearray()  # bit i: line i used its index as its id
+
+    def _has(self, i: int) -> bool:
+        return i // 8 < len(self.numbered) and bool(self.numbered[i // 8] >> (i % 8) & 1)
+
+    def claim(self, rid: str, index: int, named: bool) -> int | None:
+        """Record line ``index``'s id; if an earlier line has it, that line's index instead."""
+        if rid in self.named:
+            return self.named[rid]
+        k = _index_of(rid)
+        if k is not None and self._has(k):
+            return k
+        if named:
+            self.named[rid] = index
+        else:
+            self.numbered.extend(bytes(index // 8 + 1 - len(self.numbered)))
+            self.numbered[index // 8] |= 1 << (index % 8)
+        return None
 
 
 class AnswerWriter:
@@ -163,36 +272,66 @@ class AnswerWriter:
                 self.all_done.wait(0.2)
 
 
-def feed(gw: Gateway, writer: AnswerWriter, args, lines, stop: threading.Event,
-         max_inflight: int) -> None:
-    defaults = {k: v for k, v in (("max_tokens", args.max_tokens),
-                                  ("temperature", args.temperature)) if v is not None}
+def feed(gw: Gateway, writer: AnswerWriter, args, lines: Iterator[bytes | int],
+         stop: threading.Event, max_inflight: int) -> None:
+    defaults = sampling_defaults(args)
+    ids = RunIds()
+
+    def refuse(index: int, rid: str, code: str, message: str) -> None:
+        writer(error_result(writer.expect(index, rid), code, message))
+
     for index, raw in enumerate(lines):
         if stop.is_set():
             break
-        line = raw.strip()
-        if not line:
+        try:
+            parsed = parse_line(raw, str(index), defaults)
+        except RequestError as exc:
+            refuse(index, exc.req_id or str(index), "invalid_request", str(exc))
+            continue
+        except Exception as exc:  # noqa: BLE001 - one line must not stop the reader
+            refuse(index, str(index), "invalid_request", f"line: cannot be read as a request: "
+                                                         f"{type(exc).__name__}: {exc}")
+            continue
+        if parsed is None:
             writer.skip(index)
             continue
-        try:
-            req = parse_line(line, str(index), defaults)
-        except RequestError as exc:
-            rid = writer.expect(index, exc.req_id or str(index))
-            writer(error_result(rid, "invalid_request", str(exc)))
+        req, named = parsed
+        first = ids.claim(req.req_id, index, named)
+        if first is not None:
+            refuse(index, req.req_id, "duplicate_id",
+                   f"id: {req.req_id!r} is already the id of the line at index {first}; ids are "
+                   f"unique within a run, so this line (index {index}) was not run")
             continue
-        user_id = req.req_id
-        req.req_id = writer.expect(index, user_id)
+        req.req_id = writer.expect(index, req.req_id)
         req.stream = req.stream or writer.stream
         with writer.lock:
             while writer.submitted - writer.done > max_inflight and not stop.is_set():
                 writer.all_done.wait(0.2)
-        if not gw.submit(req):
-            stop.set()  # the gateway answered it with the reason; nothing more can run
+        # A refused request got its answer; a stopped gateway refuses every later one too.
+        if not gw.submit(req) and (gw.failure is not None or not gw.accepting):
+            stop.set()
             break
 
 
+def read_stdin(gw: Gateway, writer: AnswerWriter, args, stop: threading.Event,
+               max_inflight: int, failed: list[str]) -> None:
+    """The reader thread: feed stdin's lines; a read error ends the input (said in ``failed``)."""
+    try:
+        feed(gw, writer, args, read_lines(sys.stdin.buffer), stop, max_inflight)
+    except Exception as exc:  # noqa: BLE001 - e.g. EIO on a terminal: the run still ends
+        failed.append(f"cannot read stdin: {type(exc).__name__}: {exc}")
+
+
 def main(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+    problem = bad_flag(args)
+    if problem is not None:
+        print(f"pipeline run: {problem}", file=sys.stderr)
+        return 2
+    try:
+        cfg = config_from_args(args)  # engine flags, checked before anything starts
+    except ValueError as exc:
+        print(f"pipeline run: cannot start: {exc}", file=sys.stderr)
+        return 2
     progress = sys.stderr.isatty()
     stop = threading.Event()
     writer = AnswerWriter(sys.stdout.buffer, args.ordered, args.stream, progress, stop)
@@ -210,9 +349,10 @@ def main(args: argparse.Namespace) -> int:
         stop.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    reader = threading.Thread(target=feed, name="pipe-reader", daemon=True,
-                              args=(gw, writer, args, sys.stdin, stop,
-                                    args.max_inflight or 4 * cfg.max_num_seqs))
+    read_failed: list[str] = []
+    reader = threading.Thread(target=read_stdin, name="pipe-reader", daemon=True,
+                              args=(gw, writer, args, stop,
+                                    args.max_inflight or 4 * cfg.max_num_seqs, read_failed))
     try:
         reader.start()
         while reader.is_alive() and not stop.is_set():
@@ -221,11 +361,12 @@ def main(args: argparse.Namespace) -> int:
         if writer.broken:
             print("pipeline run: stdout was closed; aborting the remaining requests",
                   file=sys.stderr)
-            gw.drain(0.0)
+            gw.drain(0.0, "aborted by pipeline run: its stdout was closed")
         elif interrupted.is_set():
             print(f"\npipeline run: interrupted, draining (up to {args.drain_timeout:.0f}s)",
                   file=sys.stderr)
-            gw.drain(args.drain_timeout)
+            gw.drain(args.drain_timeout, "aborted by pipeline run: interrupted (SIGINT/SIGTERM) "
+                                         "and the drain timed out")
         writer.wait_all(gw.failed)
         if args.stats_json and gw.failure is None:
             with open(args.stats_json, "w") as f:
@@ -236,11 +377,13 @@ def main(args: argparse.Namespace) -> int:
         gw.close()
         if progress:
             sys.stderr.write("\n")
+    for why in read_failed:
+        print(f"pipeline run: {why}", file=sys.stderr)
     if gw.failure is not None:
         print(f"pipeline run: {gw.failure}", file=sys.stderr)
         return 1
     if interrupted.is_set():
         return 130  # as a shell reports a run stopped by Ctrl-C
-    if writer.broken:
+    if writer.broken or read_failed:
         return 1
     return 1 if writer.failed else 0

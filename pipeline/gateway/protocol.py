@@ -11,26 +11,51 @@ msgpack (a DEALER sends ``[frame]``, the ROUTER sees ``[identity, frame]``): a m
 client -> daemon (``ClientMsg``):
   generate {id, prompt | prompt_token_ids | messages, stream, sampling fields, priority, cache_salt}
   abort {id}          health {id}          stats {id}
-  ping {}             every ``HEARTBEAT_INTERVAL_S`` while the client lives (background I/O)
+  ping {}             accepted and ignored (older clients send it; liveness is the connection's)
   bye {}              the client closes: abort everything it has in flight
 daemon -> client (``ReplyMsg``):
-  delta {delta: RequestDelta}   final {result: RequestResult}   (exactly one final per generate)
-  error {id, error: ErrorInfo}  an op other than generate failed, or a frame with no usable id
+  delta {delta: RequestDelta}   final {result: RequestResult}   (exactly one final per accepted generate)
+  error {id, error: ErrorInfo}  a health or stats op failed (``id`` is that op's), or a frame that
+                      answers no request of the client: ``id`` is null, the message says which
   health_reply {id, status, detail}   stats_reply {id, stats}
+  ping {}             every ``HEARTBEAT_INTERVAL_S`` to a client with requests in flight; ignore it
 
 Request ids are the client's; the daemon keys them per client identity, so two clients may
-use the same id. A generate with an id still in flight from that client is answered with a
-final of ``error.code == "duplicate_id"``.
+use the same id. A generate whose id is still in flight from that client is not run, and is
+not answered with a final (that id's one final belongs to the running request): it gets an
+``error`` with ``id`` null and ``error.code == "duplicate_id"``, whose message names the id.
+The same goes for any generate frame that cannot be decoded while its id is in flight.
+``Client``/``AsyncClient`` refuse such an id before sending.
 
-Client gone => abort, never a leak. The daemon aborts all of a client's requests when
-(1) it gets ``bye``; (2) a send to it fails with EHOSTUNREACH (ROUTER_MANDATORY: ZMQ has
-dropped the peer, e.g. its TCP connection closed); (3) nothing, not even a ping, came from it
-for ``CLIENT_IDLE_TIMEOUT_S`` while it has requests in flight (crashed host, cut network).
+Client gone => abort, never a leak; a live connection never loses an answer. Liveness is the
+connection's, never the client's loop: a client whose event loop or process stalls (a blocking
+call, a GC pause, SIGSTOP) keeps its connection, its requests run on, and their answers wait in
+the socket buffers until it reads them. The daemon aborts all of a client's requests when
+(1) it gets ``bye``; (2) the connection is gone, e.g. the client process died or closed its
+socket: the daemon pings every client with requests in flight when the socket monitor reports
+a disconnect and every ``HEARTBEAT_INTERVAL_S``, and ROUTER_MANDATORY makes the send to a
+dropped peer fail with EHOSTUNREACH; (3) the client's host died or the network was cut: TCP
+keepalive (probes a live host's kernel answers even while the process is stopped) drops the
+connection after ``KEEPALIVE_IDLE_S + KEEPALIVE_PROBES * KEEPALIVE_INTERVAL_S`` of silence,
+then (2) applies. While the daemon has unacknowledged data for such a host, the kernel's
+retransmission time-out decides instead (Linux: about 15 minutes, ``net.ipv4.tcp_retries2``).
 
 Bad input: frames over ``max_frame_bytes``, undecodable msgpack, unknown ops or fields, wrong
 types, a bad version, out-of-range values (from the tokenizer stage) each get an answer (a final for a generate whose
 id could be read, else an ``error``) with ``ErrorInfo(code, message)`` where the message names
-the field and the limit; the daemon keeps serving.
+the field and the limit; the daemon keeps serving, and the connection and the client's other
+requests live on. The daemon, not libzmq, enforces ``max_frame_bytes``: libzmq drops the whole
+connection on a frame over the socket's ZMQ_MAXMSGSIZE, so that is set ``FRAME_SLACK_BYTES``
+higher, only to bound the memory one frame can take (libzmq reads a whole frame before the
+daemon sees it); a frame beyond that ends the connection, as in (2) above.
+
+Size limits are in bytes, the unit the transport enforces (``messages.requests``; README.md
+"Limits"): a prompt is at most MAX_PROMPT_BYTES of UTF-8, a chat's messages together at most
+MAX_PROMPT_BYTES encoded, the whole request at most MAX_REQUEST_BYTES encoded (as it crosses
+the gateway's ring to the tokenizer stage), ``prompt_token_ids`` at most MAX_PROMPT_TOKENS ids
+(and fewer than max_model_len). The gateway checks the byte limits before it accepts a
+request: one over them gets a final with ``error.code == "invalid_request"`` whose message
+names the field, its size and the limit in bytes.
 """
 from __future__ import annotations
 
@@ -42,7 +67,6 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from pipeline.messages import (
-    MAX_PROMPT_CHARS,
     MAX_PROMPT_TOKENS,
     ErrorInfo,
     GatewayRequest,
@@ -53,8 +77,12 @@ from pipeline.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
 HEARTBEAT_INTERVAL_S = 1.0
-CLIENT_IDLE_TIMEOUT_S = 5.0
+# TCP keepalive on both ends: a host silent this long (10 + 3 * 5 s) is dropped.
+KEEPALIVE_IDLE_S = 10
+KEEPALIVE_INTERVAL_S = 5
+KEEPALIVE_PROBES = 3
 MAX_FRAME_BYTES = 16 << 20
+FRAME_SLACK_BYTES = 256 << 20
 MAX_ID_LEN = 256
 MAX_MESSAGES = 4096
 
@@ -68,7 +96,7 @@ class _Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, kw_only=T
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     role: Annotated[str, Meta(min_length=1, max_length=64)]
-    content: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
+    content: str  # sizes are bytes, checked by the gateway (see "Size limits" above)
     name: str | None = None
 
 
@@ -76,13 +104,15 @@ class Generate(_Msg, tag="generate"):
     """One request. Pipe mode JSON lines decode into this type too (``op``/``v`` optional
     there, ``id`` may be an integer). Unset sampling fields take the caller's defaults."""
     id: ReqId | int | None = None
-    prompt: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None = None
+    prompt: str | None = None  # at most MAX_PROMPT_BYTES of UTF-8, checked by the gateway
     prompt_token_ids: Annotated[list[int], Meta(max_length=MAX_PROMPT_TOKENS)] | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)] | None = None
     stream: bool = False
     priority: Annotated[int, Meta(ge=-(2**31), lt=2**31)] = 0
     cache_salt: Annotated[str, Meta(max_length=256)] | None = None
-    # The SamplingParams fields (tests check the two lists match).
+    # The SamplingParams fields (tests check the two lists match); SamplingParams checks
+    # their limits.
+    n: int | UnsetType = UNSET
     max_tokens: int | UnsetType = UNSET
     min_tokens: int | UnsetType = UNSET
     temperature: float | UnsetType = UNSET
@@ -95,10 +125,16 @@ class Generate(_Msg, tag="generate"):
     seed: int | None | UnsetType = UNSET
     stop: str | list[str] | UnsetType = UNSET
     stop_token_ids: list[int] | UnsetType = UNSET
+    bad_words: str | list[str] | UnsetType = UNSET
+    bad_words_token_ids: list[list[int]] | UnsetType = UNSET
+    logit_bias: dict[int, float] | None | UnsetType = UNSET
+    allowed_token_ids: list[int] | None | UnsetType = UNSET
     ignore_eos: bool | UnsetType = UNSET
     include_stop_str_in_output: bool | UnsetType = UNSET
     logprobs: int | None | UnsetType = UNSET
+    prompt_logprobs: int | None | UnsetType = UNSET
     skip_special_tokens: bool | UnsetType = UNSET
+    truncate_prompt_tokens: int | None | UnsetType = UNSET
 
 
 SAMPLING_FIELDS: tuple[str, ...] = SamplingParams.__struct_fields__
@@ -117,7 +153,7 @@ class Stats(_Msg, tag="stats"):
 
 
 class Ping(_Msg, tag="ping"):
-    pass
+    """Both ways: ignored by the daemon; sent by it to probe a client's connection."""
 
 
 class Bye(_Msg, tag="bye"):
@@ -133,7 +169,7 @@ class Final(_Msg, tag="final"):
 
 
 class Error(_Msg, tag="error"):
-    id: str | None
+    id: str | None  # the failed health/stats op's; None when no request waits on this answer
     error: ErrorInfo
 
 
@@ -149,7 +185,7 @@ class StatsReply(_Msg, tag="stats_reply"):
 
 
 ClientMsg = Generate | Abort | Health | Stats | Ping | Bye
-ReplyMsg = Delta | Final | Error | HealthReply | StatsReply
+ReplyMsg = Delta | Final | Error | HealthReply | StatsReply | Ping
 
 
 class ProtocolError(ValueError):
@@ -230,18 +266,22 @@ def decode_reply(frame: bytes) -> ReplyMsg:
 
 def sampling_params(req: Generate, defaults: dict[str, Any] | None = None) -> SamplingParams:
     """Build a request's SamplingParams (fields the request leaves unset come from
-    ``defaults``). Only types are checked here: the limits that need the model (vocab size,
-    max_model_len) are checked once, by ``tokenizer.validate``."""
+    ``defaults``). SamplingParams checks every limit that needs no model; those that need
+    it (vocab size, max_model_len) are checked once, by ``tokenizer.validate``."""
     rid = None if req.id is None else str(req.id)
     fields = dict(defaults or {})
     for name in SAMPLING_FIELDS:
         value = getattr(req, name)
         if value is not UNSET:
-            fields[name] = [value] if name == "stop" and isinstance(value, str) else value
+            fields[name] = value
     try:
         return msgspec.convert(fields, SamplingParams)
     except msgspec.ValidationError as exc:
-        raise ProtocolError(error_from_validation(exc), rid, "generate") from None
+        # SamplingParams says "<field> must be <limit>, got <value>".
+        name, _, rest = str(exc).partition(" ")
+        error = (invalid(f"field `{name}`: {rest}") if name in SAMPLING_FIELDS and rest.startswith("must")
+                 else error_from_validation(exc))
+        raise ProtocolError(error, rid, "generate") from None
 
 
 def request_from_json(data: bytes | str | dict[str, Any],

@@ -1,41 +1,53 @@
 """`pipeline serve`: the daemon. Gateway front end speaking the ZMQ protocol (``protocol``).
 
-Owns the ROUTER socket and the client sessions (which client waits for which request); the
-stages, the in-flight table and supervision belong to the Gateway. One thread (this
-module's loop) touches the socket: client frames in, answers out. Answers produced by the
-gateway's threads reach it through a queue plus a wake-up pipe the poller watches. systemd
-Type=notify: READY=1 once serving, STATUS= lines, WATCHDOG=1 while healthy, STOPPING=1 on
-drain. Exit status: 0 after a clean drain, 1 when a stage died, 2 when start-up failed.
+Owns the ROUTER socket and its disconnect monitor, the client sessions (which client waits
+for which request) and the metrics' HTTP server; the stages, the in-flight table and
+supervision belong to the Gateway. One thread (this module's loop) touches the socket: client
+frames in, answers out. Answers produced by the gateway's threads reach it through a queue
+plus a wake-up pipe the poller watches. Start-up checks every flag and binds ``--listen`` and
+``--metrics-port`` before the model loads, so a bad value or a busy port costs no load time
+and leaves nothing behind (a client that connects meanwhile is answered once the stages are
+up). systemd Type=notify: READY=1 once serving, STATUS= lines,
+WATCHDOG=1 while healthy, STOPPING=1 on drain. Exit status: 0 after a clean drain (or a stop
+during start-up), 1 when a stage died, 2 when start-up failed (one line on stderr says why).
 """
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import queue
 import signal
 import sys
 import threading
 import time
+import traceback
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import msgspec
 import zmq
 
-from pipeline.config import add_engine_args, config_from_args
+from pipeline.config import EngineConfig, add_engine_args, config_from_args
 from pipeline.gateway import protocol as P
 from pipeline.gateway.gateway import Answer, Gateway
 from pipeline.gateway.metrics import Metrics
 from pipeline.gateway.sessions import ClientSessions, DuplicateRequestId
 from pipeline.gateway.supervisor import StartupError
 from pipeline.gateway.systemd import Notifier
-from pipeline.messages import RequestResult, error_result
+from pipeline.messages import ErrorInfo, RequestResult, error_result
 
 if TYPE_CHECKING:
     from zmq.auth.thread import ThreadAuthenticator
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7001"
+FRAME_BYTES_RANGE = (1 << 10, 1 << 30)
+# The ROUTER forgets a dropped peer a moment after its monitor reports the disconnect (the
+# pipe's termination is a round trip with libzmq's I/O thread): probe the clients that long
+# after the report. The periodic probe catches any peer this one misses.
+DISCONNECT_SETTLE_S = 0.01
+PING = P.encode(P.Ping())
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -48,7 +60,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/Ctrl-C, seconds to let in-flight requests finish")
-    p.add_argument("--max-frame-bytes", type=int, default=P.MAX_FRAME_BYTES)
+    p.add_argument("--max-frame-bytes", type=int, default=P.MAX_FRAME_BYTES,
+                   help="larger client frames are answered with an error")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The daemon's own flags (``EngineConfig.check`` does the engine's): ValueError naming
+    the flag and its limit."""
+    if not args.drain_timeout >= 0:  # NaN too
+        raise ValueError(f"--drain-timeout must be >= 0 (seconds), got {args.drain_timeout}")
+    lo, hi = FRAME_BYTES_RANGE
+    if not lo <= args.max_frame_bytes <= hi:
+        raise ValueError(f"--max-frame-bytes must be in [{lo}, {hi}], got {args.max_frame_bytes}")
+    if not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be in [0, 65535] (0: off), got {args.metrics_port}")
+    if urlparse(args.listen).scheme not in ("tcp", "ipc"):
+        raise ValueError(f"--listen {args.listen!r}: expected tcp://HOST:PORT or ipc://PATH")
 
 
 def is_loopback(endpoint: str) -> bool:
@@ -64,26 +91,29 @@ def is_loopback(endpoint: str) -> bool:
         return False
 
 
+class _StoppedDuringStartup(Exception):
+    """SIGTERM/SIGINT while the stages start: unwinds Gateway.start, which cleans up."""
+
+
 class Server:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, config: EngineConfig, notify: Notifier) -> None:
         self.args = args
+        self.config = config
+        self.notify = notify
         self.answers: queue.SimpleQueue[Answer] = queue.SimpleQueue()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
-        self.config = config_from_args(args)
-        self.gw = Gateway(self.config, self._on_output)
+        self.gw = Gateway(config, self._on_output)
         self.sessions = ClientSessions()
-        self.notify = Notifier.from_env()  # also keeps the stages from talking to systemd
-        self.metrics = Metrics()
+        self.metrics = Metrics(engine_state=lambda: self.gw.engine_stats, inflight=self.gw.num_inflight)
         self.last_loop = time.monotonic()  # the watchdog pings only while the loop turns
         self.stop = threading.Event()
+        self.started = False  # the stages are up: a signal drains instead of unwinding start-up
         self.draining: threading.Thread | None = None
         self.sock: zmq.Socket | None = None
+        self.mon: zmq.Socket | None = None  # the ROUTER's disconnect events
         self.auth: ThreadAuthenticator | None = None  # the CURVE authenticator thread, when --curve-keys
-        # Gateway-only counters; finished requests by reason are in the metrics.
-        self.counters = {"requests_received": 0, "requests_rejected": 0, "malformed_frames": 0,
-                         "clients_dropped": 0}
 
     # Called from the gateway's threads.
     def _on_output(self, out: Answer) -> None:
@@ -93,22 +123,36 @@ class Server:
         except BlockingIOError:
             pass  # the pipe is full, so the loop is awake anyway
 
-    def _reply(self, identity: bytes, msg: P.ReplyMsg) -> bool:
-        assert self.sock is not None  # set by serve(), whose loop is the only caller
+    def _send(self, identity: bytes, frame: bytes) -> bool:
+        assert self.sock is not None  # bound by _open(); this loop is the only caller
         try:
-            self.sock.send_multipart([identity, P.encode(msg)], flags=zmq.NOBLOCK)
+            self.sock.send_multipart([identity, frame], flags=zmq.NOBLOCK)
             return True
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-                self._drop_client(identity)
+                self._drop_client(identity, "is gone (its connection closed)")
                 return False
             raise
 
-    def _drop_client(self, identity: bytes) -> None:
+    def _reply(self, identity: bytes, msg: P.ReplyMsg) -> bool:
+        return self._send(identity, P.encode(msg))
+
+    def _final(self, identity: bytes, res: RequestResult) -> None:
+        """A final answer the daemon builds itself (the request never reached the gateway)."""
+        self.metrics.observe_result(res)
+        self._reply(identity, P.Final(result=res))
+
+    def _drop_client(self, identity: bytes, why: str) -> None:
         ids = self.sessions.drop_client(identity)
         if ids:
-            self.counters["clients_dropped"] += 1
-            self.gw.abort(ids)
+            self.metrics.clients_dropped.inc()
+            self.gw.abort(ids, message=f"aborted by the server: the client {why}")
+
+    def _probe_clients(self) -> None:
+        """Ping every client with requests in flight: a send to a dropped peer fails
+        (ROUTER_MANDATORY) and its requests are aborted (see the protocol docstring)."""
+        for identity in self.sessions.clients():
+            self._send(identity, PING)
 
     def _route_answers(self) -> None:
         try:
@@ -121,66 +165,105 @@ class Server:
                 out = self.answers.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(out, RequestResult):
-                self.metrics.observe_result(out)
-                owner = self.sessions.finish(out.id)
-            else:
-                owner = self.sessions.owner(out.id)
-            if owner is None:
-                continue  # its client is gone; the engine was told to abort it
-            identity, client_id = owner
-            out = msgspec.structs.replace(out, id=client_id)
-            self._reply(identity, P.Final(result=out) if isinstance(out, RequestResult) else P.Delta(delta=out))
+            try:
+                self._route(out)
+            except Exception:  # noqa: BLE001 -- one answer must not stop the others
+                self._log_internal(f"routing the answer of {out.id}")
 
-    def _handle_frame(self, identity: bytes, frame: bytes, now: float) -> None:
-        self.sessions.seen(identity, now)
+    def _route(self, out: Answer) -> None:
+        if isinstance(out, RequestResult):
+            self.metrics.observe_result(out)
+            owner = self.sessions.finish(out.id)
+        else:
+            owner = self.sessions.owner(out.id)
+        if owner is None:
+            return  # its client is gone; the engine was told to abort it
+        identity, client_id = owner
+        out = msgspec.structs.replace(out, id=client_id)
+        self._reply(identity, P.Final(result=out) if isinstance(out, RequestResult) else P.Delta(delta=out))
+
+    def _receive(self) -> None:
+        assert self.sock is not None
+        for _ in range(256):  # bounded, so answers are not starved by a flood
+            try:
+                identity, *rest = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                if len(rest) != 1:
+                    self.metrics.malformed_frames.inc()
+                    self._reply(identity, P.Error(id=None, error=P.invalid(
+                        f"a message must be exactly 1 frame, got {len(rest)}")))
+                else:
+                    self._handle_frame(identity, rest[0])
+            except Exception as exc:  # noqa: BLE001 -- one frame must not take the daemon down
+                self._log_internal("handling a client frame")
+                self._reply(identity, P.Error(id=None, error=ErrorInfo(
+                    "internal_error", f"the daemon failed on a frame: {type(exc).__name__}: {exc}")))
+
+    def _log_internal(self, what: str) -> None:
+        print(f"[gateway] internal error {what}, still serving:\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
+
+    def _handle_frame(self, identity: bytes, frame: bytes) -> None:
         try:
             msg = P.decode_client(frame, self.args.max_frame_bytes)
         except P.ProtocolError as exc:
-            self.counters["malformed_frames"] += 1
-            if exc.op == "generate" and exc.req_id is not None \
-                    and self.sessions.internal_id(identity, exc.req_id) is None:
-                self._reply(identity, P.Final(result=error_result(exc.req_id, exc.error.code,
-                                                                  exc.error.message)))
-            else:
-                self._reply(identity, P.Error(id=exc.req_id, error=exc.error))
+            self.metrics.malformed_frames.inc()
+            self._refuse(identity, exc)
             return
         if isinstance(msg, P.Generate):
-            self._generate(identity, msg, now)
+            self._generate(identity, msg)
         elif isinstance(msg, P.Abort):
             internal = self.sessions.internal_id(identity, msg.id)
             if internal is not None:
                 self.gw.abort([internal])
         elif isinstance(msg, P.Bye):
-            self._drop_client(identity)
+            self._drop_client(identity, "closed (bye) with the request in flight")
         elif isinstance(msg, P.Health):
             self._reply(identity, P.HealthReply(id=msg.id, status=self.status(),
                                                 detail=self.health_detail()))
         elif isinstance(msg, P.Stats):
             self._reply(identity, P.StatsReply(id=msg.id, stats=self.stats()))
-        # Ping: being seen is all it is for.
+        # Ping: nothing to do (older clients send it; liveness is the connection's).
 
-    def _generate(self, identity: bytes, msg: P.Generate, now: float) -> None:
-        self.counters["requests_received"] += 1
+    def _refuse(self, identity: bytes, exc: P.ProtocolError) -> None:
+        """Answer a frame that could not be decoded. Only a generate whose id is free gets a
+        final, and only a health/stats op an error with its id: an answer keyed by an id in
+        flight would be taken for that request's."""
+        rid = exc.req_id
+        if exc.op == "generate":
+            self.metrics.requests_received.inc()
+        if exc.op == "generate" and rid is not None and self.sessions.internal_id(identity, rid) is None:
+            self._final(identity, error_result(rid, exc.error.code, exc.error.message))
+        elif exc.op in ("health", "stats") and rid is not None:
+            self._reply(identity, P.Error(id=rid, error=exc.error))
+        else:
+            about = f"{exc.op or 'frame'} {rid!r}: " if rid is not None else ""
+            self._reply(identity, P.Error(id=None, error=ErrorInfo(exc.error.code, about + exc.error.message)))
+
+    def _generate(self, identity: bytes, msg: P.Generate) -> None:
+        self.metrics.requests_received.inc()
         if msg.id is None:
+            self.metrics.reject("invalid_request")
             self._reply(identity, P.Error(id=None, error=P.invalid("field `id`: required for a "
                                                                    "generate over ZMQ")))
             return
         client_id = str(msg.id)
         try:
-            sp = P.sampling_params(msg)
-            internal = self.sessions.start(identity, client_id, now)
-        except P.ProtocolError as exc:
-            self.counters["requests_rejected"] += 1
-            self._reply(identity, P.Final(result=error_result(client_id, exc.error.code,
-                                                              exc.error.message)))
-            return
+            internal = self.sessions.start(identity, client_id)
         except DuplicateRequestId as exc:
-            self.counters["requests_rejected"] += 1
-            self._reply(identity, P.Final(result=error_result(client_id, "duplicate_id", str(exc))))
+            self.metrics.reject("duplicate_id")
+            self._reply(identity, P.Error(id=None, error=ErrorInfo("duplicate_id", str(exc))))
             return
-        # A refusal (draining, stage died) comes back as an error answer through the queue.
-        self.gw.submit(P.gateway_request(msg, sp, internal))
+        try:
+            req = P.gateway_request(msg, P.sampling_params(msg), internal)
+        except P.ProtocolError as exc:
+            self.sessions.finish(internal)
+            self._final(identity, error_result(client_id, exc.error.code, exc.error.message))
+            return
+        # A refusal (draining, too large, stage died) comes back as an error answer.
+        self.gw.submit(req)
 
     # ---- observability ----
     def status(self) -> str:
@@ -192,24 +275,13 @@ class Server:
         return {"inflight": self.gw.num_inflight(), "client_requests": len(self.sessions),
                 "stages": self.gw.stats_stages(), "failure": self.gw.failure}
 
-    def _feed_engine_state(self) -> None:
-        e = self.gw.engine_stats
-        if e.timestamp:  # the engine has published at least once
-            self.metrics.set_engine_state(
-                running=e.running, waiting=e.waiting, kv_blocks_used=e.kv_blocks_used,
-                kv_blocks_cached=e.kv_blocks_cached, kv_blocks_total=e.kv_blocks_total,
-                prefix_cache_queries=e.prefix_cache_queried_tokens,
-                prefix_cache_hits=e.prefix_cache_hit_tokens, preemptions=e.num_preemptions)
-
     def healthy(self) -> bool:
         return self.gw.failure is None and time.monotonic() - self.last_loop < 5.0
 
     def stats(self) -> dict:
-        """Engine counters and gauges (scheduler, KV blocks, step timing), the gateway's
-        counters, and the metrics (TTFT/ITL/e2e histograms) as Prometheus sees them."""
-        self._feed_engine_state()
-        return {**self.metrics.snapshot(), **self.gw.engine_stats.as_dict(),
-                "requests_inflight": self.gw.num_inflight(), **self.counters}
+        """Engine counters and gauges (scheduler, KV blocks, step timing), and the metrics
+        (the daemon's counters, TTFT/ITL/e2e histograms) as Prometheus sees them."""
+        return {**self.metrics.snapshot(), **self.gw.engine_stats.as_dict()}
 
     # ---- lifecycle ----
     def request_stop(self) -> None:
@@ -219,54 +291,82 @@ class Server:
         self.gw.stop_accepting()
         self.stop.set()
 
+    def _on_signal(self, signum: int, frame: object) -> None:
+        first = not self.stop.is_set()
+        self.request_stop()
+        if first and not self.started:
+            raise _StoppedDuringStartup(signal.Signals(signum).name)
+
     def _begin_drain(self) -> None:
         self.notify.stopping(f"draining {self.gw.num_inflight()} request(s)")
         self.draining = threading.Thread(target=self.gw.drain, args=(self.args.drain_timeout,),
                                          name="gateway-drain", daemon=True)
         self.draining.start()
 
-    def serve(self) -> int:
+    def _open(self) -> None:
+        """Bind --listen and --metrics-port; ValueError naming the flag if either fails."""
+        a = self.args
         ctx: zmq.Context[zmq.Socket] = zmq.Context.instance()
         self.sock = sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.SNDHWM, 0)  # answers are never dropped; clients read them
         sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.args.max_frame_bytes + 1024)
-        if self.args.curve_keys:
+        # The daemon answers frames over max_frame_bytes; libzmq would drop the connection.
+        sock.setsockopt(zmq.MAXMSGSIZE, a.max_frame_bytes + P.FRAME_SLACK_BYTES)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, P.KEEPALIVE_IDLE_S)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, P.KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, P.KEEPALIVE_PROBES)
+        self.mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if a.curve_keys:
             from pipeline.gateway.curve import server_socket_setup
-            self.auth = server_socket_setup(sock, self.args.curve_keys)
-        sock.bind(self.args.listen)
+            try:
+                self.auth = server_socket_setup(sock, a.curve_keys)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"--curve-keys {a.curve_keys}: {exc}") from None
+        try:
+            sock.bind(a.listen)
+        except zmq.ZMQError as exc:
+            raise ValueError(f"--listen {a.listen}: {exc.strerror} "
+                             "(expected a free tcp://HOST:PORT or ipc://PATH)") from None
+        if a.metrics_port:
+            try:
+                port = self.metrics.serve(a.metrics_port, a.metrics_host)
+            except OSError as exc:
+                raise ValueError(f"--metrics-port {a.metrics_port} on {a.metrics_host}: {exc}") from None
+            print(f"[gateway] Prometheus metrics on http://{a.metrics_host}:{port}/metrics",
+                  file=sys.stderr, flush=True)
+
+    def serve(self) -> int:
+        assert self.sock is not None and self.mon is not None
+        sock, mon = self.sock, self.mon
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
         poller.register(self.wake_r, zmq.POLLIN)
-        next_tick = 0.0
+        next_probe = 0.0
         self.notify.ready(f"serving on {self.args.listen}")
         self.notify.start_watchdog(self.healthy)
         print(f"[gateway] serving on {self.args.listen}", file=sys.stderr, flush=True)
         while True:
-            events = dict(poller.poll(100))
+            wait = min(0.1, max(0.0, next_probe - time.monotonic()))
+            events = dict(poller.poll(math.ceil(wait * 1000)))
             now = self.last_loop = time.monotonic()
             if self.wake_r in events:
                 self._route_answers()
             if sock in events:
-                for _ in range(256):  # bounded, so answers are not starved by a flood
+                self._receive()
+            if mon in events:
+                while True:
                     try:
-                        identity, *rest = sock.recv_multipart(zmq.NOBLOCK)
+                        mon.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    if len(rest) != 1:
-                        self.counters["malformed_frames"] += 1
-                        self._reply(identity, P.Error(id=None, error=P.invalid(
-                            f"a message must be exactly 1 frame, got {len(rest)}")))
-                        continue
-                    self._handle_frame(identity, rest[0], now)
-            if now >= next_tick:
-                next_tick = now + 1.0
-                expired = self.sessions.expired(now)
-                if expired:
-                    self.gw.abort(expired)
-                self._feed_engine_state()
+                next_probe = min(next_probe, now + DISCONNECT_SETTLE_S)
+            if now >= next_probe:
+                next_probe = now + P.HEARTBEAT_INTERVAL_S
+                self._probe_clients()
                 self.notify.status(f"serving on {self.args.listen}: "
                                    f"{self.gw.num_inflight()} request(s) in flight")
             if self.gw.failed.is_set():
@@ -280,41 +380,60 @@ class Server:
                 return 0
 
     def run(self) -> int:
-        self.notify.status("loading the model and starting the stages")
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.gw.start()
-        except (StartupError, ValueError, OSError) as exc:
-            print(f"pipeline serve: cannot start: {exc}", file=sys.stderr)
-            self.notify.status(f"start-up failed: {exc}")
-            self.gw.close()
-            return 2
-        if not is_loopback(self.args.listen) and not self.args.curve_keys:
-            print(f"[gateway] WARNING: {self.args.listen} is not loopback and --curve-keys is "
-                  "not set: anyone who can reach it can use the model", file=sys.stderr)
-        if self.args.metrics_port:
-            port = self.metrics.serve(self.args.metrics_port, self.args.metrics_host)
-            print(f"[gateway] Prometheus metrics on http://{self.args.metrics_host}:{port}/metrics",
-                  file=sys.stderr, flush=True)
-        old = {s: signal.signal(s, lambda *_: self.request_stop())
-               for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
+            try:
+                self._open()
+                self.notify.status("loading the model and starting the stages")
+                self.gw.start()
+                self.started = True
+            except (StartupError, ValueError, OSError, zmq.ZMQError) as exc:
+                return cannot_start(self.notify, exc)
+            except _StoppedDuringStartup as exc:
+                print(f"pipeline serve: stopped by {exc} during start-up", file=sys.stderr)
+                return 0
+            if not is_loopback(self.args.listen) and not self.args.curve_keys:
+                print(f"[gateway] WARNING: {self.args.listen} is not loopback and --curve-keys is "
+                      "not set: anyone who can reach it can use the model", file=sys.stderr)
             code = self.serve()
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
-            self.gw.close()
-            if self.sock is not None:
-                self.sock.close(linger=1000)
-            if self.auth is not None:
-                self.auth.stop()
-            self.metrics.close()
-            self.notify.close()
-            os.close(self.wake_r)
-            os.close(self.wake_w)
+            self.close()
         if code:
             print(f"pipeline serve: {self.gw.failure}", file=sys.stderr)
         return code
 
+    def close(self) -> None:
+        self.gw.close()
+        if self.sock is not None:
+            self.sock.disable_monitor()
+            self.sock.close(linger=1000)
+        if self.mon is not None:
+            self.mon.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+        self.metrics.close()
+        self.notify.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+
+
+def cannot_start(notify: Notifier, exc: BaseException) -> int:
+    """Start-up failed: one line on stderr (and to systemd), exit status 2."""
+    why = " ".join(str(exc).split()) or type(exc).__name__
+    print(f"pipeline serve: cannot start: {why}", file=sys.stderr, flush=True)
+    notify.status(f"start-up failed: {why}")
+    return 2
+
 
 def main(args: argparse.Namespace) -> int:
-    return Server(args).run()
+    notify = Notifier.from_env()
+    try:
+        check_args(args)
+        config = config_from_args(args)
+    except ValueError as exc:
+        code = cannot_start(notify, exc)
+        notify.close()
+        return code
+    return Server(args, config, notify).run()

@@ -1,22 +1,13 @@
-"""Gateway (daemon): which ZMQ client owns which in-flight request, and which clients are gone.
+"""Gateway (daemon): which ZMQ client owns which in-flight request.
 
-State: per client identity (the ROUTER routing id) its last-seen time and its requests; per
-request the internal id the stages use. See ``protocol``'s docstring for the three ways a
-client is declared gone (``bye``, EHOSTUNREACH on send, idle time-out); each returns the
-internal ids the gateway must abort in the engine. Not thread-safe: the gateway's ZMQ loop
-owns it.
+State: per client identity (the ROUTER routing id) that has requests in flight, its requests;
+per request the internal id the stages use. A client is known only while it has requests in
+flight, so the table is bounded by the requests in flight whatever clients come and go. See
+``protocol``'s docstring for how a client is declared gone (``bye``, its connection gone);
+``drop_client`` returns the internal ids the gateway must abort in the engine. Not
+thread-safe: the daemon's ZMQ loop owns it.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass, field
-
-from pipeline.gateway.protocol import CLIENT_IDLE_TIMEOUT_S
-
-
-@dataclass(slots=True)
-class _Client:
-    last_seen: float
-    requests: dict[str, str] = field(default_factory=dict)  # client id -> internal id
 
 
 class DuplicateRequestId(ValueError):
@@ -26,67 +17,52 @@ class DuplicateRequestId(ValueError):
 class ClientSessions:
     """Maps (client identity, client request id) <-> internal request id."""
 
-    def __init__(self, idle_timeout_s: float = CLIENT_IDLE_TIMEOUT_S) -> None:
-        self.idle_timeout_s = idle_timeout_s
-        self._clients: dict[bytes, _Client] = {}
+    def __init__(self) -> None:
+        self._clients: dict[bytes, dict[str, str]] = {}  # identity -> {client id: internal id}
         self._owner: dict[str, tuple[bytes, str]] = {}  # internal id -> (identity, client id)
         self._seq = 0
 
     def __len__(self) -> int:
         return len(self._owner)
 
-    def seen(self, identity: bytes, now: float) -> None:
-        """Any frame from a client (ping included) proves it alive."""
-        c = self._clients.get(identity)
-        if c is None:
-            self._clients[identity] = _Client(now)
-        else:
-            c.last_seen = now
-
-    def start(self, identity: bytes, client_req_id: str, now: float) -> str:
+    def start(self, identity: bytes, client_req_id: str) -> str:
         """Register a generate; returns the internal id. Raises DuplicateRequestId."""
-        self.seen(identity, now)
-        c = self._clients[identity]
-        if client_req_id in c.requests:
+        requests = self._clients.setdefault(identity, {})
+        if client_req_id in requests:
             raise DuplicateRequestId(f"field `id`: request {client_req_id!r} is already in flight "
-                                     "from this client")
+                                     "from this client; this generate was not run (the running "
+                                     "request's answer still comes)")
         # A counter keeps internal ids unique even if a client reuses an id later.
         self._seq += 1
         internal = f"{identity.hex()}.{self._seq}"
-        c.requests[client_req_id] = internal
+        requests[client_req_id] = internal
         self._owner[internal] = (identity, client_req_id)
         return internal
 
     def internal_id(self, identity: bytes, client_req_id: str) -> str | None:
-        c = self._clients.get(identity)
-        return None if c is None else c.requests.get(client_req_id)
+        return self._clients.get(identity, {}).get(client_req_id)
 
     def owner(self, internal_id: str) -> tuple[bytes, str] | None:
         """(identity, client request id) to route an answer to, None if nobody waits."""
         return self._owner.get(internal_id)
 
+    def clients(self) -> list[bytes]:
+        """The identities with requests in flight (the ones whose connection matters)."""
+        return list(self._clients)
+
     def finish(self, internal_id: str) -> tuple[bytes, str] | None:
         """The final answer went out (or was given up on): forget the request."""
         own = self._owner.pop(internal_id, None)
         if own is not None:
-            c = self._clients.get(own[0])
-            if c is not None:
-                c.requests.pop(own[1], None)
+            requests = self._clients[own[0]]
+            del requests[own[1]]
+            if not requests:
+                del self._clients[own[0]]
         return own
 
     def drop_client(self, identity: bytes) -> list[str]:
-        """Client said bye or became unreachable: its in-flight internal ids, now forgotten."""
-        c = self._clients.pop(identity, None)
-        if c is None:
-            return []
-        for internal in c.requests.values():
-            self._owner.pop(internal, None)
-        return list(c.requests.values())
-
-    def expired(self, now: float) -> list[str]:
-        """Drop clients silent for longer than the idle time-out; their in-flight ids."""
-        dead = [i for i, c in self._clients.items() if now - c.last_seen > self.idle_timeout_s]
-        out: list[str] = []
-        for identity in dead:
-            out += self.drop_client(identity)
-        return out
+        """Client said bye or its connection is gone: its in-flight internal ids, now forgotten."""
+        requests = self._clients.pop(identity, {})
+        for internal in requests.values():
+            del self._owner[internal]
+        return list(requests.values())

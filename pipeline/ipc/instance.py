@@ -10,9 +10,13 @@ segment.py), only in the process that created the instance, never in forked chil
 A view (`Instance.view(instance_id)`, another process of the same instance, e.g. a worker)
 names things under the same prefix and owns only the segments it creates: this process
 unlinks them on `cleanup()`, `unlink_segment`, exit or SIGTERM, like `create_segment`'s.
+`Instance.join(instance_id)` is what a process that creates segments under a given id uses
+(the worker's KV cache): a view when a live process owns the instance (the gateway), else it
+becomes the owner itself (in-process `LLM`, benchmarks), so every segment has an owner record
+and `sweep_stale` removes it as soon as that owner is dead.
 `unlink_instance` removes whatever is left under a prefix, whoever made it.
 
-State: per Instance, the names it created; the process start-time reader for owner records.
+State: per Instance, the names it created. Owner records are written and read here.
 """
 from __future__ import annotations
 
@@ -52,6 +56,11 @@ def _start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def new_instance_id() -> str:
+    """"<pid>-<hex>": unique across processes, and names its creator even without a record."""
+    return f"{os.getpid()}-{secrets.token_hex(4)}"
+
+
 def pid_alive(pid: int, start_time: int | None = None) -> bool:
     """True if `pid` runs (not a zombie) and, when given, started at `start_time`."""
     if pid <= 0:
@@ -72,7 +81,7 @@ class Instance:
     def __init__(self, instance_id: str | None = None, *, owner: bool = True) -> None:
         if not owner and not instance_id:
             raise ValueError("a view of an instance needs its instance_id")
-        iid = instance_id or f"{os.getpid()}-{secrets.token_hex(4)}"
+        iid = instance_id or new_instance_id()
         if not _ID_RE.match(iid):
             raise ValueError(f"instance_id={iid!r} must match {_ID_RE.pattern}")
         self.id = iid
@@ -92,6 +101,18 @@ class Instance:
     def view(cls, instance_id: str) -> Instance:
         """A non-owning view of instance `instance_id`, for another process of it."""
         return cls(instance_id, owner=False)
+
+    @classmethod
+    def join(cls, instance_id: str) -> Instance:
+        """A view of `instance_id` when a live process owns it, else an owning Instance of it
+        (after unlinking what a dead owner left under that id): whoever creates a segment
+        under an id that nobody owns records itself as the owner."""
+        alive = owner_alive(instance_id)
+        if alive:
+            return cls.view(instance_id)
+        if alive is False:
+            unlink_instance(instance_id)
+        return cls(instance_id)
 
     def name(self, what: str) -> str:
         if not _WHAT_RE.match(what):
@@ -140,6 +161,23 @@ class Instance:
 
     def __repr__(self) -> str:
         return f"Instance({self.id!r})" if self.owner else f"Instance.view({self.id!r})"
+
+
+def read_owner(instance_id: str) -> tuple[int, int] | None:
+    """(pid, start time; 0 if unknown) from the instance's owner record, None without one
+    (or while its creator is still writing it)."""
+    try:
+        with open(f"{SHM_DIR}/{PREFIX}{instance_id}.owner", "rb") as f:
+            pid, start = (int(x) for x in f.read(64).rstrip(b"\0").split())
+    except (FileNotFoundError, ValueError):
+        return None
+    return pid, start
+
+
+def owner_alive(instance_id: str) -> bool | None:
+    """Whether the process the owner record names still runs; None without a record."""
+    owner = read_owner(instance_id)
+    return None if owner is None else pid_alive(owner[0], owner[1] or None)
 
 
 def list_entries(instance_id: str | None = None) -> list[str]:

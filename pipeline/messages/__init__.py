@@ -3,45 +3,80 @@
 A leaf package: it imports nothing of ours but ``sampling_params``. Stages import their
 messages from here (``from pipeline.messages import EngineRequest``).
 
-- requests: GatewayRequest, EngineRequest, AbortRequest, OutputRegistration
-- step: SchedulerOutput (the per-step diff), ModelRunnerOutput, token id <-> bytes
-- outputs: EngineOutput(s), EngineStats
-- answers: RequestDelta, RequestResult (and their parts), ``error_result``
+- requests: GatewayRequest, EngineRequest, AbortRequest, OutputRegistration, the size limits
+- step: SchedulerOutput (the per-step diff), ModelRunnerOutput, PromptLogprobs, token id <-> bytes
+- outputs: EngineOutput(s), EngineStats, ``child_id`` (the ids of a request's n completions)
+- answers: RequestDelta, RequestResult, Completion (and their parts), ``error_result``
 - tags: ``Tag`` and the tag -> type map of each ring
 """
 from pipeline.messages.answers import (
-                                       FINISH_REASONS,
-                                       ErrorInfo,
-                                       RequestDelta,
-                                       RequestResult,
-                                       Timings,
-                                       Usage,
-                                       error_result,
+    FINISH_REASONS,
+    Completion,
+    ErrorInfo,
+    RequestDelta,
+    RequestResult,
+    Timings,
+    Usage,
+    error_result,
 )
-from pipeline.messages.outputs import EngineOutput, EngineOutputs, EngineStats
+from pipeline.messages.outputs import (
+    EngineOutput,
+    EngineOutputs,
+    EngineStats,
+    child_id,
+)
 from pipeline.messages.requests import (
-                                       MAX_PROMPT_CHARS,
-                                       MAX_PROMPT_TOKENS,
-                                       AbortRequest,
-                                       EngineRequest,
-                                       GatewayRequest,
-                                       OutputRegistration,
+    MAX_PROMPT_BYTES,
+    MAX_PROMPT_TOKENS,
+    MAX_REQUEST_BYTES,
+    AbortRequest,
+    EngineRequest,
+    GatewayRequest,
+    OutputRegistration,
 )
 from pipeline.messages.step import (
-                                       CachedRequestData,
-                                       ModelRunnerOutput,
-                                       NewRequestData,
-                                       SchedulerOutput,
-                                       TokenLogprobs,
-                                       bytes_to_ids,
-                                       ids_to_bytes,
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    PromptLogprobs,
+    SchedulerOutput,
+    TokenLogprobs,
+    bytes_to_ids,
+    ids_to_bytes,
 )
-from pipeline.messages.tags import RING_MESSAGES, Tag
+from pipeline.messages.tags import (
+    RING_MESSAGES,
+    Tag,
+)
 
 __all__ = [
-    "FINISH_REASONS", "ErrorInfo", "RequestDelta", "RequestResult", "Timings", "Usage", "error_result",
-    "EngineOutput", "EngineOutputs", "EngineStats",
-    "MAX_PROMPT_CHARS", "MAX_PROMPT_TOKENS", "AbortRequest", "EngineRequest", "GatewayRequest", "OutputRegistration",
-    "CachedRequestData", "ModelRunnerOutput", "NewRequestData", "SchedulerOutput", "TokenLogprobs",
-    "bytes_to_ids", "ids_to_bytes", "RING_MESSAGES", "Tag",
+    "FINISH_REASONS",
+    "Completion",
+    "ErrorInfo",
+    "RequestDelta",
+    "RequestResult",
+    "Timings",
+    "Usage",
+    "error_result",
+    "EngineOutput",
+    "EngineOutputs",
+    "EngineStats",
+    "child_id",
+    "MAX_PROMPT_BYTES",
+    "MAX_PROMPT_TOKENS",
+    "MAX_REQUEST_BYTES",
+    "AbortRequest",
+    "EngineRequest",
+    "GatewayRequest",
+    "OutputRegistration",
+    "CachedRequestData",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "PromptLogprobs",
+    "SchedulerOutput",
+    "TokenLogprobs",
+    "bytes_to_ids",
+    "ids_to_bytes",
+    "RING_MESSAGES",
+    "Tag",
 ]

@@ -19,7 +19,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 class ErrorInfo(msgspec.Struct, forbid_unknown_fields=True):
     """Why a request failed. ``code`` is machine-readable, ``message`` names field and limit."""
-    code: str  # invalid_request | unsupported_version | duplicate_id | engine_error | stage_died | timeout | ...
+    code: str  # invalid_request | aborted | unsupported_version | duplicate_id | engine_error | stage_died | ...
     message: str
 
 
@@ -52,20 +52,38 @@ class Timings(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class RequestDelta(msgspec.Struct, forbid_unknown_fields=True):
-    """New output of a streaming request since its previous delta.
+    """New output of a streaming request's completion ``index`` since its previous delta.
 
-    Concatenating every delta's ``text`` (and ``token_ids``) of a request gives exactly the
-    final answer's ``text`` (``token_ids``): held-back text (a possible stop string prefix,
-    an incomplete UTF-8 character) is sent later or dropped, never sent twice.
+    Concatenating every delta's ``text`` (and ``token_ids``) of a request's completion gives
+    exactly that completion's final ``text`` (``token_ids``): held-back text (a possible
+    stop string prefix, an incomplete UTF-8 character) is sent later or dropped, never twice.
     """
     id: str
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
+    index: int = 0
+
+
+class Completion(msgspec.Struct, forbid_unknown_fields=True):
+    """One of the n completions of a request (vLLM's CompletionOutput)."""
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # stop | length | abort | error
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs, if asked
 
 
 class RequestResult(msgspec.Struct, forbid_unknown_fields=True):
-    """The one final answer of a request (also the JSON line of pipe mode)."""
+    """The one final answer of a request (also the JSON line of pipe mode).
+
+    With ``n > 1`` every completion is in ``outputs`` and text, token_ids, stop_reason,
+    logprobs and cumulative_logprob mirror ``outputs[0]``; so does finish_reason, except
+    that a request aborted or failed as a whole says "abort" / "error" (with ``error``).
+    ``prompt_logprobs[0]`` is None (the first prompt token has no context).
+    """
     id: str
     text: str
     token_ids: list[int]
@@ -75,6 +93,9 @@ class RequestResult(msgspec.Struct, forbid_unknown_fields=True):
     error: ErrorInfo | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] | None = None
+    outputs: list[Completion] = []
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def error_result(req_id: str, code: str, message: str, *, finish_reason: str = "error",

@@ -1,13 +1,21 @@
 """What the engine stage sends out: sampled tokens per request and its stats snapshot.
 
-engine -> token processor: EngineOutputs (a batch of EngineOutput, one per request that got
-tokens or finished this step); engine -> gateway: EngineStats, a few times a second.
+engine -> token processor: EngineOutputs (a batch of EngineOutput, one per completion that
+got tokens, prompt logprobs or finished this step); engine -> gateway: EngineStats, a few
+times a second. A request with ``n > 1`` runs in the engine and the worker as n child
+requests named by ``child_id``; outputs carry the request's own id and the child's index.
 """
 from __future__ import annotations
 
 import msgspec
 
 from pipeline.messages.step import TokenLogprobs
+
+
+def child_id(req_id: str, index: int, n: int) -> str:
+    """The engine's id of completion ``index`` of a request of ``n`` completions (what a
+    stop-string abort of that one completion names)."""
+    return req_id if n == 1 else f"{req_id}#{index}"
 
 
 class EngineOutput(msgspec.Struct, array_like=True):
@@ -19,7 +27,11 @@ class EngineOutput(msgspec.Struct, array_like=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     first_scheduled_time: float = 0.0  # end of queueing, for the timings
-    error: str | None = None
+    error: str | None = None  # why it failed ("error") or who aborted it ("abort")
+    index: int = 0  # which of the request's n completions
+    # The next prompt tokens' logprobs (each given the tokens before it), in prompt order:
+    # the engine sends each prompt token's once, even when a preempted prefill reruns.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class EngineOutputs(msgspec.Struct, array_like=True):

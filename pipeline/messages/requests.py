@@ -1,18 +1,32 @@
-"""Requests on their way in: gateway -> tokenizer -> (token processor, engine).
+"""Requests on their way in: gateway -> tokenizer -> (token processor, engine), and the byte
+limits every way in shares.
 
 gateway -> tokenizer: GatewayRequest (text, token ids or chat messages, not yet validated),
 AbortRequest; tokenizer -> token processor: OutputRegistration (before any of the request's
 tokens can exist); tokenizer -> engine: EngineRequest (validated token ids), AbortRequest;
 token processor -> engine: AbortRequest(reason="stop") when a stop string was hit.
+
+Limits are in bytes because bytes are what the rings carry (a ring message is at most half
+the ring). The gateway refuses a request over them before accepting it, and
+``runtime.rings`` sizes every ring from them, so a request that passes them fits every ring
+it crosses. README.md ("Limits") lists them for users.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
 from pipeline.sampling_params import SamplingParams
 
-# Bounds every way in shares (the wire protocol's decoder and the tokenizer's validator).
-MAX_PROMPT_CHARS = 4 << 20
+# A text prompt, or a chat's messages together (msgpack-encoded: their UTF-8 text and a few
+# bytes per field).
+MAX_PROMPT_BYTES = 4 << 20
+# A whole GatewayRequest as it crosses the gateway -> tokenizer ring (prompt or token ids or
+# messages, sampling params, ids): what catches everything no field limit does.
+MAX_REQUEST_BYTES = 8 << 20
+# prompt_token_ids, checked when a frame or a JSON line is decoded (max_model_len is
+# checked later, by the tokenizer stage).
 MAX_PROMPT_TOKENS = 1 << 20
 
 
@@ -29,6 +43,7 @@ class EngineRequest(msgspec.Struct, array_like=True):
 class AbortRequest(msgspec.Struct, array_like=True):
     req_ids: list[str]
     reason: str = "abort"  # abort | stop (stop string hit) | error
+    message: str = ""  # who aborted and why, for the answer's ErrorInfo (reason "abort")
 
 
 class GatewayRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -37,7 +52,7 @@ class GatewayRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     sampling_params: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None  # role, content, optional name
+    messages: list[dict[str, Any]] | None = None  # role, content, optional name
     stream: bool = False
     arrival_time: float = 0.0
     priority: int = 0

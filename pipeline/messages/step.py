@@ -60,6 +60,14 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top_logprobs: list[float]
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of prompt tokens ``start .. start + len(logprobs) - 1`` of one request, each
+    given the tokens before it (a prefill chunk's share; the first prompt token has none)."""
+    req_id: str
+    start: int
+    logprobs: list[TokenLogprobs]
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
     """One sampled token per request that finished its (chunked) prefill or decoded."""
     step_id: int
@@ -67,3 +75,4 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] = []  # parallel to req_ids when any asked for them
     execute_s: float = 0.0  # the worker's execute() wall time (forward + sampling)
+    prompt_logprobs: list[PromptLogprobs] = []  # of this step's prefill chunks that asked

@@ -6,13 +6,17 @@ so draining the registration ring before each batch of engine outputs always fin
 Answers go to the gateway; a stop-string hit also goes back to the engine as an
 AbortRequest(reason="stop") so the engine, the only owner of blocks, frees them. It never
 frees blocks itself. The first token of a request is forwarded before any bookkeeping.
+An answer too large for the answers ring is replaced by an error answer saying so, so the
+request still gets its one final answer and the stage keeps serving.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
+
 from pipeline.ipc.ring import wait_any
-from pipeline.messages import AbortRequest, EngineOutputs, RequestDelta, RequestResult, bytes_to_ids
+from pipeline.messages import AbortRequest, EngineOutputs, ErrorInfo, RequestDelta, RequestResult, bytes_to_ids
 from pipeline.output.detokenizer import DetokenizerTable
 from pipeline.output.processor import OutputProcessor
 from pipeline.runtime import rings
@@ -46,7 +50,13 @@ class OutputLoop:
             self.stops.send(AbortRequest(req_ids=list(stop_ids), reason="stop"))
 
     def _send(self, out: RequestDelta | RequestResult) -> None:
-        self.answers.send(out)
+        try:
+            self.answers.send(out)
+        except ValueError as exc:  # larger than the ring's largest message
+            if not isinstance(out, RequestResult):
+                raise
+            log(self.spec, f"answer of {out.id!r} not sent: {exc}")
+            self.answers.send(too_large(out, str(exc)))
 
     def run_forever(self) -> None:
         while True:
@@ -59,6 +69,14 @@ class OutputLoop:
                     pass
                 continue
             self.handle(batch)
+
+
+def too_large(res: RequestResult, why: str) -> RequestResult:
+    """``res`` without its outputs, failed with a message naming its size and the limit."""
+    return msgspec.structs.replace(
+        res, text="", token_ids=[], finish_reason="error", stop_reason=None, logprobs=None,
+        outputs=[], cumulative_logprob=None, prompt_logprobs=None,
+        error=ErrorInfo("answer_too_large", f"the answer cannot be sent: {why}"))
 
 
 def run(spec: StageSpec, ready: ReadyFn) -> None:

@@ -1,37 +1,120 @@
-"""The ring roles of an instance, and `Channel`: one end of a ring speaking its messages.
+"""The ring roles of an instance, their sizes, and `Channel`: one end of a ring speaking its
+messages.
 
-RING_ROLES is the wiring diagram: for each single-producer/single-consumer ring, its size,
-its producer and its consumer. The engine -> workers step ring is a broadcast ring (one
-reader per TP rank). A consumer that reads several rings blocks on one doorbell shared by
-them (``SHARED_DOORBELLS``, ``ipc.ring.wait_any``). The gateway creates every ring; stages
-attach their ends by the names in their StageSpec. Owns no state.
+RING_ROLES is the wiring diagram: for each single-producer/single-consumer ring, its producer
+and its consumer. The engine -> workers step ring is a broadcast ring (one reader per TP
+rank). A consumer that reads several rings blocks on one doorbell shared by them
+(``SHARED_DOORBELLS``, ``ipc.ring.wait_any``). The gateway creates every ring; stages attach
+their ends by the names in their StageSpec. Owns no state.
+
+Sizes: a ring message is at most half the ring. ``message_limits`` says, per role, the
+largest message the ring must carry, derived from the request limits
+(``messages.requests``), the sampling limits (``sampling_params``), max_model_len and the
+batch size; ``capacity`` turns a limit into a ring size. So a request that passes validation
+fits every ring it crosses. Where a request could still outgrow a ring (an answer of many
+long completions), the tokenizer stage refuses it up front with ``answer_bytes_bound``
+(bound against ``message_limits(...)["answers"]``) instead of a stage failing on send.
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
+from pipeline.config import EngineConfig
 from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.codec import TaggedCodec
 from pipeline.ipc.ring import Ring
 from pipeline.messages import RING_MESSAGES
+from pipeline.messages.requests import MAX_PROMPT_TOKENS, MAX_REQUEST_BYTES
 from pipeline.runtime.spec import StageSpec
+from pipeline.sampling_params import MAX_LOGPROBS, MAX_LOGPROBS_BYTES, SamplingParams, logprob_entry_bytes
 
-MiB = 1 << 20
-# role -> (capacity, producer, consumer)
-RING_ROLES: dict[str, tuple[int, str, str]] = {
-    "submit": (8 * MiB, "gateway", "tokenizer"),
-    "rejects": (2 * MiB, "tokenizer", "gateway"),
-    "register": (8 * MiB, "tokenizer", "output"),
-    "requests": (16 * MiB, "tokenizer", "engine"),
-    "results": (4 * MiB, "worker", "engine"),
-    "outputs": (8 * MiB, "engine", "output"),
-    "stops": (1 * MiB, "output", "engine"),
-    "answers": (16 * MiB, "output", "gateway"),
-    "stats": (256 * 1024, "engine", "gateway"),
+KiB, MiB = 1 << 10, 1 << 20
+# role -> (producer, consumer)
+RING_ROLES: dict[str, tuple[str, str]] = {
+    "submit": ("gateway", "tokenizer"),
+    "rejects": ("tokenizer", "gateway"),
+    "register": ("tokenizer", "output"),
+    "requests": ("tokenizer", "engine"),
+    "results": ("worker", "engine"),
+    "outputs": ("engine", "output"),
+    "stops": ("output", "engine"),
+    "answers": ("output", "gateway"),
+    "stats": ("engine", "gateway"),
 }
 SHARED_DOORBELLS = ("gateway", "engine", "output")
 STEPS_ROLE = "steps"  # engine -> every worker rank (broadcast)
-STEPS_CAPACITY = 32 * MiB
+
+# What the tokenizer stage adds to a request besides its prompt as int32 token ids: the
+# model's eos ids and bad words as token sequences (at most 256 x 512 ids).
+REQUEST_GROWTH_BYTES = 1 * MiB
+# One scheduled sequence in a step's output (worker -> engine -> token processor): its id,
+# sampled token, finish/error strings and one logprobs entry.
+STEP_BYTES_PER_SEQ = 1 * KiB + logprob_entry_bytes(MAX_LOGPROBS)
+# A final answer: what does not grow with its tokens (ids, usage, timings, error message) and
+# per completion (stop reason, finish reason, headers)...
+ANSWER_FIXED_BYTES = 64 * KiB
+COMPLETION_FIXED_BYTES = 1 * KiB
+# ...and what the answers ring is sized to carry per output token of max_model_len: the
+# token id (5), its inter-token latency (9) and its text (at most 242 bytes here; the
+# tokenizer stage checks each request against its tokenizer's actual longest token).
+ANSWER_BYTES_PER_TOKEN = 256
+# Beyond this (max_model_len over ~200k) the answers ring stops growing; requests whose
+# answer could be larger are refused by the tokenizer stage, naming the limit.
+MAX_ANSWER_BYTES = 64 * MiB
+
+
+def request_bytes(max_model_len: int) -> int:
+    """Upper bound of a tokenized request (register, requests and steps rings): what crossed
+    the submit ring minus its prompt, the prompt as token ids (validation caps them at
+    min(max_model_len - 1, MAX_PROMPT_TOKENS)), and what the tokenizer stage adds."""
+    return MAX_REQUEST_BYTES + 4 * min(max_model_len, MAX_PROMPT_TOKENS) + REQUEST_GROWTH_BYTES
+
+
+def answer_bytes_bound(sp: SamplingParams, num_prompt_tokens: int, token_text_bytes: int) -> int:
+    """Upper bound of a request's encoded final answer (the largest message it puts on the
+    answers ring; its deltas are parts of it). ``token_text_bytes``: the most text one token
+    can add (see ``tokenizer.stage.max_token_text_bytes``).
+
+    Per output token of each completion: its id (at most 5 bytes of msgpack), its text, its
+    logprobs entry and an inter-token latency (a float64, 9 bytes); with n > 1 the top-level
+    fields repeat completion 0; prompt logprobs add one entry per prompt token."""
+    logprob = 0 if sp.logprobs is None else logprob_entry_bytes(sp.logprobs)
+    copies = sp.n + 1 if sp.n > 1 else 1
+    per_completion = COMPLETION_FIXED_BYTES + sp.max_tokens * (5 + token_text_bytes + logprob)
+    prompt = 0 if sp.prompt_logprobs is None else \
+        num_prompt_tokens * (1 + logprob_entry_bytes(sp.prompt_logprobs))
+    return ANSWER_FIXED_BYTES + copies * per_completion + sp.n * sp.max_tokens * 9 + prompt
+
+
+def message_limits(config: EngineConfig, max_model_len: int) -> dict[str, int]:
+    """Role -> the largest message (bytes) its ring must carry. ``max_model_len`` may be an
+    upper bound of the model's (the gateway sizes the rings before the worker says)."""
+    request = request_bytes(max_model_len)
+    # At least 4 MiB: the engine also reports aborted waiting requests in one message.
+    step = max(4 * MiB, config.max_num_seqs * STEP_BYTES_PER_SEQ
+               + config.max_num_batched_tokens * logprob_entry_bytes(MAX_LOGPROBS))
+    # Logprobs: the sampled ones of every completion, their copy in the top-level fields
+    # (n > 1) and the prompt's, each capped at MAX_LOGPROBS_BYTES by SamplingParams.
+    answer = min(MAX_ANSWER_BYTES, ANSWER_FIXED_BYTES + 3 * MAX_LOGPROBS_BYTES
+                 + max_model_len * ANSWER_BYTES_PER_TOKEN)
+    return {
+        "submit": MAX_REQUEST_BYTES,
+        "rejects": 1 * MiB,  # error answers; the tokenizer stage clips their messages
+        "register": request,
+        "requests": request,
+        "results": step,
+        "outputs": step,
+        "stops": 512 * KiB,
+        "answers": answer,
+        "stats": 128 * KiB,
+        STEPS_ROLE: max(16 * MiB, request + step),
+    }
+
+
+def capacity(limit: int) -> int:
+    """The ring size whose messages may be ``limit`` bytes: twice it, in 64-byte units."""
+    return -(-2 * limit // 64) * 64
+
 
 End = Literal["reader", "writer"]
 
@@ -47,9 +130,21 @@ class Channel:
         self.ring, self.role = ring, role
         self._encode, self._decode = codec.encode, codec.decode
 
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest encoded message this ring takes (half its capacity)."""
+        return self.ring.capacity // 2
+
     def send(self, msg: Any, timeout: float | None = None) -> None:
         """Blocks while the ring is full (back-pressure); PeerDied if its reader died."""
         self.ring.send(self._encode(msg), timeout)
+
+    def encode(self, msg: Any) -> bytearray:
+        """``msg`` as this ring carries it: to check its size before ``send_encoded``."""
+        return self._encode(msg)
+
+    def send_encoded(self, buf: bytes | bytearray, timeout: float | None = None) -> None:
+        self.ring.send(buf, timeout)
 
     def recv(self, timeout: float | None = None) -> Any:
         return self._decode(self.ring.recv(timeout))

@@ -1,21 +1,35 @@
 """Tokenizer stage process loop: text or chat messages -> token ids, and request validation.
 
-Owns the tokenizer (and its chat template). It receives GatewayRequest / AbortRequest from
-the gateway in arrival order. A valid request is registered with the token processor first
-and then handed to the engine as an EngineRequest (so the token processor always knows a
-request before any of its tokens can reach it); an invalid one is answered straight to the
-gateway with an error naming the field and the limit. Aborts are forwarded in order, so an
-abort can never overtake the request it cancels. It never touches KV blocks.
+Owns the tokenizer (and its chat template), a small pool of tokenizing threads and the table
+of requests being tokenized. It receives GatewayRequest / AbortRequest from the gateway in
+arrival order. Each request is tokenized and validated on a pool thread (`Tokenizer` encodes
+with `tokenizers`' encode_batch, which releases the GIL), so a multi-megabyte prompt does not
+hold up the small requests behind it: requests leave in the order their tokenization ends. A valid request is
+registered with the token processor first and then handed to the engine as an EngineRequest
+(so the token processor always knows a request before any of its tokens can reach it); an
+invalid one is answered straight to the gateway with an error naming the field and the
+limit. An abort for a request still being tokenized is answered here (finish_reason "abort")
+and the request is dropped when its tokenization ends; any other abort is forwarded to the
+engine, after the request it cancels (both go out under one lock, the request first). It
+never touches KV blocks.
+
+State: ``pending`` (req_id -> request being tokenized) under ``lock``, which every ring send
+holds too (each ring has one producer: this process).
 """
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from tokenizers import Tokenizer as HFTokenizer
 
 from pipeline.messages import (
     AbortRequest,
     EngineRequest,
     GatewayRequest,
     OutputRegistration,
+    RequestResult,
     error_result,
     ids_to_bytes,
 )
@@ -23,7 +37,40 @@ from pipeline.runtime import rings
 from pipeline.runtime.process import ReadyFn, log
 from pipeline.runtime.spec import StageSpec
 from pipeline.tokenizer.tokenizer import Tokenizer
-from pipeline.tokenizer.validate import InvalidRequest, check_prompt_text, one_prompt_field, validate_request
+from pipeline.tokenizer.validate import InvalidRequest, check_answer_fits, one_prompt_field, prepare_request
+
+TOKENIZE_THREADS = 4
+MAX_PENDING = 4 * TOKENIZE_THREADS  # requests read but not sent on yet: bounds memory
+ERROR_MESSAGE_BYTES = 4096  # an error answer's message is clipped to this (rejects ring)
+
+
+def max_token_text_bytes(tok: HFTokenizer) -> int:
+    """The most text (UTF-8 bytes) one token can add to an answer. A token whose own text is
+    valid UTF-8 adds its bytes, plus one for the leading space a Metaspace / Strip decoder
+    drops from a text's first token; one that decodes to U+FFFD (part of a character) adds at
+    most 3 bytes (one U+FFFD) per byte it holds."""
+    size = tok.get_vocab_size(with_added_tokens=True)
+    most = 0
+    for text in tok.decode_batch([[i] for i in range(size)], skip_special_tokens=False):
+        n = len(text.encode("utf-8", "surrogatepass"))
+        most = max(most, 3 * n if "\ufffd" in text else n + 1)
+    return most
+
+
+def clip(message: str, limit: int = ERROR_MESSAGE_BYTES) -> str:
+    """``message`` as valid UTF-8 of at most ``limit`` bytes (an error may quote user input)."""
+    raw = message.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return raw.decode("utf-8")
+    return raw[:limit - 3].decode("utf-8", "ignore") + "..."
+
+
+class _Pending:
+    __slots__ = ("req", "future")
+
+    def __init__(self, req: GatewayRequest) -> None:
+        self.req = req
+        self.future: Future | None = None
 
 
 class TokenizerLoop:
@@ -32,18 +79,25 @@ class TokenizerLoop:
         self.spec = spec
         self.model = spec.model
         self.tokenizer = Tokenizer(spec.config.model)
+        self.token_text_bytes = max_token_text_bytes(self.tokenizer.tok)
+        # The gateway sized the answers ring for a max_model_len at least this one's.
+        self.answer_limit = rings.message_limits(spec.config, spec.model.max_model_len)["answers"]
         self.eos = list(spec.model.eos_token_ids)
         self.inbox = rings.attach(spec, "submit")
         self.rejects = rings.attach(spec, "rejects", "writer")
         self.register = rings.attach(spec, "register", "writer")
         self.requests = rings.attach(spec, "requests", "writer")
+        self.lock = threading.Lock()
+        self.room = threading.Condition(self.lock)  # notified when `pending` shrinks
+        self.pending: dict[str, _Pending] = {}
+        self.pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        self.failure: BaseException | None = None  # a pool thread's, re-raised by the loop
 
     def prompt_ids(self, req: GatewayRequest) -> tuple[list[int], str]:
         """The prompt as token ids, and the field they came from."""
         field = one_prompt_field(prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                                  messages=req.messages)
-        if req.prompt is not None:
-            check_prompt_text(req.prompt)
+        if req.prompt is not None:  # the gateway checked its size
             return self.tokenizer.encode(req.prompt), field
         if req.messages is not None:
             if not req.messages:
@@ -51,42 +105,101 @@ class TokenizerLoop:
             return self.tokenizer.apply_chat_template(req.messages), field
         return list(req.prompt_token_ids or []), field
 
-    def _reject(self, req: GatewayRequest, code: str, message: str) -> None:
-        self.rejects.send(error_result(req.req_id, code, message, arrival_time=req.arrival_time))
-
-    def handle(self, req: GatewayRequest) -> None:
+    def prepare(self, req: GatewayRequest) -> tuple[bytearray, bytearray] | RequestResult:
+        """Tokenize and validate (on a pool thread): the encoded registration and engine
+        request, or the error answer."""
         try:
             ids, field = self.prompt_ids(req)
-            validate_request(ids, req.sampling_params, field=field,
-                             vocab_size=self.model.vocab_size,
-                             max_model_len=self.model.max_model_len)
+            ids, sp = prepare_request(ids, req.sampling_params, field=field,
+                                      vocab_size=self.model.vocab_size,
+                                      max_model_len=self.model.max_model_len,
+                                      encode=self._encode_plain)
+            check_answer_fits(sp, len(ids), self.token_text_bytes, self.answer_limit)
+            token_bytes = ids_to_bytes(ids)
+            reg = self.register.encode(OutputRegistration(
+                req_id=req.req_id, prompt_token_ids=token_bytes, sampling_params=sp,
+                stream=req.stream, arrival_time=req.arrival_time))
+            eng = self.requests.encode(EngineRequest(
+                req_id=req.req_id, prompt_token_ids=token_bytes, sampling_params=sp,
+                arrival_time=req.arrival_time or time.time(), eos_token_ids=self.eos,
+                priority=req.priority, cache_salt=req.cache_salt))
+            for ch, buf in ((self.register, reg), (self.requests, eng)):
+                if len(buf) > ch.max_message_bytes:  # both checked before either is sent
+                    raise InvalidRequest(f"request: {len(buf)} bytes once tokenized, the limit is "
+                                         f"{ch.max_message_bytes} bytes (ring {ch.role})")
+            return reg, eng
         except (ValueError, TypeError, KeyError) as exc:  # InvalidRequest, chat template errors
-            self._reject(req, "invalid_request", str(exc))
-            return
+            return self._error(req, "invalid_request", str(exc))
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the stage
-            self._reject(req, "tokenizer_error", f"{type(exc).__name__}: {exc}")
-            return
-        token_bytes = ids_to_bytes(ids)
-        # Sends block while a ring is full (back-pressure); PeerDied if its reader died.
-        self.register.send(OutputRegistration(
-            req_id=req.req_id, prompt_token_ids=token_bytes, sampling_params=req.sampling_params,
-            stream=req.stream, arrival_time=req.arrival_time))
-        self.requests.send(EngineRequest(
-            req_id=req.req_id, prompt_token_ids=token_bytes, sampling_params=req.sampling_params,
-            arrival_time=req.arrival_time or time.time(), eos_token_ids=self.eos,
-            priority=req.priority, cache_salt=req.cache_salt))
+            return self._error(req, "tokenizer_error", f"{type(exc).__name__}: {exc}")
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _error(self, req: GatewayRequest, code: str, message: str) -> RequestResult:
+        return error_result(req.req_id, code, clip(message), arrival_time=req.arrival_time)
+
+    def _tokenize(self, p: _Pending) -> None:
+        """Pool thread: prepare the request, then send it on unless it was aborted meanwhile."""
+        try:
+            out = self.prepare(p.req)
+            with self.lock:
+                if self.pending.get(p.req.req_id) is not p:
+                    return  # aborted while it was tokenized: answered already
+                del self.pending[p.req.req_id]
+                self.room.notify()
+                # Sends block while a ring is full (back-pressure); PeerDied if its reader died.
+                if isinstance(out, RequestResult):
+                    self.rejects.send(out)
+                else:
+                    self.register.send_encoded(out[0])
+                    self.requests.send_encoded(out[1])
+        except BaseException as exc:  # noqa: BLE001 - the loop re-raises it: the stage stops
+            self.failure = self.failure or exc
+
+    def accept(self, req: GatewayRequest) -> None:
+        p = _Pending(req)
+        with self.lock:
+            while len(self.pending) >= MAX_PENDING and self.failure is None:
+                self.room.wait(self.spec.ring_timeout_s)
+            self.pending[req.req_id] = p
+        p.future = self.pool.submit(self._tokenize, p)
+
+    def abort(self, msg: AbortRequest) -> None:
+        why = msg.message or "aborted"
+        with self.lock:
+            forward = []
+            for rid in msg.req_ids:
+                p = self.pending.pop(rid, None)
+                if p is None:
+                    forward.append(rid)  # in the engine already (or answered): its job
+                    continue
+                if p.future is not None:
+                    p.future.cancel()  # frees its pool slot if it has not started
+                self.rejects.send(error_result(rid, "aborted", clip(f"{why} (while it was tokenized)"),
+                                               finish_reason="abort",
+                                               arrival_time=p.req.arrival_time))
+            self.room.notify()
+            if forward:
+                self.requests.send(AbortRequest(req_ids=forward, reason=msg.reason, message=msg.message))
 
     def run_forever(self) -> None:
-        while True:
-            msg = self.inbox.recv(timeout=None)  # PeerDied if the gateway is gone
+        while self.failure is None:
+            try:
+                # PeerDied if the gateway is gone; the timeout is how soon a pool thread's
+                # failure stops the stage.
+                msg = self.inbox.recv(timeout=self.spec.ring_timeout_s)
+            except TimeoutError:
+                continue
             if isinstance(msg, AbortRequest):
-                self.requests.send(msg)
+                self.abort(msg)
             else:
-                self.handle(msg)
+                self.accept(msg)
+        raise self.failure
 
 
 def run(spec: StageSpec, ready: ReadyFn) -> None:
     loop = TokenizerLoop(spec)
-    log(spec, "tokenizer loaded")
+    log(spec, f"tokenizer loaded ({TOKENIZE_THREADS} tokenizing threads)")
     ready({})
     loop.run_forever()

@@ -1,14 +1,18 @@
 """Tokenizer of a Hugging Face checkpoint directory, used by the tokenizer stage (text and chat
 messages -> token ids) and the token processor (eos ids, special tokens).
 
-Owns the loaded ``tokenizers.Tokenizer`` and the compiled chat template. Reads
-tokenizer.json, tokenizer_config.json (special tokens, add_bos_token, chat_template),
-chat_template.jinja when present, and generation_config.json / config.json for the eos ids.
+Owns the loaded ``tokenizers.Tokenizer`` and the chat template; compiled templates (the
+model's, or one a caller passes) are kept in a small process-wide cache. Reads tokenizer.json,
+tokenizer_config.json (special tokens, add_bos_token, chat_template), chat_template.jinja when
+present, and generation_config.json / config.json for the eos ids. Chat messages are checked
+here, for every way in: roles (system, user, assistant, tool) and content (a string, or a
+list of text parts as OpenAI sends them), each error naming the message and the field.
 """
 from __future__ import annotations
 
 import json
 from datetime import datetime
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +39,58 @@ def _raise(message: str) -> None:
     raise ValueError(f"chat template: {message}")
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str) -> Template:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, indent=indent, ensure_ascii=False)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _content(i: int, m: dict) -> str | None:
+    """A message's content as the template sees it: a string (text parts joined by newlines,
+    as vLLM does for string-content templates); None only for an assistant's tool calls."""
+    content = m.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and m.get("role") == "assistant" and m.get("tool_calls"):
+        return None
+    if not isinstance(content, list):
+        raise ValueError(f"field `messages[{i}].content`: must be a string or a list of text parts, "
+                         f"got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"field `messages[{i}].content[{j}]`: only {{\"type\": \"text\", \"text\": ...}} "
+                             f"parts are supported (no multi-modal input), got type {str(kind)[:64]!r}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def check_messages(messages: list[dict]) -> list[dict]:
+    """The messages with a known role each and string content; ValueError naming the field."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("field `messages`: at least one message is required")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"field `messages[{i}]`: must be an object with `role` and `content`, "
+                             f"got {type(m).__name__}")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"field `messages[{i}].role`: must be one of {', '.join(CHAT_ROLES)}, "
+                             f"got {str(role)[:64]!r}")
+        out.append({**m, "content": _content(i, m)})
+    return out
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         d = Path(model_dir)
@@ -54,7 +110,6 @@ class Tokenizer:
         self.special_ids = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items()
                                      if t.special)
         self.chat_template = self._template_source(d)
-        self._template: Template | None = None
 
     def _eos_ids(self, d: Path) -> list[int]:
         for name in ("generation_config.json", "config.json"):
@@ -77,7 +132,9 @@ class Tokenizer:
         return tpl
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode does not): the tokenizer stage tokenizes a long
+        # prompt on a pool thread while its loop keeps serving small ones.
+        ids = self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         # Some checkpoints ask for BOS in tokenizer_config without a post-processor doing it.
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos and bos is not None and (not ids or ids[0] != bos):
@@ -87,24 +144,43 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
-        if self.chat_template is None:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    **extra: Any) -> str:
+        """The conversation as text, like transformers' ``apply_chat_template(tokenize=False)``.
+
+        ``continue_final_message``: end the text right after the last message's content, so
+        the model continues it (no end-of-turn marker); ``chat_template`` replaces the model's."""
+        source = chat_template if chat_template is not None else self.chat_template
+        if source is None:
             raise ValueError("field `messages`: this model has no chat template "
                              "(tokenizer_config.json chat_template); send `prompt` instead")
-        if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, indent=indent, ensure_ascii=False)
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(self.chat_template)
-        specials = {k: _token_str(self.config.get(k)) or "" for k in
-                    ("bos_token", "eos_token", "pad_token", "unk_token")}
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **specials, **extra)
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true: "
+                             "the first starts a new assistant turn, the second continues the last one")
+        for key in ("messages", "add_generation_prompt"):
+            if key in extra:
+                raise ValueError(f"chat template variable `{key}` comes from the chat itself")
+        messages = check_messages(messages)
+        variables = {k: _token_str(self.config.get(k)) or "" for k in
+                     ("bos_token", "eos_token", "pad_token", "unk_token")} | extra
+        text = _compile(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                       **variables)
+        if continue_final_message:
+            # As transformers does: cut right after the last occurrence of the final content,
+            # keeping its trailing spaces only where the template kept them.
+            final = messages[-1]["content"] or ""
+            at = text.rfind(final.strip()) if final.strip() else -1
+            if at < 0:
+                raise ValueError(f"field `messages[{len(messages) - 1}].content`: continue_final_message "
+                                 "needs non-empty content that the chat template renders")
+            n = len(final.lstrip())
+            text = text[:at + (n if text[at:at + n] == final else len(final.strip()))]
+        return text
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered conversation; the template already places BOS."""
-        return self.tok.encode(self.render_chat(messages, add_generation_prompt),
-                               add_special_tokens=False).ids
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **options: Any) -> list[int]:
+        """Token ids of the rendered conversation (``render_chat``'s options); the template
+        already places BOS."""
+        text = self.render_chat(messages, add_generation_prompt, **options)
+        return self.tok.encode_batch([text], add_special_tokens=False)[0].ids

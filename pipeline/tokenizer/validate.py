@@ -1,18 +1,29 @@
 """The one request validator: every way in (ZMQ, pipe mode, in-process `LLM`) passes here.
 
-The gateway only decodes (types, transport bounds); whatever needs the model's limits
-(vocab size, max_model_len) is checked here, once the prompt is token ids: by the
-tokenizer stage for served requests, by `LLM.generate` in-process. Every error is an
-`InvalidRequest` whose message names the field and the limit. What only the engine can
-know (whether the request fits in the KV cache at all) stays with the engine. Owns no state.
+The gateway only decodes (types) and checks the byte limits of the transport
+(``check_prompt_text`` / ``check_messages_bytes`` here, then the whole encoded request);
+whatever needs the model's limits (vocab size, max_model_len) is checked here, once the
+prompt is token ids: by the tokenizer stage for served requests, by `LLM.generate`
+in-process. Every error is an `InvalidRequest` whose message names the field and the limit.
+What only the engine can know (whether the request fits in the KV cache at all) stays with
+the engine. Owns no state.
+
+Prompt length and max_tokens, one rule: a prompt takes at most max_model_len - 1 tokens (at
+least one output token must fit) and at most MAX_PROMPT_TOKENS; max_tokens is then cut to the
+room left (max_model_len - prompt tokens), as vLLM's engine does, so such a request ends with
+finish_reason "length" at max_model_len. ``min_tokens`` is a promise, so a request whose
+min_tokens does not fit is refused.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import msgspec
 import numpy as np
 
-from pipeline.messages import MAX_PROMPT_CHARS
+from pipeline.messages.requests import MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS
+from pipeline.runtime.rings import answer_bytes_bound
 from pipeline.sampling_params import SamplingParams
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
@@ -32,26 +43,47 @@ def one_prompt_field(**given: object) -> str:
 
 
 def check_prompt_text(text: str) -> None:
-    if len(text) > MAX_PROMPT_CHARS:
-        raise InvalidRequest(f"field `prompt`: at most {MAX_PROMPT_CHARS} characters, "
-                             f"got {len(text)}")
+    """A text prompt is at most MAX_PROMPT_BYTES of UTF-8."""
+    # A char is 1..4 bytes: only the middle needs the (copying) encode.
+    if len(text) * 4 <= MAX_PROMPT_BYTES:
+        return
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_PROMPT_BYTES:
+        raise InvalidRequest(f"field `prompt`: {size} bytes (UTF-8), the limit is "
+                             f"{MAX_PROMPT_BYTES} bytes")
 
 
-def check_sampling(sp: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+def check_messages_bytes(messages: list[dict[str, Any]]) -> None:
+    """A chat's messages together are at most MAX_PROMPT_BYTES, encoded as they travel."""
+    size = len(msgspec.msgpack.encode(messages))
+    if size > MAX_PROMPT_BYTES:
+        raise InvalidRequest(f"field `messages`: {len(messages)} messages of {size} bytes "
+                             f"together (encoded), the limit is {MAX_PROMPT_BYTES} bytes")
+
+
+def check_sampling(sp: SamplingParams, vocab_size: int, max_model_len: int,
+                   num_prompt_tokens: int | None = None) -> None:
     try:
-        sp.validate(vocab_size=vocab_size, max_model_len=max_model_len)
+        sp.validate(vocab_size=vocab_size, max_model_len=max_model_len,
+                    num_prompt_tokens=num_prompt_tokens)
     except ValueError as exc:  # "<field> must be <limit>, got <value>"
         name, _, rest = str(exc).partition(" ")
         raise InvalidRequest(f"field `{name}`: {rest}") from None
+
+
+def max_prompt_tokens(max_model_len: int) -> int:
+    return min(max_model_len - 1, MAX_PROMPT_TOKENS)
 
 
 def check_prompt_ids(ids: Sequence[int], field: str, vocab_size: int, max_model_len: int) -> None:
     n = len(ids)
     if n == 0:
         raise InvalidRequest(f"field `{field}`: must not be empty")
-    if n >= max_model_len:
-        raise InvalidRequest(f"field `{field}`: {n} tokens, must be < max_model_len "
-                             f"({max_model_len}) to leave room for output")
+    limit = max_prompt_tokens(max_model_len)
+    if n > limit:
+        why = (f"max_model_len ({max_model_len}) minus one, to leave room for output"
+               if limit < MAX_PROMPT_TOKENS else f"MAX_PROMPT_TOKENS ({MAX_PROMPT_TOKENS})")
+        raise InvalidRequest(f"field `{field}`: {n} tokens, at most {limit} ({why})")
     arr = np.asarray(ids, dtype=np.int64)
     bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
     if bad.size:
@@ -62,11 +94,47 @@ def check_prompt_ids(ids: Sequence[int], field: str, vocab_size: int, max_model_
 
 
 def validate_request(ids: Sequence[int], sp: SamplingParams, *, field: str, vocab_size: int,
-                     max_model_len: int) -> None:
-    """All of a request's checks, given its prompt as token ids (`field`: where they came from)."""
-    check_sampling(sp, vocab_size, max_model_len)
+                     max_model_len: int) -> SamplingParams:
+    """All of a request's checks, given its prompt as token ids (`field`: where they came
+    from); returns the params to run it with (max_tokens cut to the room left)."""
+    check_sampling(sp, vocab_size, max_model_len, len(ids))
     check_prompt_ids(ids, field, vocab_size, max_model_len)
-    need = len(ids) + sp.max_tokens
-    if need > max_model_len:
-        raise InvalidRequest(f"field `max_tokens`: {len(ids)} prompt tokens + max_tokens "
-                             f"{sp.max_tokens} = {need} exceeds max_model_len ({max_model_len})")
+    room = max_model_len - len(ids)
+    if sp.max_tokens <= room:
+        return sp
+    if sp.min_tokens > room:
+        raise InvalidRequest(f"field `min_tokens`: {sp.min_tokens}, but only {room} tokens fit "
+                             f"after the {len(ids)}-token prompt (max_model_len {max_model_len})")
+    return msgspec.structs.replace(sp, max_tokens=room)
+
+
+def check_answer_fits(sp: SamplingParams, num_prompt_tokens: int, token_text_bytes: int,
+                      limit: int) -> None:
+    """The request's final answer, at its largest, fits one message of ``limit`` bytes (the
+    answers ring's); else name what makes it large."""
+    size = answer_bytes_bound(sp, num_prompt_tokens, token_text_bytes)
+    if size > limit:
+        parts = [f"n={sp.n}"] if sp.n > 1 else []
+        parts += [f"max_tokens={sp.max_tokens}"]
+        parts += [f"logprobs={sp.logprobs}"] if sp.logprobs is not None else []
+        parts += [f"prompt_logprobs={sp.prompt_logprobs}"] if sp.prompt_logprobs is not None else []
+        raise InvalidRequest(
+            f"field `max_tokens`: an answer with {', '.join(parts)} may take up to {size} bytes "
+            f"({token_text_bytes} bytes of text per token at most with this tokenizer), more "
+            f"than the limit of {limit} bytes per answer; lower {' or '.join(p.split('=')[0] for p in parts)}")
+
+
+def prepare_request(ids: list[int], sp: SamplingParams, *, field: str, vocab_size: int,
+                    max_model_len: int, encode: Callable[[str], list[int]] | None
+                    ) -> tuple[list[int], SamplingParams]:
+    """Once a prompt is token ids, the one sequence every way in runs (the tokenizer stage
+    and the in-process LLM): keep its last ``truncate_prompt_tokens``, tokenize ``bad_words``
+    (``encode``: the tokenizer without special tokens; None when there is none), then every
+    check. Returns the prompt and the params to run it with."""
+    ids = sp.truncate_prompt(ids, max_model_len)
+    if sp.bad_words:
+        if encode is None:
+            raise InvalidRequest("field `bad_words`: needs a tokenizer (give bad_words_token_ids)")
+        sp = sp.resolve_bad_words(encode)
+    return ids, validate_request(ids, sp, field=field, vocab_size=vocab_size,
+                                 max_model_len=max_model_len)

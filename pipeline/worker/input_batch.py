@@ -3,7 +3,9 @@ table, its computed-token count and its sampling settings, kept in numpy arrays 
 inputs are gathered with vectorised indexing instead of per-token Python.
 
 Owns the rows; the engine's per-step diff (SchedulerOutput) is applied with add/remove/
-append_blocks, and the model runner appends each sampled token with append_token.
+append_blocks, and the model runner appends each sampled token with append_tokens. The
+per-request logits processors (logit_bias, allowed_token_ids, bad words) are kept per row as
+numpy arrays, converted once at ``add``.
 """
 from __future__ import annotations
 
@@ -42,9 +44,17 @@ class InputBatch:
         self.frequency_penalty = np.zeros(r, dtype=np.float32)
         self.seed = np.full(r, -1, dtype=np.int64)  # -1: unseeded
         self.num_logprobs = np.full(r, -1, dtype=np.int64)  # -1: none
+        self.num_prompt_logprobs = np.full(r, -1, dtype=np.int64)  # -1: none
+        self.num_prompt_logprob_rows = 0  # live rows with num_prompt_logprobs >= 0
         self.min_tokens = np.zeros(r, dtype=np.int64)
+        # Logits processors: (token ids, biases), allowed token ids, bad word sequences.
+        self.logit_bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * r
+        self.allowed_token_ids: list[np.ndarray | None] = [None] * r
+        self.bad_words: list[list[list[int]] | None] = [None] * r
+        self.has_processors = np.zeros(r, dtype=bool)
         # Live rows that need more than argmax of the raw logits (sampling, penalties,
-        # logprobs, min_tokens): while there are none the model runner skips the sampler.
+        # logprobs, min_tokens, logits processors): while there are none the model runner
+        # skips the sampler.
         self.needs_sampler = np.zeros(r, dtype=bool)
         self.num_needs_sampler = 0
 
@@ -102,9 +112,20 @@ class InputBatch:
         self.seed[row] = -1 if sp.seed is None else sp.seed
         self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
         self.min_tokens[row] = sp.min_tokens
-        special = not (sp.temperature == 0.0 and sp.repetition_penalty == 1.0
-                       and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0
-                       and sp.logprobs is None and sp.min_tokens == 0)
+        plp = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
+        self.num_prompt_logprobs[row] = plp
+        self.num_prompt_logprob_rows += plp >= 0
+        bias = sp.logit_bias
+        self.logit_bias[row] = (np.fromiter(bias.keys(), np.int64, len(bias)),
+                                np.fromiter(bias.values(), np.float32, len(bias))) if bias else None
+        allowed = sp.allowed_token_ids
+        self.allowed_token_ids[row] = None if allowed is None else np.asarray(allowed, dtype=np.int64)
+        self.bad_words[row] = sp.bad_words_token_ids or None
+        procs = bool(bias) or allowed is not None or bool(sp.bad_words_token_ids)
+        self.has_processors[row] = procs
+        special = procs or not (sp.temperature == 0.0 and sp.repetition_penalty == 1.0
+                                and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0
+                                and sp.logprobs is None and sp.min_tokens == 0)
         self.needs_sampler[row] = special
         self.num_needs_sampler += special
         return row
@@ -118,6 +139,10 @@ class InputBatch:
         self.params[row] = None
         self.num_needs_sampler -= bool(self.needs_sampler[row])
         self.needs_sampler[row] = False
+        self.num_prompt_logprob_rows -= bool(self.num_prompt_logprobs[row] >= 0)
+        self.num_prompt_logprobs[row] = -1
+        self.logit_bias[row] = self.allowed_token_ids[row] = self.bad_words[row] = None
+        self.has_processors[row] = False
         self._free.append(row)
 
     def append_blocks(self, req_id: str, block_ids: list[int]) -> None:

@@ -5,9 +5,12 @@ tensor): ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim
 each layer's K and V are contiguous and a layer can be shipped as two slabs. On CPU it is a
 POSIX shared-memory segment ``/pipeline.<instance_id>.kv`` (rank > 0 adds ``.<rank>``) that
 the cache messager maps by name (``pipeline.ipc.segment.attach_segment``); it is named and
-created O_EXCL with mode 0600 through a view of the instance (``Instance.view(id)`` of
-``pipeline.ipc.instance``; space reserved up front, pre-faulted), unlinked on close() or at
-this process's exit, and swept by ``unlink_instance``/``sweep_stale`` if this process dies first.
+created O_EXCL with mode 0600 (space reserved up front, pre-faulted) through
+``Instance.join(id)`` of ``pipeline.ipc.instance``: a view of the gateway's instance when
+served, or, in-process (``LLM``, benchmarks), an instance this process owns, so the segment
+always has an owner record. Unlinked on close() or at this process's exit (SIGTERM too), and
+swept by ``unlink_instance``/``sweep_stale`` as soon as its owner is dead if this process dies
+first (SIGKILL).
 """
 from __future__ import annotations
 
@@ -16,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.ipc.instance import Instance
-from pipeline.ipc.segment import unlink_segment
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,13 +63,18 @@ class KVCache:
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         nbytes = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) * num_blocks
         self._segment = None
+        self._instance: Instance | None = None
         self.shm_name: str | None = None
         if device.type == "cpu":
             if not instance_id:
                 raise ValueError("instance_id is required for the CPU KV cache (it names the segment)")
-            instance = Instance.view(instance_id)
-            self.shm_name = instance.name(kv_segment_what(rank))
-            self._segment = instance.create_segment(kv_segment_what(rank), nbytes)
+            self._instance = Instance.join(instance_id)
+            self.shm_name = self._instance.name(kv_segment_what(rank))
+            try:
+                self._segment = self._instance.create_segment(kv_segment_what(rank), nbytes)
+            except BaseException:
+                self.close()  # an owner record of our own must not outlive the failure
+                raise
             self.buffer = torch.frombuffer(self._segment, dtype=torch.uint8).view(dtype).view(shape)
         else:
             self.buffer = torch.zeros(shape, dtype=dtype, device=device)
@@ -91,9 +98,12 @@ class KVCache:
             except BufferError:
                 # A caller still holds a view; the mapping dies with it, the name dies now.
                 pass
-            assert self.shm_name is not None
-            unlink_segment(self.shm_name)  # and off this process's exit list
             self._segment = None
+        if self._instance is not None:
+            # Unlinks the segment (and takes it off this process's exit list), then the
+            # owner record when this process owns the instance.
+            self._instance.cleanup()
+            self._instance = None
 
     def __del__(self) -> None:
         self.close()

@@ -1,7 +1,8 @@
 """Worker stage: the model runner of one rank. Loads the weights, sizes and owns the paged KV
 cache, keeps the persistent batch, and runs one step per SchedulerOutput: apply the diff, one
 forward over the flattened varlen batch (prefill chunks with cached context and decodes
-mixed), sample for the requests whose known tokens are all computed.
+mixed), sample for the requests whose known tokens are all computed, and compute the prompt
+logprobs of the prefill chunks of requests that ask for them.
 
 Owns: the model weights, the KV cache memory (KVCache), the InputBatch and the Sampler.
 """
@@ -19,7 +20,8 @@ import torch
 from pipeline.config import EngineConfig
 from pipeline.layers import ops
 from pipeline.layers.attention import AttentionMetadata
-from pipeline.messages import ModelRunnerOutput, SchedulerOutput
+from pipeline.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pipeline.messages.step import PromptLogprobs
 from pipeline.models.config import load_model_config
 from pipeline.models.llama import CausalLM
 from pipeline.models.loader import load_weights
@@ -32,6 +34,8 @@ if TYPE_CHECKING:
     from pipeline.ipc.layer_signal import LayerSignal
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+# Prompt positions whose logits (rows x vocab floats) are computed at once for prompt logprobs.
+PROMPT_LOGPROBS_ROWS = 256
 
 
 @dataclass(slots=True)
@@ -273,9 +277,11 @@ class ModelRunner:
         signal = self._on_kv_written if self._signal is not None else None
         hidden = model(inp.input_ids, inp.positions, inp.meta, kv.layers, signal)
         b = self.batch
+        prompt_lps = self._prompt_logprobs(hidden, inp) if b.num_prompt_logprob_rows else []
         b.num_computed_tokens[inp.rows] += inp.num_scheduled
         if len(inp.sample_batch_idx) == 0:
-            return ModelRunnerOutput(step_id=step_id, req_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(step_id=step_id, req_ids=[], sampled_token_ids=[],
+                                     prompt_logprobs=prompt_lps)
         logits = model.compute_logits(hidden.index_select(0, inp.logits_indices))
         sample_rows = inp.rows[inp.sample_batch_idx]
         if b.num_needs_sampler == 0:
@@ -287,7 +293,42 @@ class ModelRunner:
         tokens_np = tokens.cpu().numpy()
         b.append_tokens(sample_rows, tokens_np)
         return ModelRunnerOutput(step_id=step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
-                                 sampled_token_ids=tokens_np.tolist(), logprobs=logprobs or [])
+                                 sampled_token_ids=tokens_np.tolist(), logprobs=logprobs or [],
+                                 prompt_logprobs=prompt_lps)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> list[PromptLogprobs]:
+        """Logprobs of the prompt tokens this step's chunks predict (position p's logits
+        give token p + 1), for the rows that ask; before num_computed_tokens advances."""
+        b, model = self.batch, self.model
+        assert model is not None
+        want = np.nonzero(b.num_prompt_logprobs[inp.rows] >= 0)[0]
+        offsets = np.concatenate(([0], np.cumsum(inp.num_scheduled)))
+        out: list[PromptLogprobs] = []
+        for i in want.tolist():
+            row = int(inp.rows[i])
+            start = int(b.num_computed_tokens[row])
+            end = min(start + int(inp.num_scheduled[i]), int(b.num_prompt_tokens[row]) - 1)
+            if end <= start:
+                continue  # the chunk predicts no prompt token (a 1-token prompt, or decoding)
+            k = int(b.num_prompt_logprobs[row])
+            targets = torch.from_numpy(b.token_ids[row, start + 1:end + 1].astype(np.int64)).to(self.device)
+            lps: list[TokenLogprobs] = []
+            for c in range(0, end - start, PROMPT_LOGPROBS_ROWS):
+                m = min(PROMPT_LOGPROBS_ROWS, end - start - c)
+                first = int(offsets[i]) + c
+                logprobs = torch.log_softmax(model.compute_logits(hidden[first:first + m]), dim=-1)
+                tgt = targets[c:c + m]
+                chosen = logprobs.gather(1, tgt[:, None])[:, 0].tolist()
+                top_vals: list[list[float]] = [[] for _ in range(m)]
+                top_ids: list[list[int]] = [[] for _ in range(m)]
+                if k > 0:
+                    vals, ids = logprobs.topk(k, dim=-1)
+                    top_vals, top_ids = vals.tolist(), ids.tolist()
+                lps += map(TokenLogprobs, tgt.tolist(), chosen, top_ids, top_vals)
+            rid = b.req_ids[row]
+            assert rid is not None  # a scheduled row is live
+            out.append(PromptLogprobs(rid, start + 1, lps))
+        return out
 
     def close(self) -> None:
         self._drain_signal_stream()

@@ -5,6 +5,9 @@ min-tokens EOS masking, temperature, top-k / top-p (one shared sort), min-p, and
 the exponential race (argmax of probs / Exp(1) noise), which lets a seeded request draw its
 noise from its own generator, seeded from (seed, output position), so the same seed gives the
 same tokens whatever else shares the batch. All-greedy batches skip straight to argmax.
+The per-request logits processors run on the rows that have them, after the penalties and
+before greedy or random choice: logit_bias adds, allowed_token_ids masks every other token,
+bad words ban a sequence's last token when the output ends with the rest of it.
 Logprobs are of the raw model distribution (before penalties and temperature), as in vLLM.
 """
 from __future__ import annotations
@@ -42,7 +45,9 @@ class SamplingMetadata:
     prompt_tokens: torch.Tensor | None  # [N, Lp] int64, padded with vocab_size
     output_tokens: torch.Tensor | None  # [N, Lo] int64, padded with vocab_size
     seeded: list[tuple[int, int]]  # (batch index, mixed seed) of seeded sampling rows
-    banned: list[tuple[int, list[int]]]  # (batch index, token ids) masked by min_tokens
+    banned: list[tuple[int, list[int]]]  # (batch index, token ids) masked: min_tokens, bad words
+    bias: list[tuple[int, torch.Tensor, torch.Tensor]]  # (batch index, token ids, added logits)
+    allowed: list[tuple[int, torch.Tensor]]  # (batch index, the only token ids it may take)
     num_logprobs: np.ndarray  # [N], -1 where not requested
     max_num_logprobs: int
 
@@ -63,6 +68,18 @@ def build_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int,
         sp = batch.params[int(rows[i])]
         assert sp is not None  # a live row
         banned.append((i, [t for t in {*eos_token_ids, *sp.stop_token_ids} if 0 <= t < vocab_size]))
+    bias: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    allowed: list[tuple[int, torch.Tensor]] = []
+    for i in np.nonzero(batch.has_processors[rows])[0].tolist():
+        row = int(rows[i])
+        if (b := batch.logit_bias[row]) is not None:
+            bias.append((i, torch.from_numpy(b[0]).to(device), torch.from_numpy(b[1]).to(device)))
+        if (a := batch.allowed_token_ids[row]) is not None:
+            allowed.append((i, torch.from_numpy(a).to(device)))
+        if (words := batch.bad_words[row]) is not None:
+            ban = _bad_word_ends(words, batch.token_ids[row, :batch.num_tokens[row]], int(num_out[i]))
+            if ban:
+                banned.append((i, ban))
     rep, pres, freq = (batch.repetition_penalty[rows], batch.presence_penalty[rows],
                        batch.frequency_penalty[rows])
     any_rep = bool((rep != 1.0).any())
@@ -102,7 +119,18 @@ def build_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int,
         presence_penalty=_col(pres, device, torch.float32) if any_out_pen else None,
         frequency_penalty=_col(freq, device, torch.float32) if any_out_pen else None,
         prompt_tokens=prompt_tokens, output_tokens=output_tokens, seeded=seeded, banned=banned,
-        num_logprobs=nlp, max_num_logprobs=int(nlp.max()) if len(nlp) else -1)
+        bias=bias, allowed=allowed, num_logprobs=nlp, max_num_logprobs=int(nlp.max()) if len(nlp) else -1)
+
+
+def _bad_word_ends(words: list[list[int]], tokens: np.ndarray, num_out: int) -> list[int]:
+    """Last tokens of the bad words whose other tokens end the output (not the prompt, as in
+    vLLM): taking one would complete the word."""
+    ban = []
+    for w in words:
+        head = len(w) - 1
+        if head == 0 or (head <= num_out and tokens[len(tokens) - head:].tolist() == w[:-1]):
+            ban.append(w[-1])
+    return ban
 
 
 class Sampler:
@@ -117,6 +145,12 @@ class Sampler:
         """logits [N, V] float32 (modified in place) -> (tokens [N] int64, logprobs or None)."""
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs >= 0 else None
         self._penalize(logits, md)
+        for i, ids, values in md.bias:
+            logits[i, ids] += values
+        for i, ids in md.allowed:
+            keep = logits[i, ids]
+            logits[i] = float("-inf")
+            logits[i, ids] = keep
         for i, ids in md.banned:
             logits[i, ids] = float("-inf")
         if md.all_greedy:
