@@ -10,11 +10,14 @@ from pipeline.sampling_params import SamplingParams
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
-_LLM_NAMES = ("LLM", "CompletionOutput", "Logprob", "RequestOutput")
+_OUTPUT_NAMES = ("CompletionOutput", "Logprob", "RequestOutput")
 
 
 def __getattr__(name: str):
-    if name in _LLM_NAMES:
+    if name == "LLM":
         import pipeline.llm
-        return getattr(pipeline.llm, name)
+        return pipeline.llm.LLM
+    if name in _OUTPUT_NAMES:
+        import pipeline.outputs
+        return getattr(pipeline.outputs, name)
     raise AttributeError(name)

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import itertools
 import numbers
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
@@ -42,6 +41,8 @@ from pipeline.messages import (
     ids_to_bytes,
 )
 from pipeline.messages.answers import Completion
+from pipeline.outputs import CompletionOutput, Logprob, RequestOutput
+from pipeline.progress import ProgressBar
 from pipeline.sampling_params import SamplingParams
 from pipeline.tokenizer.validate import InvalidRequest, check_prompt_text, one_prompt_field, prepare_request
 
@@ -50,44 +51,6 @@ if TYPE_CHECKING:
     from pipeline.tokenizer.tokenizer import Tokenizer
 
 MULTI_MODAL_FIELDS = ("multi_modal_data", "mm_processor_kwargs")
-
-
-@dataclass(slots=True)
-class Logprob:
-    """One candidate token's log-probability at one position (vLLM's ``Logprob``)."""
-    logprob: float
-    rank: int | None = None  # 1 = most likely; None for a sampled token outside the top-N
-    decoded_token: str | None = None
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    """One of a request's ``n`` completions (vLLM's ``CompletionOutput``)."""
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list[dict[int, Logprob]] | None  # per position: sampled token first, then top-N
-    finish_reason: str | None = None  # stop | length | abort | error
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """A request's final answer (vLLM's ``RequestOutput``); ``error`` is ours: why a completion
-    finished with "error" or "abort"."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    prompt_logprobs: list[dict[int, Logprob] | None] | None
-    outputs: list[CompletionOutput]
-    finished: bool = True
-    metrics: Timings | None = None
-    num_cached_tokens: int | None = None
-    error: ErrorInfo | None = None
 
 
 @dataclass(slots=True)
@@ -291,7 +254,7 @@ class LLM:
     def _run_batch(self, batch: list[_Prompt], use_tqdm: bool | None) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         queued: list[str] = []
-        progress = _Progress(len(batch), use_tqdm)
+        progress = ProgressBar(len(batch), use_tqdm)
         try:
             by_rid = {}
             for pr in batch:
@@ -471,49 +434,3 @@ class _RawOutputs:
             timings=t, error=error, stop_reason=first.stop_reason, logprobs=first.logprobs,
             cumulative_logprob=first.cumulative_logprob, outputs=completions if sp.n > 1 else [],
             prompt_logprobs=st.prompt_logprobs if sp.prompt_logprobs is not None else None)
-
-
-class _Progress:
-    """vLLM's "Processed prompts" bar on stderr: finished/total, elapsed and remaining time,
-    requests/s and prompt / output tokens per second. Shown when ``use_tqdm`` is True, or when
-    it is None and stderr is a terminal; redrawn at most ten times a second."""
-
-    def __init__(self, total: int, use_tqdm: bool | None) -> None:
-        if use_tqdm is not None and not isinstance(use_tqdm, bool):
-            raise TypeError(f"use_tqdm must be True, False or None, got {type(use_tqdm).__name__}")
-        self.out: TextIO = sys.stderr
-        self.on = total > 0 and (self.out.isatty() if use_tqdm is None else use_tqdm)
-        self.total, self.done, self.tokens_in, self.tokens_out = total, 0, 0, 0
-        self.start = self.drawn = time.monotonic()
-        if self.on:
-            self._draw()
-
-    def update(self, prompt_tokens: int, output_tokens: int) -> None:
-        self.done += 1
-        self.tokens_in += prompt_tokens
-        self.tokens_out += output_tokens
-        if self.on and (self.done == self.total or time.monotonic() - self.drawn >= 0.1):
-            self._draw()
-
-    def close(self) -> None:
-        if self.on:
-            self.out.write("\n")
-            self.out.flush()
-            self.on = False
-
-    def _draw(self) -> None:
-        self.drawn = now = time.monotonic()
-        elapsed = now - self.start
-        rate = self.done / elapsed if elapsed > 0 else 0.0
-        eta = _clock((self.total - self.done) / rate) if rate > 0 else "?"
-        filled = 20 * self.done // self.total
-        self.out.write(f"\rProcessed prompts: {100 * self.done // self.total:3d}%|{'#' * filled}{' ' * (20 - filled)}| "
-                       f"{self.done}/{self.total} [{_clock(elapsed)}<{eta}, {rate:.2f} it/s, "
-                       f"in: {self.tokens_in / max(elapsed, 1e-9):.0f} tok/s, "
-                       f"out: {self.tokens_out / max(elapsed, 1e-9):.0f} tok/s]")
-        self.out.flush()
-
-
-def _clock(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m:02d}:{s:02d}"
