@@ -5,7 +5,8 @@ data flows, each importing only what is below it. Walks the AST of every module 
 - no import cycle between packages;
 - each package imports only the packages its row of LAYERS allows (and itself);
 - only the engine imports the block pool (one owner of the block table);
-- the client imports the messages and the gateway's wire protocol, never a stage package.
+- the client imports the messages and the gateway's wire protocol, never a stage package;
+  the router (a front end over daemons) the same, plus the gateway's systemd notifier.
 """
 from __future__ import annotations
 
@@ -30,9 +31,12 @@ LAYERS: dict[str, set[str]] = {
     "layers": {"_ext", "config"},
     "models": {"layers", "config"},
     "client": {"messages", "gateway", "sampling_params", "config"},
+    "router": {"messages", "gateway", "sampling_params", "config"},
 }
 STAGES = {"tokenizer", "engine", "worker", "output", "cache"}
 CLIENT_MAY_USE = {"pipeline.gateway.protocol", "pipeline.gateway.curve"}
+# The router is a front end over daemons: their wire protocol and systemd, no stage.
+ROUTER_MAY_USE = {"pipeline.gateway.protocol", "pipeline.gateway.systemd", "pipeline.gateway.curve"}
 
 
 def modules() -> dict[str, Path]:
@@ -134,3 +138,9 @@ def test_the_client_uses_only_messages_and_the_wire_protocol():
     # and what those gateway modules import is below the client too
     for mod in CLIENT_MAY_USE:
         assert all(package(d) in {"messages", "sampling_params", "gateway"} for d in GRAPH[mod]), GRAPH[mod]
+
+
+def test_the_router_uses_only_messages_the_wire_protocol_and_systemd():
+    bad = [f"{m} -> {d}" for m, deps in GRAPH.items() if package(m) == "router"
+           for d in deps if package(d) == "gateway" and d not in ROUTER_MAY_USE]
+    assert not bad, bad

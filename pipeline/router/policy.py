@@ -1,0 +1,83 @@
+"""Router: which instance runs a request.
+
+State (``MixedPolicy``): the prefix-affinity table (a bounded LRU map from a prompt's prefix
+key to the address of the instance that last ran that prefix) and a round-robin cursor that
+breaks ties. A policy sees instances only through ``Target`` (address, live load, free KV
+blocks), so the disaggregated policies (prefill and decode pools) plug into the same place.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+import msgspec
+
+from pipeline.gateway import protocol as P
+
+# A prompt shorter than this has no prefix worth a cache hit: it goes to the least loaded.
+PREFIX_BYTES = 256
+# Token-id prompts: the first block of ids (the engine's default block size).
+PREFIX_TOKENS = 16
+# Prefer the instance that holds a prefix while its load is at most this many requests
+# above the least loaded one's.
+MAX_IMBALANCE = 4
+MAX_KEYS = 1 << 16
+# An instance with less than this share of its KV blocks free is full: used only if all are.
+LOW_FREE_SHARE = 0.05
+
+
+class Target(Protocol):
+    address: str
+
+    def load(self) -> int: ...
+
+    def free_share(self) -> float: ...
+
+
+def prefix_key(req: P.Generate) -> bytes | None:
+    """The hash of the request's first PREFIX_BYTES of prompt (or messages, or the first
+    block of token ids) and its cache salt; None when the prompt is shorter than that."""
+    if req.prompt_token_ids is not None:
+        if len(req.prompt_token_ids) < PREFIX_TOKENS:
+            return None
+        head = msgspec.msgpack.encode(req.prompt_token_ids[:PREFIX_TOKENS])
+    else:
+        text = (req.prompt.encode("utf-8", "surrogatepass") if req.prompt is not None
+                else msgspec.msgpack.encode(req.messages))
+        if len(text) < PREFIX_BYTES:
+            return None
+        head = text[:PREFIX_BYTES]
+    salt = (req.cache_salt or "").encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(head + b"\0" + salt, digest_size=16).digest()
+
+
+class MixedPolicy:
+    """Mixed replicas (data parallel): least loaded, cache-aware within MAX_IMBALANCE."""
+
+    def __init__(self, max_imbalance: int = MAX_IMBALANCE, max_keys: int = MAX_KEYS) -> None:
+        self.max_imbalance = max_imbalance
+        self.max_keys = max_keys
+        self.affinity: OrderedDict[bytes, str] = OrderedDict()
+        self._turn = 0
+
+    def choose(self, targets: Sequence[Target], key: bytes | None) -> Target:
+        """One of ``targets`` (non-empty: the instances that are up) for a request."""
+        roomy = [t for t in targets if t.free_share() >= LOW_FREE_SHARE] or list(targets)
+        loads = [t.load() for t in roomy]
+        least = min(loads)
+        chosen: Target | None = None
+        if key is not None and (addr := self.affinity.get(key)) is not None:
+            chosen = next((t for t, load in zip(roomy, loads, strict=True)
+                           if t.address == addr and load <= least + self.max_imbalance), None)
+        if chosen is None:
+            ties = [t for t, load in zip(roomy, loads, strict=True) if load == least]
+            self._turn += 1
+            chosen = ties[self._turn % len(ties)]
+        if key is not None:
+            self.affinity[key] = chosen.address
+            self.affinity.move_to_end(key)
+            if len(self.affinity) > self.max_keys:
+                self.affinity.popitem(last=False)
+        return chosen

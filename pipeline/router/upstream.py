@@ -1,0 +1,122 @@
+"""Router: the connection to one `pipeline serve` instance.
+
+State: one DEALER socket (all the router's requests to this instance multiplexed on it,
+under the router's own ids) and its monitor; whether the instance is up; the router ids in
+flight on it; the latest stats it reported; the health probe outstanding. The instance is up
+from a health reply "ok" until its connection drops (the monitor reports it at once, e.g.
+after a SIGKILL), a probe goes unanswered PROBE_TIMEOUT_S, or it reports another status.
+Going down replaces the socket: nothing queued for the old connection reaches a restarted
+instance, and a live instance sees its client gone and aborts what the router had sent it.
+Not thread-safe: the router's loop owns it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from pipeline.gateway import protocol as P
+
+PROBE_INTERVAL_S = 0.5
+PROBE_TIMEOUT_S = 3.0
+MONITOR_EVENTS = zmq.EVENT_DISCONNECTED
+
+
+class Upstream:
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.ctx = ctx
+        self.address = address
+        self.up = False
+        self.why_down = "not reached yet"
+        self.inflight: set[str] = set()  # router ids this instance runs
+        self.routed = 0  # requests sent to it, ever
+        self.stats: dict[str, Any] = {}
+        self._probe: tuple[str, float] | None = None  # (health op id, sent at)
+        self._seq = 0
+        self.sock, self.mon = self._connect()
+
+    def _connect(self) -> tuple[zmq.Socket, zmq.Socket]:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # a send with no live connection fails at once
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, P.KEEPALIVE_IDLE_S)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, P.KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, P.KEEPALIVE_PROBES)
+        mon = sock.get_monitor_socket(MONITOR_EVENTS)
+        sock.connect(self.address)
+        return sock, mon
+
+    def send(self, msg: P.ClientMsg) -> bool:
+        """False when the instance has no live connection (the caller takes it as down)."""
+        try:
+            self.sock.send(P.encode(msg), flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def load(self) -> int:
+        """Requests on it: the router's own (live) or what it last reported, the larger."""
+        reported = int(self.stats.get("running", 0)) + int(self.stats.get("waiting", 0))
+        return max(len(self.inflight), reported)
+
+    def free_share(self) -> float:
+        total = self.stats.get("kv_blocks_total", 0)
+        return 1.0 if not total else self.stats.get("kv_blocks_free", 0) / total
+
+    def disconnected(self) -> bool:
+        """Drain the monitor; True if it reported the connection dropped."""
+        dropped = False
+        while True:
+            try:
+                self.mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return dropped
+            dropped = True
+
+    def probe(self, now: float) -> str | None:
+        """Send the next health and stats probes; the reason to take the instance down
+        if the previous probe went unanswered PROBE_TIMEOUT_S."""
+        if self._probe is not None:
+            op, sent = self._probe
+            if now - sent < PROBE_TIMEOUT_S:
+                return None
+            self._probe = None
+            if self.up:
+                return f"no answer to a health check within {PROBE_TIMEOUT_S:g} s"
+        self._seq += 1
+        op = f"probe.{self._seq}"
+        if self.send(P.Health(id=op)):
+            self._probe = (op, now)
+            self.send(P.Stats(id=op))
+        return None
+
+    def on_health(self, op: str, status: str) -> bool | None:
+        """A health answer: whether the instance is now up (None if not our probe's)."""
+        if self._probe is None or self._probe[0] != op:
+            return None
+        self._probe = None
+        return status == "ok"
+
+    def reset(self, why: str) -> list[str]:
+        """The instance is down: a fresh socket; returns the router ids it was running."""
+        self.up = False
+        self.why_down = why
+        self.stats = {}
+        self._probe = None
+        lost = sorted(self.inflight)
+        self.inflight.clear()
+        self.close()
+        self.sock, self.mon = self._connect()
+        return lost
+
+    def describe(self) -> dict[str, Any]:
+        return {"up": self.up, "why_down": None if self.up else self.why_down,
+                "inflight": len(self.inflight), "routed": self.routed, "load": self.load()}
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.mon.close(linger=0)
+        self.sock.close(linger=0)
