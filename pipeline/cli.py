@@ -21,6 +21,7 @@ BENCHES = {
     "scheduler": "pipeline.bench.scheduler",
     "serve": "pipeline.bench.serve",
     "offline": "pipeline.bench.offline",
+    "pd": "pipeline.bench.pd",
 }
 
 
