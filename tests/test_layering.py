@@ -36,7 +36,8 @@ LAYERS: dict[str, set[str]] = {
 STAGES = {"tokenizer", "engine", "worker", "output", "cache"}
 CLIENT_MAY_USE = {"pipeline.gateway.protocol", "pipeline.gateway.curve"}
 # The router is a front end over daemons: their wire protocol and systemd, no stage.
-ROUTER_MAY_USE = {"pipeline.gateway.protocol", "pipeline.gateway.systemd", "pipeline.gateway.curve"}
+ROUTER_MAY_USE = {"pipeline.gateway.protocol", "pipeline.gateway.systemd", "pipeline.gateway.curve",
+                  "pipeline.gateway.front"}
 
 
 def modules() -> dict[str, Path]:

@@ -14,7 +14,6 @@ during start-up), 1 when a stage died, 2 when start-up failed (one line on stder
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import math
 import os
 import queue
@@ -24,13 +23,13 @@ import threading
 import time
 import traceback
 from typing import TYPE_CHECKING
-from urllib.parse import urlparse
 
 import msgspec
 import zmq
 
 from pipeline.config import EngineConfig, add_engine_args, config_from_args
 from pipeline.gateway import protocol as P
+from pipeline.gateway.front import add_front_args, cannot_start, check_front_args, is_loopback
 from pipeline.gateway.gateway import Answer, Gateway
 from pipeline.gateway.metrics import Metrics
 from pipeline.gateway.sessions import ClientSessions, DuplicateRequestId
@@ -42,7 +41,6 @@ if TYPE_CHECKING:
     from zmq.auth.thread import ThreadAuthenticator
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7001"
-FRAME_BYTES_RANGE = (1 << 10, 1 << 30)
 # The ROUTER forgets a dropped peer a moment after its monitor reports the disconnect (the
 # pipe's termination is a round trip with libzmq's I/O thread): probe the clients that long
 # after the report. The periodic probe catches any peer this one misses.
@@ -58,37 +56,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="enable ZMQ CURVE: DIR holds server.key_secret and authorized client keys")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM/Ctrl-C, seconds to let in-flight requests finish")
-    p.add_argument("--max-frame-bytes", type=int, default=P.MAX_FRAME_BYTES,
-                   help="larger client frames are answered with an error")
+    add_front_args(p)
 
 
 def check_args(args: argparse.Namespace) -> None:
     """The daemon's own flags (``EngineConfig.check`` does the engine's): ValueError naming
     the flag and its limit."""
-    if not args.drain_timeout >= 0:  # NaN too
-        raise ValueError(f"--drain-timeout must be >= 0 (seconds), got {args.drain_timeout}")
-    lo, hi = FRAME_BYTES_RANGE
-    if not lo <= args.max_frame_bytes <= hi:
-        raise ValueError(f"--max-frame-bytes must be in [{lo}, {hi}], got {args.max_frame_bytes}")
+    check_front_args(args)
     if not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be in [0, 65535] (0: off), got {args.metrics_port}")
-    if urlparse(args.listen).scheme not in ("tcp", "ipc"):
-        raise ValueError(f"--listen {args.listen!r}: expected tcp://HOST:PORT or ipc://PATH")
-
-
-def is_loopback(endpoint: str) -> bool:
-    u = urlparse(endpoint)
-    if u.scheme in ("ipc", "inproc"):
-        return True
-    host = (u.hostname or "").strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class _StoppedDuringStartup(Exception):
@@ -388,7 +364,7 @@ class Server:
                 self.gw.start()
                 self.started = True
             except (StartupError, ValueError, OSError, zmq.ZMQError) as exc:
-                return cannot_start(self.notify, exc)
+                return cannot_start("serve", self.notify, exc)
             except _StoppedDuringStartup as exc:
                 print(f"pipeline serve: stopped by {exc} during start-up", file=sys.stderr)
                 return 0
@@ -419,21 +395,13 @@ class Server:
         os.close(self.wake_w)
 
 
-def cannot_start(notify: Notifier, exc: BaseException) -> int:
-    """Start-up failed: one line on stderr (and to systemd), exit status 2."""
-    why = " ".join(str(exc).split()) or type(exc).__name__
-    print(f"pipeline serve: cannot start: {why}", file=sys.stderr, flush=True)
-    notify.status(f"start-up failed: {why}")
-    return 2
-
-
 def main(args: argparse.Namespace) -> int:
     notify = Notifier.from_env()
     try:
         check_args(args)
         config = config_from_args(args)
     except ValueError as exc:
-        code = cannot_start(notify, exc)
+        code = cannot_start("serve", notify, exc)
         notify.close()
         return code
     return Server(args, config, notify).run()

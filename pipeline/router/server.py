@@ -18,7 +18,6 @@ turns, STOPPING=1 on drain. Exit status: 0 after a drain, 2 when start-up failed
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import math
 import signal
 import sys
@@ -27,12 +26,12 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse
 
 import msgspec
 import zmq
 
 from pipeline.gateway import protocol as P
+from pipeline.gateway.front import add_front_args, cannot_start, check_endpoint, check_front_args, is_loopback
 from pipeline.gateway.systemd import Notifier
 from pipeline.messages import ErrorInfo, RequestResult, error_result
 from pipeline.router.policy import MixedPolicy, prefix_key
@@ -42,7 +41,6 @@ from pipeline.router.upstream import PROBE_INTERVAL_S, Upstream
 NO_INSTANCE_WAIT_S = 5.0  # a request waits this long for an instance to come up
 STATS_TIMEOUT_S = 2.0  # a stats op answers with the instances that replied by then
 ABORT_GRACE_S = 2.0  # after the drain's aborts, for the instances' abort answers
-FRAME_BYTES_RANGE = (1 << 10, 1 << 30)
 PING = P.encode(P.Ping())
 
 
@@ -51,37 +49,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="ZMQ endpoint to bind for clients (tcp://HOST:PORT or ipc://PATH)")
     p.add_argument("--instance", required=True, nargs="+", action="extend", metavar="ADDR",
                    help="the ZMQ endpoint of a running `pipeline serve` (mixed role); repeatable")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM/Ctrl-C, seconds to let in-flight requests finish")
-    p.add_argument("--max-frame-bytes", type=int, default=P.MAX_FRAME_BYTES,
-                   help="larger client frames are answered with an error (as the daemon does)")
+    add_front_args(p)
 
 
 def check_args(args: argparse.Namespace) -> None:
     """ValueError naming the flag and its limit."""
-    if not args.drain_timeout >= 0:  # NaN too
-        raise ValueError(f"--drain-timeout must be >= 0 (seconds), got {args.drain_timeout}")
-    lo, hi = FRAME_BYTES_RANGE
-    if not lo <= args.max_frame_bytes <= hi:
-        raise ValueError(f"--max-frame-bytes must be in [{lo}, {hi}], got {args.max_frame_bytes}")
-    for flag, addr in [("--listen", args.listen)] + [("--instance", a) for a in args.instance]:
-        if urlparse(addr).scheme not in ("tcp", "ipc"):
-            raise ValueError(f"{flag} {addr!r}: expected tcp://HOST:PORT or ipc://PATH")
+    check_front_args(args)
+    for addr in args.instance:
+        check_endpoint("--instance", addr)
     if len(set(args.instance)) != len(args.instance):
         raise ValueError(f"--instance: an address is given twice: {' '.join(args.instance)}")
     if args.listen in args.instance:
         raise ValueError(f"--listen {args.listen} is also an --instance")
-
-
-def is_loopback(endpoint: str) -> bool:
-    u = urlparse(endpoint)
-    host = (u.hostname or "").strip("[]")
-    if u.scheme == "ipc" or host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(slots=True)
@@ -455,7 +434,7 @@ class Router:
             try:
                 self.open()
             except ValueError as exc:
-                return cannot_start(self.notify, exc)
+                return cannot_start("router", self.notify, exc)
             if not is_loopback(self.args.listen):
                 self._log(f"WARNING: {self.args.listen} is not loopback: anyone who can reach "
                           "it can use the instances")
@@ -476,19 +455,12 @@ class Router:
         self.notify.close()
 
 
-def cannot_start(notify: Notifier, exc: BaseException) -> int:
-    why = " ".join(str(exc).split()) or type(exc).__name__
-    print(f"pipeline router: cannot start: {why}", file=sys.stderr, flush=True)
-    notify.status(f"start-up failed: {why}")
-    return 2
-
-
 def main(args: argparse.Namespace) -> int:
     notify = Notifier.from_env()
     try:
         check_args(args)
     except ValueError as exc:
-        code = cannot_start(notify, exc)
+        code = cannot_start("router", notify, exc)
         notify.close()
         return code
     return Router(args, notify).run()

@@ -1,0 +1,58 @@
+"""What every ZMQ front end of the daemon's protocol shares (`pipeline serve`, `pipeline
+router`): the front flags and their checks, the loopback test for the open-port warning, and
+the one-line start-up failure (exit status 2). Owns no state.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+from urllib.parse import urlparse
+
+from pipeline.gateway import protocol as P
+from pipeline.gateway.systemd import Notifier
+
+FRAME_BYTES_RANGE = (1 << 10, 1 << 30)
+
+
+def add_front_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/Ctrl-C, seconds to let in-flight requests finish")
+    p.add_argument("--max-frame-bytes", type=int, default=P.MAX_FRAME_BYTES,
+                   help="larger client frames are answered with an error")
+
+
+def check_front_args(args: argparse.Namespace) -> None:
+    """ValueError naming the flag and its limit."""
+    if not args.drain_timeout >= 0:  # NaN too
+        raise ValueError(f"--drain-timeout must be >= 0 (seconds), got {args.drain_timeout}")
+    lo, hi = FRAME_BYTES_RANGE
+    if not lo <= args.max_frame_bytes <= hi:
+        raise ValueError(f"--max-frame-bytes must be in [{lo}, {hi}], got {args.max_frame_bytes}")
+    check_endpoint("--listen", args.listen)
+
+
+def check_endpoint(flag: str, addr: str) -> None:
+    if urlparse(addr).scheme not in ("tcp", "ipc"):
+        raise ValueError(f"{flag} {addr!r}: expected tcp://HOST:PORT or ipc://PATH")
+
+
+def is_loopback(endpoint: str) -> bool:
+    u = urlparse(endpoint)
+    if u.scheme in ("ipc", "inproc"):
+        return True
+    host = (u.hostname or "").strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cannot_start(command: str, notify: Notifier, exc: BaseException) -> int:
+    """Start-up failed: one line on stderr (and to systemd), exit status 2."""
+    why = " ".join(str(exc).split()) or type(exc).__name__
+    print(f"pipeline {command}: cannot start: {why}", file=sys.stderr, flush=True)
+    notify.status(f"start-up failed: {why}")
+    return 2
