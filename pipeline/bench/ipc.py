@@ -19,9 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-import numpy as np
-
-from pipeline.bench.report import Report
+from pipeline.bench.report import Report, percentiles_us
 from pipeline.ipc.instance import Instance
 from pipeline.ipc.layer_signal import LayerSignal
 from pipeline.ipc.ring import Ring
@@ -38,10 +36,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--signal-steps", type=int, default=600, help="publications per signal case")
     p.add_argument("--spin-us", type=float, default=20.0, help="ring spin budget before parking")
 
-
-def _pcts(ns: list[int]) -> tuple[float, float]:
-    a = np.asarray(ns, dtype=np.float64) / 1e3
-    return float(np.percentile(a, 50)), float(np.percentile(a, 99))
 
 
 # ---- the three transports, each as (parent end, child end) behind send/recv callables ----
@@ -146,7 +140,7 @@ def rtt(inst: Instance, size: int, iters: int, spin_us: float, rounds: int = 10)
         recv()
         p.join()
         close()
-    return {v[0]: _pcts(x) for v, x in zip(RTT_VARIANTS, lat)}
+    return {v[0]: percentiles_us(x) for v, x in zip(RTT_VARIANTS, lat)}
 
 
 def throughput(kind: str, inst: Instance, size: int, count: int, spin_us: float) -> tuple[float, float]:
@@ -208,7 +202,7 @@ def signal_latency(inst: Instance, steps: int) -> dict:
         p.join()
     for sig in sigs:
         sig.close()
-    return {label: _pcts(list(out)) for (label, _), out in zip(SIGNAL_VARIANTS, outs)}
+    return {label: percentiles_us(list(out)) for (label, _), out in zip(SIGNAL_VARIANTS, outs)}
 
 
 # ---- codec: msgspec msgpack vs pickle on the engine's own messages -----------------------

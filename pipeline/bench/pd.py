@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from pipeline.bench.report import Report
+from pipeline.bench.report import Report, percentiles_us
 from pipeline.cache.layout import KVLayout
 from pipeline.cache.messager import Messager
 from pipeline.cache.tcp import KVReceiver, TcpTransfer
@@ -40,10 +40,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=int, default=256, help="blocks per layer moved (bandwidth)")
     p.add_argument("--rounds", type=int, default=12, help="alternating rounds per bandwidth case")
 
-
-def _pcts(ns: list[int]) -> tuple[float, float]:
-    a = np.asarray(ns, dtype=np.float64) / 1e3
-    return float(np.percentile(a, 50)), float(np.percentile(a, 99))
 
 
 # ---- (1) wake latency: blocking layer loop vs the same loop driven by a polling wait --------
@@ -124,7 +120,7 @@ def wake_latency(inst: Instance, steps: int, layers: int) -> dict[str, tuple[flo
     for sig, seg in zip(sigs, segs):
         sig.close()
         seg.close()
-    return {label: _pcts([out[i] - stamps[i] for i in range(n)]) for (label, _), out in zip(variants, outs)}
+    return {label: percentiles_us([out[i] - stamps[i] for i in range(n)]) for (label, _), out in zip(variants, outs)}
 
 
 # ---- (3) bandwidth ----------------------------------------------------------------------------

@@ -12,6 +12,13 @@ import sys
 from dataclasses import dataclass, field
 
 
+def percentiles_us(ns: list[int]) -> tuple[float, float]:
+    """p50 and p99, in microseconds, of nanosecond samples."""
+    import numpy as np
+    a = np.asarray(ns, dtype=np.float64) / 1e3
+    return float(np.percentile(a, 50)), float(np.percentile(a, 99))
+
+
 def machine_info() -> dict:
     info: dict[str, str | int | float | None] = {
         "platform": platform.platform(), "python": platform.python_version(),
