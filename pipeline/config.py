@@ -14,7 +14,8 @@ import msgspec
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "default_model")
 MAX_BLOCK_SIZE = 256
 CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16", "float16"),
-           "preemption_policy": ("newest", "lowest_priority")}
+           "preemption_policy": ("newest", "lowest_priority"), "role": ("mixed", "prefill", "decode"),
+           "kv_transfer": ("auto", "ipc", "tcp")}
 
 
 def _flag(field: str) -> str:
@@ -39,6 +40,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     worker_threads: int = 0  # CPU: 0 = PIPELINE_WORKER_THREADS or usable cores - 1
     seed: int = 0
     instance_id: str = ""
+    # Prefill/decode disaggregation (docs/disaggregation.md).
+    role: str = "mixed"  # mixed | prefill | decode
+    kv_transfer: str = "auto"  # auto (ipc on one host, else tcp) | ipc | tcp
+    kv_listen: str = ""  # decode: where its cache messager takes KV ("": an ipc:// path)
+    kv_transfer_timeout: float = 30.0  # s: a reservation that gets no KV by then is freed
 
     def check(self) -> None:
         """Raise ValueError naming the flag and its limit for a value no stage could run with
@@ -57,6 +63,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if bs and not (0 < bs <= MAX_BLOCK_SIZE and bs & (bs - 1) == 0):
             raise ValueError(f"{_flag('block_size')} must be 0 (automatic) or a power of two up to "
                              f"{MAX_BLOCK_SIZE}, got {bs}")
+        if not 0.0 < self.kv_transfer_timeout <= 3600.0:
+            raise ValueError(f"--kv-transfer-timeout must be in (0, 3600] seconds, got "
+                             f"{self.kv_transfer_timeout}")
+        if self.kv_listen and self.role != "decode":
+            raise ValueError(f"--kv-listen is for --role decode (where KV is received), not {self.role}")
+        if self.kv_listen and not self.kv_listen.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"--kv-listen must be tcp://HOST:PORT or ipc://PATH, got {self.kv_listen!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"{_flag('gpu_memory_utilization')} must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
@@ -97,6 +110,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-threads", type=int, default=d.worker_threads,
                    help="CPU torch threads of the worker (0: PIPELINE_WORKER_THREADS or cores - 1)")
     p.add_argument("--seed", type=int, default=d.seed)
+    g = p.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    g.add_argument("--role", default=d.role, choices=CHOICES["role"],
+                   help="mixed: prefill and decode here (default); prefill or decode: one side of "
+                        "a disaggregated pair, behind `pipeline router --prefill/--decode`")
+    g.add_argument("--kv-transfer", default=d.kv_transfer, choices=CHOICES["kv_transfer"],
+                   help="how a prefill instance ships KV: ipc (same host, straight into the decode "
+                        "instance's shared KV pool), tcp, or auto (ipc when possible)")
+    g.add_argument("--kv-listen", default=d.kv_listen, metavar="tcp://HOST:PORT",
+                   help="decode: where its cache messager receives KV (default: an ipc:// socket, "
+                        "same host only)")
+    g.add_argument("--kv-transfer-timeout", type=float, default=d.kv_transfer_timeout, metavar="S",
+                   help="decode: free a reservation (failing its request) that got no KV within S s")
+
 
 
 def config_from_args(a: argparse.Namespace) -> EngineConfig:

@@ -73,6 +73,7 @@ from pipeline.messages import (
     RequestDelta,
     RequestResult,
 )
+from pipeline.messages.kv import KVTransferParams
 from pipeline.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -110,6 +111,9 @@ class Generate(_Msg, tag="generate"):
     stream: bool = False
     priority: Annotated[int, Meta(ge=-(2**31), lt=2**31)] = 0
     cache_salt: Annotated[str, Meta(max_length=256)] | None = None
+    # Disaggregation: set by `pipeline router` on a prefill/decode instance, never by clients
+    # (an instance of role mixed refuses it).
+    kv_transfer: KVTransferParams | None = None
     # The SamplingParams fields (tests check the two lists match); SamplingParams checks
     # their limits.
     n: int | UnsetType = UNSET
@@ -306,4 +310,4 @@ def gateway_request(gen: Generate, sp: SamplingParams, req_id: str) -> GatewayRe
         req_id=req_id, sampling_params=sp, prompt=gen.prompt,
         prompt_token_ids=gen.prompt_token_ids, stream=gen.stream, arrival_time=time.time(),
         messages=None if gen.messages is None else [msgspec.to_builtins(m) for m in gen.messages],
-        priority=gen.priority, cache_salt=gen.cache_salt)
+        priority=gen.priority, cache_salt=gen.cache_salt, kv_transfer=gen.kv_transfer)

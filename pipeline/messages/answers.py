@@ -12,6 +12,7 @@ import time
 
 import msgspec
 
+from pipeline.messages.kv import KVReservation
 from pipeline.messages.step import TokenLogprobs
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -63,6 +64,9 @@ class RequestDelta(msgspec.Struct, forbid_unknown_fields=True):
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
     index: int = 0
+    # Disaggregation, decode role: where the prefill instance writes the prompt's KV (a
+    # delta of its own, with no text or tokens, before any token).
+    kv: KVReservation | None = None
 
 
 class Completion(msgspec.Struct, forbid_unknown_fields=True):

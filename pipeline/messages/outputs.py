@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pipeline.messages.kv import KVReservation
 from pipeline.messages.step import TokenLogprobs
 
 
@@ -32,6 +33,9 @@ class EngineOutput(msgspec.Struct, array_like=True):
     # The next prompt tokens' logprobs (each given the tokens before it), in prompt order:
     # the engine sends each prompt token's once, even when a preempted prefill reruns.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # Disaggregation, decode role: the blocks reserved for the prompt's KV (sent once).
+    kv: KVReservation | None = None
+    error_code: str | None = None  # ErrorInfo.code of ``error`` when not the default
 
 
 class EngineOutputs(msgspec.Struct, array_like=True):
@@ -62,6 +66,14 @@ class EngineStats(msgspec.Struct, kw_only=True):
     generation_tokens: int = 0
     stale_results_dropped: int = 0
     reserve_blocks_per_running: float = 0.0
+    # Disaggregation. Decode role: requests holding blocks while their KV is on its way, those
+    # blocks, reservations that timed out, KV that arrived failed. Prefill role: blocks held
+    # until the cache messager reports their transfer, requests whose transfer failed.
+    kv_reserved_requests: int = 0
+    kv_reserved_blocks: int = 0
+    kv_reservation_timeouts: int = 0
+    kv_transfer_leased_blocks: int = 0
+    kv_transfers_failed: int = 0
     # Set by the engine stage (zero in-process): steps that ran tokens, their wall time and
     # the worker's share of it.
     engine_steps: int = 0

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from pipeline.messages.kv import KVTransferParams
 from pipeline.sampling_params import SamplingParams
 
 # A text prompt, or a chat's messages together (msgpack-encoded: their UTF-8 text and a few
@@ -38,6 +39,7 @@ class EngineRequest(msgspec.Struct, array_like=True):
     eos_token_ids: list[int] = []
     priority: int = 0  # lower runs first, like vLLM
     cache_salt: str | None = None
+    kv_transfer: KVTransferParams | None = None  # disaggregation (set by the router)
 
 
 class AbortRequest(msgspec.Struct, array_like=True):
@@ -57,6 +59,7 @@ class GatewayRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    kv_transfer: KVTransferParams | None = None
 
 
 class OutputRegistration(msgspec.Struct, array_like=True, kw_only=True):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 
 from pipeline.messages.answers import RequestDelta, RequestResult
+from pipeline.messages.kv import KVFinish, KVReady, TransferPlan, TransferReport
 from pipeline.messages.outputs import EngineOutputs, EngineStats
 from pipeline.messages.requests import AbortRequest, EngineRequest, GatewayRequest, OutputRegistration
 from pipeline.messages.step import ModelRunnerOutput, SchedulerOutput
@@ -25,6 +26,10 @@ class Tag(enum.IntEnum):
     DELTA = 8
     RESULT = 9
     STATS = 10
+    TRANSFER_PLAN = 11
+    KV_FINISH = 12
+    TRANSFER_REPORT = 13
+    KV_READY = 14
 
 
 # ring role -> {tag: message type}; the roles are runtime.rings.RING_ROLES' keys plus "steps".
@@ -39,4 +44,8 @@ RING_MESSAGES: dict[str, dict[int, type]] = {
     "stops": {Tag.ABORT: AbortRequest},
     "answers": {Tag.DELTA: RequestDelta, Tag.RESULT: RequestResult},
     "stats": {Tag.STATS: EngineStats},
+    # disaggregation only (roles prefill / decode): engine <-> cache messager
+    "kv_plans": {Tag.TRANSFER_PLAN: TransferPlan, Tag.KV_FINISH: KVFinish},
+    "kv_reports": {Tag.TRANSFER_REPORT: TransferReport},
+    "kv_ready": {Tag.KV_READY: KVReady},
 }

@@ -34,6 +34,7 @@ STAGE_MODULES = {
     "engine": "pipeline.engine.stage",
     "worker": "pipeline.worker.stage",
     "output": "pipeline.output.stage",
+    "messager": "pipeline.cache.stage",
 }
 
 ReadyFn = Callable[[dict], None]

@@ -40,7 +40,14 @@ RING_ROLES: dict[str, tuple[str, str]] = {
     "stops": ("output", "engine"),
     "answers": ("output", "gateway"),
     "stats": ("engine", "gateway"),
+    # Disaggregation only: created for the roles that use them (``PD_RINGS``).
+    "kv_plans": ("engine", "messager"),
+    "kv_reports": ("messager", "engine"),
+    "kv_ready": ("messager", "engine"),
 }
+# Instance role -> the rings of RING_ROLES it creates beyond the mixed role's.
+PD_RINGS: dict[str, tuple[str, ...]] = {"mixed": (), "prefill": ("kv_plans", "kv_reports"),
+                                        "decode": ("kv_ready",)}
 SHARED_DOORBELLS = ("gateway", "engine", "output")
 STEPS_ROLE = "steps"  # engine -> every worker rank (broadcast)
 
@@ -107,8 +114,20 @@ def message_limits(config: EngineConfig, max_model_len: int) -> dict[str, int]:
         "stops": 512 * KiB,
         "answers": answer,
         "stats": 128 * KiB,
+        # A plan: per scheduled request its (local, remote) block pairs, 8 bytes each (the
+        # engine refuses a plan over this, failing the requests it names).
+        "kv_plans": max(4 * MiB, config.max_num_seqs * KiB + 8 * (
+            config.max_num_batched_tokens + config.max_num_seqs * (max_model_len // 16 + 2))),
+        "kv_reports": max(1 * MiB, config.max_num_seqs * 2 * KiB),
+        "kv_ready": 64 * KiB,  # one KVReady, its error clipped to 8 KiB
         STEPS_ROLE: max(16 * MiB, request + step),
     }
+
+
+def ring_roles(role: str) -> dict[str, tuple[str, str]]:
+    """The rings an instance of ``role`` (mixed | prefill | decode) creates."""
+    skip = {r for rs in PD_RINGS.values() for r in rs} - set(PD_RINGS[role])
+    return {k: v for k, v in RING_ROLES.items() if k not in skip}
 
 
 def capacity(limit: int) -> int:

@@ -28,6 +28,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     head_dim: int = 0
     kv_dtype: str = ""  # torch dtype name, e.g. "float32"
     kv_segment: str | None = None
+    model_hash: str = ""  # of the checkpoint's config.json: a KV peer must run the same model
 
 
 class StageSpec(msgspec.Struct, kw_only=True):

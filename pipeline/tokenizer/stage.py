@@ -37,7 +37,13 @@ from pipeline.runtime import rings
 from pipeline.runtime.process import ReadyFn, log
 from pipeline.runtime.spec import StageSpec
 from pipeline.tokenizer.tokenizer import Tokenizer
-from pipeline.tokenizer.validate import InvalidRequest, check_answer_fits, one_prompt_field, prepare_request
+from pipeline.tokenizer.validate import (
+    InvalidRequest,
+    check_answer_fits,
+    check_kv_transfer,
+    one_prompt_field,
+    prepare_request,
+)
 
 TOKENIZE_THREADS = 4
 MAX_PENDING = 4 * TOKENIZE_THREADS  # requests read but not sent on yet: bounds memory
@@ -78,6 +84,7 @@ class TokenizerLoop:
         assert spec.model is not None
         self.spec = spec
         self.model = spec.model
+        self.role = spec.config.role
         self.tokenizer = Tokenizer(spec.config.model)
         self.token_text_bytes = max_token_text_bytes(self.tokenizer.tok)
         # The gateway sized the answers ring for a max_model_len at least this one's.
@@ -115,6 +122,8 @@ class TokenizerLoop:
                                       max_model_len=self.model.max_model_len,
                                       encode=self._encode_plain)
             check_answer_fits(sp, len(ids), self.token_text_bytes, self.answer_limit)
+            check_kv_transfer(req.kv_transfer, self.role, num_prompt_tokens=len(ids), sp=sp,
+                              stream=req.stream, block_size=self.model.block_size)
             token_bytes = ids_to_bytes(ids)
             reg = self.register.encode(OutputRegistration(
                 req_id=req.req_id, prompt_token_ids=token_bytes, sampling_params=sp,
@@ -122,7 +131,7 @@ class TokenizerLoop:
             eng = self.requests.encode(EngineRequest(
                 req_id=req.req_id, prompt_token_ids=token_bytes, sampling_params=sp,
                 arrival_time=req.arrival_time or time.time(), eos_token_ids=self.eos,
-                priority=req.priority, cache_salt=req.cache_salt))
+                priority=req.priority, cache_salt=req.cache_salt, kv_transfer=req.kv_transfer))
             for ch, buf in ((self.register, reg), (self.requests, eng)):
                 if len(buf) > ch.max_message_bytes:  # both checked before either is sent
                     raise InvalidRequest(f"request: {len(buf)} bytes once tokenized, the limit is "

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from pipeline.messages.kv import KVTransferParams
 from pipeline.messages.requests import MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS
 from pipeline.runtime.rings import answer_bytes_bound
 from pipeline.sampling_params import SamplingParams
@@ -138,3 +139,36 @@ def prepare_request(ids: list[int], sp: SamplingParams, *, field: str, vocab_siz
         sp = sp.resolve_bad_words(encode)
     return ids, validate_request(ids, sp, field=field, vocab_size=vocab_size,
                                  max_model_len=max_model_len)
+
+
+def check_kv_transfer(kv: KVTransferParams | None, role: str, *, num_prompt_tokens: int,
+                      sp: SamplingParams, stream: bool, block_size: int) -> None:
+    """A disaggregated request (``kv_transfer``, set by `pipeline router`) against this
+    instance's role: a mixed instance refuses it; a decode instance takes role "decode", a
+    prefill instance role "prefill" with a block table that covers exactly the prompt."""
+    if kv is None:
+        return
+    if kv.role != role:
+        raise InvalidRequest(f"field `kv_transfer.role`: {kv.role!r} on an instance of role "
+                             f"{role!r} (only `pipeline router` sets kv_transfer, on prefill/decode "
+                             "instances)")
+    if sp.n != 1 or sp.prompt_logprobs is not None:
+        raise InvalidRequest("field `kv_transfer`: a disaggregated request has n=1 and no "
+                             "prompt_logprobs (the router runs other requests on one instance)")
+    if role == "decode":
+        if not stream:
+            raise InvalidRequest("field `stream`: a kv_transfer decode request must stream (its "
+                                 "reservation comes back in a delta)")
+        return
+    need = -(-num_prompt_tokens // block_size)
+    if len(kv.remote_block_ids) != need:
+        raise InvalidRequest(f"field `kv_transfer.remote_block_ids`: {len(kv.remote_block_ids)} "
+                             f"blocks, the prompt's {num_prompt_tokens} tokens need {need} of "
+                             f"{block_size}")
+    cached = kv.remote_num_cached_tokens
+    if cached % block_size or cached >= num_prompt_tokens:
+        raise InvalidRequest(f"field `kv_transfer.remote_num_cached_tokens`: {cached} must be a "
+                             f"multiple of {block_size} below the prompt's {num_prompt_tokens} tokens")
+    if not kv.peer.startswith(("tcp://", "ipc://")) or not kv.remote_req_id:
+        raise InvalidRequest("field `kv_transfer.peer`/`remote_req_id`: a prefill request needs "
+                             "the decode instance's KV endpoint (tcp:// or ipc://) and its request id")
