@@ -66,6 +66,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if not 0.0 < self.kv_transfer_timeout <= 3600.0:
             raise ValueError(f"--kv-transfer-timeout must be in (0, 3600] seconds, got "
                              f"{self.kv_transfer_timeout}")
+        if self.role != "mixed" and self.tensor_parallel_size > 1:
+            raise ValueError(f"--role {self.role} needs --tensor-parallel-size 1 (the cache messager "
+                             f"ships one rank's KV pool), got {self.tensor_parallel_size}")
         if self.kv_listen and self.role != "decode":
             raise ValueError(f"--kv-listen is for --role decode (where KV is received), not {self.role}")
         if self.kv_listen and not self.kv_listen.startswith(("tcp://", "ipc://")):
@@ -110,6 +113,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-threads", type=int, default=d.worker_threads,
                    help="CPU torch threads of the worker (0: PIPELINE_WORKER_THREADS or cores - 1)")
     p.add_argument("--seed", type=int, default=d.seed)
+
+
+def add_pd_args(p: argparse.ArgumentParser) -> None:
+    """`pipeline serve` only: the instance's side in prefill/decode disaggregation."""
+    d = EngineConfig()
     g = p.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
     g.add_argument("--role", default=d.role, choices=CHOICES["role"],
                    help="mixed: prefill and decode here (default); prefill or decode: one side of "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -30,12 +31,13 @@ from pipeline.gateway.supervisor import Stage, describe_exit, last_words, spawn_
 from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.errors import PeerDied
 from pipeline.ipc.instance import Instance, unlink_instance
+from pipeline.ipc.layer_signal import LayerSignal
 from pipeline.ipc.ring import Doorbell, Ring, wait_any
 from pipeline.ipc.sweep import sweep_stale
 from pipeline.messages import AbortRequest, EngineStats, GatewayRequest, RequestDelta, RequestResult, error_result
 from pipeline.models.config import load_model_config
 from pipeline.runtime.process import EXIT_PEER_DIED, STOP_SIGNAL
-from pipeline.runtime.rings import RING_ROLES, SHARED_DOORBELLS, STEPS_ROLE, Channel, capacity, message_limits
+from pipeline.runtime.rings import SHARED_DOORBELLS, STEPS_ROLE, Channel, capacity, message_limits, ring_roles
 from pipeline.runtime.spec import ModelInfo, StageSpec
 from pipeline.tokenizer.validate import InvalidRequest, check_messages_bytes, check_prompt_text
 
@@ -97,10 +99,15 @@ class Gateway:
         if removed:
             self.log(f"removed {len(removed)} stale shared-memory entries of dead instances")
         self.instance = Instance(self.config.instance_id)
+        if self.config.role == "decode" and not self.config.kv_listen:
+            # Same host only: where prefill instances' cache messagers reach ours.
+            run_dir = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+            self.config = msgspec.structs.replace(
+                self.config, kv_listen=f"ipc://{run_dir}/pipeline-{self.config.instance_id}.kv")
         try:
             bells = {c: Doorbell.create(self.instance, f"bell.{c}") for c in SHARED_DOORBELLS}
             self.doorbells = list(bells.values())
-            for role, (producer, consumer) in RING_ROLES.items():
+            for role, (producer, consumer) in ring_roles(self.config.role).items():
                 mine = "gateway" in (producer, consumer)
                 self.rings[role] = Channel(Ring.create(
                     self.instance, role, capacity(limits[role]), doorbell=bells.get(consumer),
@@ -109,10 +116,16 @@ class Gateway:
             self.steps = BroadcastRing.create(self.instance, STEPS_ROLE,
                                               capacity(limits[STEPS_ROLE]), tp)
             names = {r: ch.ring.name for r, ch in self.rings.items()} | {STEPS_ROLE: self.steps.name}
+            if self.config.role == "prefill":
+                # Worker rank 0 publishes each layer's "KV written" on it; the cache messager
+                # blocks on it (the gateway owns it so it is unlinked with the instance).
+                self.layer_signal = LayerSignal.create(self.instance, "layers", mc.num_layers)
+                names["layers"] = self.layer_signal.name
             ctx = mp.get_context("spawn")
             workers = [self._spawn(ctx, f"worker{r}", "worker", names, r) for r in range(tp)]
             self.model = msgspec.convert(wait_ready(workers, timeout_s), ModelInfo)
-            rest = [self._spawn(ctx, k, k, names) for k in ("engine", "tokenizer", "output")]
+            kinds = ["engine", "tokenizer", "output"] + (["messager"] if self.config.role != "mixed" else [])
+            rest = [self._spawn(ctx, k, k, names) for k in kinds]
             wait_ready(rest, timeout_s)
         except BaseException:
             self.close()
@@ -331,7 +344,7 @@ class Gateway:
         # frees the memory; a mapping dies with the process anyway).
         if not any(t.is_alive() for t in self._threads if t is not threading.current_thread()):
             for ring in [*(ch.ring for ch in self.rings.values()), getattr(self, "steps", None),
-                         *getattr(self, "doorbells", [])]:
+                         getattr(self, "layer_signal", None), *getattr(self, "doorbells", [])]:
                 if ring is not None:
                     ring.close()
         if self.instance is not None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from pipeline.config import EngineConfig, add_engine_args, config_from_args
+from pipeline.config import EngineConfig, add_engine_args, add_pd_args, config_from_args
 from pipeline.gateway import protocol as P
 from pipeline.gateway.front import add_front_args, cannot_start, check_front_args, is_loopback
 from pipeline.gateway.gateway import Answer, Gateway
@@ -50,6 +50,7 @@ PING = P.encode(P.Ping())
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
+    add_pd_args(p)
     p.add_argument("--listen", default=DEFAULT_LISTEN,
                    help="ZMQ endpoint to bind (loopback by default; tcp://0.0.0.0:PORT to open it)")
     p.add_argument("--curve-keys", default=None, metavar="DIR",
@@ -248,8 +249,10 @@ class Server:
         return "draining" if self.stop.is_set() else "ok"
 
     def health_detail(self) -> dict:
+        c = self.gw.config
         return {"inflight": self.gw.num_inflight(), "client_requests": len(self.sessions),
-                "stages": self.gw.stats_stages(), "failure": self.gw.failure}
+                "stages": self.gw.stats_stages(), "failure": self.gw.failure, "role": c.role,
+                "kv_listen": c.kv_listen or None}
 
     def healthy(self) -> bool:
         return self.gw.failure is None and time.monotonic() - self.last_loop < 5.0

@@ -6,6 +6,7 @@ never runs silently wrong.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -219,3 +220,11 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int):
         medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
         return torch.where(medium, smoothed, scaled)
     return inv
+
+
+def model_hash(model_dir: str | Path) -> str:
+    """A digest of the checkpoint's config.json (keys sorted): two instances whose KV caches
+    exchange blocks must run the same model, wherever each keeps its copy."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    canon = json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(canon, digest_size=16).hexdigest()

@@ -181,6 +181,8 @@ class OutputProcessor:
             st.num_cached_tokens = max(st.num_cached_tokens, o.num_cached_tokens)
         if st.prompt_logprobs is not None and o.prompt_logprobs:
             st.prompt_logprobs += o.prompt_logprobs
+        if o.kv is not None and st.stream:  # disaggregation: the decode side's reservation
+            emit(RequestDelta(st.req_id, "", [], None, c.index, kv=o.kv))
         if o.new_token_ids:
             if st.first_token_time is None:
                 st.first_token_time = now
@@ -229,7 +231,8 @@ class OutputProcessor:
         c.finish_reason = finish
         c.stop_reason = hit if hit is not None else o.stop_reason
         st.num_running -= 1
-        error = self._error_of(finish, o.error)
+        error = self._error_of(finish, o.error if o.error_code is None
+                               else ErrorInfo(o.error_code, o.error or o.error_code))
         if error is not None and st.error is None:
             st.error = error
         if error is not None and error.code != "aborted":

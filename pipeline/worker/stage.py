@@ -10,6 +10,8 @@ import time
 
 import msgspec
 
+from pipeline.ipc.layer_signal import LayerSignal
+from pipeline.models.config import model_hash
 from pipeline.runtime import rings
 from pipeline.runtime.process import ReadyFn, log
 from pipeline.runtime.spec import ModelInfo, StageSpec
@@ -28,13 +30,18 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
     log(spec, f"loaded in {time.perf_counter() - t0:.1f}s: {kv.num_blocks} KV blocks of "
               f"{kv.block_size} tokens ({kv.total_bytes / 2**20:.1f} MiB, "
               f"{kv.num_blocks * kv.block_size} tokens), max_model_len {runner.max_model_len}")
+    if "layers" in spec.rings and spec.rank == 0:  # role prefill: the cache messager waits on it
+        signal = LayerSignal.attach(spec.rings["layers"])
+        signal.claim_publisher()
+        runner.attach_layer_signal(signal)
     steps = rings.attach(spec, "steps")
     results = rings.attach(spec, "results", "writer") if spec.rank == 0 else None
     info = ModelInfo(num_blocks=kv.num_blocks, block_size=kv.block_size,
                      max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
                      eos_token_ids=list(runner.eos_token_ids), kv_cache_bytes=kv.total_bytes,
                      num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads,
-                     head_dim=kv.head_dim, kv_dtype=kv.dtype, kv_segment=kv.shm_name)
+                     head_dim=kv.head_dim, kv_dtype=kv.dtype, kv_segment=kv.shm_name,
+                     model_hash=model_hash(cfg.model))
     ready(msgspec.structs.asdict(info))
     try:
         while True:

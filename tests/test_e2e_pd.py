@@ -1,0 +1,347 @@
+"""End to end, prefill/decode disaggregation on real processes: `pipeline serve --role prefill`
+and `--role decode` daemons on the tiny model, `pipeline router --prefill/--decode` in front,
+and one mixed daemon as the oracle. Nothing is mocked: the KV travels from the prefill
+instance's worker through its cache messager into the decode instance's pool, over ipc
+(same host, straight into the shared segment) and over tcp.
+
+The SIGKILL tests run last, on clusters of their own.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+import zmq
+from e2e_helpers import PIPELINE, ROOT, Daemon, env, free_port, make_tiny_model, shm_entries
+
+from pipeline.client import Client
+from pipeline.client.async_client import AsyncClient
+from pipeline.gateway import protocol as P
+from pipeline.ipc.sweep import sweep_stale
+from pipeline.messages import RequestResult
+from pipeline.messages.kv import KVTransferParams
+
+# The prefill side runs long prompts in many chunks (its budget is 32 tokens a step); the
+# oracle runs with the same budget, so both compute the prompt's KV the same way.
+CHUNKED = ["--max-num-batched-tokens", "32"]
+GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+
+class Router:
+    """`pipeline router --prefill ... --decode ...` in a subprocess, with its log."""
+
+    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.log = open(f"/tmp/pipeline-router-pd-{os.getpid()}-{free_port()}.log", "w+")
+        self.proc = subprocess.Popen([*PIPELINE, "router", "--listen", self.address, "--prefill",
+                                      *prefill, "--decode", *decode], stdout=self.log,
+                                     stderr=subprocess.STDOUT, cwd=ROOT, env=env())
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def wait_up(self, n: int, timeout: float = 60.0) -> None:
+        wait_for(lambda: "serving on" in self.output() and sum(up(self).values()) == n,
+                 f"{n} instances up behind the router", timeout)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()
+
+
+def up(router: Router) -> dict[str, bool]:
+    try:
+        with Client(router.address, timeout=5) as c:
+            return {a: i["up"] for a, i in c.health().detail["instances"].items()}
+    except (TimeoutError, ConnectionError):
+        return {}
+
+
+def wait_for(cond, what: str, timeout: float = 30.0) -> None:
+    """Poll a condition the system reaches by itself (no fixed sleep stands in for it)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def stats(d: Daemon) -> dict:
+    with Client(d.address, timeout=10) as c:
+        return c.stats()
+
+
+def prompts(vocab: int, n: int = 64, seed: int = 0) -> list[list[int]]:
+    """Mixed lengths: short ones, long ones (over 4 chunks of 32), and groups sharing a long
+    prefix (prefix-cache hits on both sides once the first of a group has run)."""
+    rng = random.Random(seed)
+    shared = [[rng.randrange(3, vocab) for _ in range(96)] for _ in range(3)]
+    out = []
+    for i in range(n):
+        if i % 4 == 0:
+            length = rng.randrange(140, 200)  # 5 to 7 chunks
+            out.append([rng.randrange(3, vocab) for _ in range(length)])
+        elif i % 4 == 1:
+            out.append(shared[i % 3] + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))])
+        else:
+            out.append([rng.randrange(3, vocab) for _ in range(rng.randrange(3, 60))])
+    return out
+
+
+async def _generate(address: str, ids: list[list[int]], **kw) -> list[RequestResult]:
+    async with AsyncClient(address, timeout=180) as c:
+        return await asyncio.gather(*(c.generate(prompt_token_ids=p, **kw) for p in ids))
+
+
+def generate(address: str, ids: list[list[int]], **kw) -> list[RequestResult]:
+    return asyncio.run(_generate(address, ids, **kw))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.getbasetemp() / "e2e-tiny")
+
+
+@pytest.fixture(scope="module")
+def vocab(model) -> int:
+    import json
+    return json.loads((model / "config.json").read_text())["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def mixed(model):
+    d = Daemon(model, *CHUNKED)
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        assert d.stop() == 0
+        assert shm_entries(d.instance_id) == []
+
+
+def start_pair(model, transfer: str, *decode_flags: str) -> tuple[Daemon, Daemon, Router]:
+    listen = ["--kv-listen", f"tcp://127.0.0.1:{free_port()}"] if transfer == "tcp" else []
+    dec = Daemon(model, "--role", "decode", *listen, *decode_flags)
+    pre = Daemon(model, "--role", "prefill", "--kv-transfer", transfer, *CHUNKED)
+    dec.wait_ready()
+    pre.wait_ready()
+    router = Router([pre.address], [dec.address])
+    router.wait_up(2)
+    return pre, dec, router
+
+
+def stop_pair(pre: Daemon, dec: Daemon, router: Router) -> None:
+    assert router.stop() == 0, router.output()
+    for d in (pre, dec):
+        if d.proc.poll() is None:
+            assert d.stop() == 0, d.output()
+        assert shm_entries(d.instance_id) == []
+
+
+@pytest.fixture(scope="module", params=["ipc", "tcp"])
+def pair(request, model):
+    parts = start_pair(model, request.param)
+    try:
+        yield parts
+    finally:
+        stop_pair(*parts)
+
+
+def test_greedy_through_a_pair_equals_one_mixed_instance(pair, mixed, vocab):
+    pre, dec, router = pair
+    ids = prompts(vocab)
+    want = generate(mixed.address, ids, **GREEDY)
+    assert [r.error for r in want] == [None] * len(ids)
+    # Two waves: the second finds the first's prefixes cached on both sides.
+    got = generate(router.address, ids[:32], **GREEDY) + generate(router.address, ids[32:], **GREEDY)
+    assert [r.error for r in got] == [None] * len(ids), [r.error for r in got if r.error][:3]
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.text for r in got] == [r.text for r in want]
+    sp, sd = stats(pre), stats(dec)
+    assert sp["prefix_cache_hit_tokens"] > 0 and sd["prefix_cache_hit_tokens"] > 0, (sp, sd)
+    # Every block went back: nothing reserved, nothing leased, nothing running.
+    wait_for(lambda: stats(dec)["kv_reserved_blocks"] == 0 and stats(dec)["kv_blocks_used"] == 0,
+             "the decode instance to free every block")
+    wait_for(lambda: stats(pre)["kv_transfer_leased_blocks"] == 0 and stats(pre)["kv_blocks_used"] == 0,
+             "the prefill instance to release every lease")
+
+
+def test_streaming_through_a_pair_sends_each_token_once(pair, mixed, vocab):
+    _, _, router = pair
+    ids = prompts(vocab, n=4, seed=1)
+    want = generate(mixed.address, ids, **GREEDY)
+
+    async def stream_one(c: AsyncClient, p: list[int]) -> tuple[list[int], str, RequestResult]:
+        toks: list[int] = []
+        text = ""
+        final = None
+        async for out in c.stream(prompt_token_ids=p, **GREEDY):
+            if isinstance(out, RequestResult):
+                final = out
+            else:
+                toks += out.token_ids
+                text += out.text
+        assert final is not None
+        return toks, text, final
+
+    async def run():
+        async with AsyncClient(router.address, timeout=120) as c:
+            return await asyncio.gather(*(stream_one(c, p) for p in ids))
+
+    for (toks, text, final), w in zip(asyncio.run(run()), want, strict=True):
+        assert final.error is None
+        assert toks == final.token_ids == w.token_ids
+        assert text == final.text == w.text
+
+
+def test_abort_frees_both_sides(pair, vocab):
+    pre, dec, router = pair
+    ids = prompts(vocab, n=6, seed=2)
+
+    async def run():
+        async with AsyncClient(router.address, timeout=120) as c:
+            tasks = [asyncio.create_task(c.generate(prompt_token_ids=p, max_tokens=200,
+                                                    ignore_eos=True, temperature=0.0))
+                     for p in ids]
+            # Abort once at least one is decoding on the decode instance.
+            while stats(dec)["running"] == 0:
+                await asyncio.sleep(0.01)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(run())
+    wait_for(lambda: stats(dec)["kv_blocks_used"] == 0 and stats(dec)["kv_reserved_blocks"] == 0,
+             "the decode instance to free the aborted requests' blocks")
+    wait_for(lambda: stats(pre)["kv_blocks_used"] == 0 and stats(pre)["kv_transfer_leased_blocks"] == 0,
+             "the prefill instance to free the aborted requests' blocks")
+
+
+def test_a_reservation_without_kv_times_out_and_frees_its_blocks(model):
+    dec = Daemon(model, "--role", "decode", "--kv-transfer-timeout", "1")
+    try:
+        dec.wait_ready()
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.connect(dec.address)
+        try:
+            s.send(P.encode(P.Generate(id="r1", prompt_token_ids=list(range(3, 60)), stream=True,
+                                       max_tokens=4, kv_transfer=KVTransferParams(role="decode"))))
+            t0 = time.monotonic()
+            reservation = final = None
+            while final is None:
+                assert s.poll(10_000), "no answer from the decode instance"
+                msg = P.decode_reply(s.recv())
+                if isinstance(msg, P.Delta) and msg.delta.kv is not None:
+                    reservation = msg.delta.kv
+                elif isinstance(msg, P.Final):
+                    final = msg.result
+            took = time.monotonic() - t0
+        finally:
+            s.close(linger=0)
+            ctx.term()
+        assert reservation is not None and len(reservation.block_ids) == -(-57 // 16)
+        assert reservation.endpoint.startswith("ipc://")
+        assert final.error is not None and final.error.code == "kv_transfer_timeout", final
+        assert "--kv-transfer-timeout" in final.error.message
+        assert 0.9 < took < 5.0, took
+        st = stats(dec)
+        assert st["kv_reservation_timeouts"] == 1 and st["kv_reserved_blocks"] == 0
+        assert st["kv_blocks_used"] == 0
+    finally:
+        assert dec.stop() == 0
+    assert shm_entries(dec.instance_id) == []
+
+
+def test_a_mixed_instance_refuses_kv_transfer(mixed):
+    zctx = zmq.Context()
+    s = zctx.socket(zmq.DEALER)
+    s.connect(mixed.address)
+    try:
+        s.send(P.encode(P.Generate(id="x", prompt="hello", stream=True,
+                                   kv_transfer=KVTransferParams(role="decode"))))
+        while True:
+            assert s.poll(10_000)
+            msg = P.decode_reply(s.recv())
+            if isinstance(msg, P.Final):
+                break
+    finally:
+        s.close(linger=0)
+        zctx.term()
+    assert msg.result.error.code == "invalid_request"
+    assert "kv_transfer" in msg.result.error.message and "mixed" in msg.result.error.message
+
+
+# ---- failures on real processes (last: they kill instances) ----
+
+async def _stream_started(c: AsyncClient, p: list[int], started: asyncio.Queue):
+    """A long request; reports once its first token arrived; returns (final, when)."""
+    first = True
+    async for out in c.stream(prompt_token_ids=p, max_tokens=200, ignore_eos=True, temperature=0.0):
+        if first:
+            first = False
+            await started.put(None)
+        if isinstance(out, RequestResult):
+            return out, time.monotonic()
+    raise AssertionError("stream ended without a final")
+
+
+def _kill_under_load(router: Router, kill, ids: list[list[int]]):
+    async def run():
+        async with AsyncClient(router.address, timeout=120) as c:
+            started: asyncio.Queue = asyncio.Queue()
+            tasks = [asyncio.create_task(_stream_started(c, p, started)) for p in ids]
+            await started.get()  # at least one is decoding
+            kill()
+            killed = time.monotonic()
+            return await asyncio.wait_for(asyncio.gather(*tasks), 60), killed
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("victim", ["decode", "prefill", "messager"])
+def test_sigkill_under_load_answers_everything_and_frees_the_survivor(model, vocab, victim):
+    pre, dec, router = start_pair(model, "ipc")
+    try:
+        ids = prompts(vocab, n=6, seed=3)
+        if victim == "messager":  # the prefill instance's cache messager process alone
+            dead, survivor = pre, dec
+            pid = pre.stage_pids()["messager"]
+            results, killed = _kill_under_load(router, lambda: os.kill(pid, signal.SIGKILL), ids)
+        else:
+            dead, survivor = (dec, pre) if victim == "decode" else (pre, dec)
+            results, killed = _kill_under_load(
+                router, lambda: os.killpg(dead.proc.pid, signal.SIGKILL), ids)
+        failed = [(r, t) for r, t in results if r.error is not None]
+        assert failed, "killing mid-load failed no request"
+        for r, t in failed:
+            assert r.error.code in ("instance_failed", "stage_died", "kv_transfer_failed"), r.error
+            assert t - killed < 5.0, (r.error, t - killed)
+        # The survivor holds nothing for the dead peer.
+        wait_for(lambda: stats(survivor)["kv_blocks_used"] == 0
+                 and stats(survivor)["kv_reserved_blocks"] == 0
+                 and stats(survivor)["kv_transfer_leased_blocks"] == 0,
+                 "the surviving instance to free every block it held for the dead peer", 20)
+        assert router.proc.poll() is None
+        wait_for(lambda: up(router).get(dead.address) is False, "the router to mark it down")
+    finally:
+        assert router.stop() == 0, router.output()
+        for d in (pre, dec):
+            if d.proc.poll() is None:
+                code = d.stop()
+                assert d is dead or code == 0, d.output()
+            else:
+                d.log.close()
+        sweep_stale()  # the killed instance's debris (a restart would sweep it too)
+        assert shm_entries(pre.instance_id) == [] and shm_entries(dec.instance_id) == []
