@@ -2,8 +2,9 @@
 
 State (``MixedPolicy``): the prefix-affinity table (a bounded LRU map from a prompt's prefix
 key to the address of the instance that last ran that prefix) and a round-robin cursor that
-breaks ties. A policy sees instances only through ``Target`` (address, live load, free KV
-blocks), so the disaggregated policies (prefill and decode pools) plug into the same place.
+breaks ties. ``PoolPolicy`` (disaggregated pools): a ``MixedPolicy`` for the prefill pool and
+a round-robin cursor for the decode pool. A policy sees instances only through ``Target``
+(address, live load, free KV blocks).
 """
 from __future__ import annotations
 
@@ -81,3 +82,24 @@ class MixedPolicy:
             if len(self.affinity) > self.max_keys:
                 self.affinity.popitem(last=False)
         return chosen
+
+
+class PoolPolicy:
+    """Disaggregated pools. Prefill: as ``MixedPolicy`` (least loaded, cache-aware: its prefix
+    cache saves compute). Decode: least loaded, then the most free KV (a decode instance holds
+    every running request's KV to the end), then round robin."""
+
+    def __init__(self, max_imbalance: int = MAX_IMBALANCE, max_keys: int = MAX_KEYS) -> None:
+        self.prefill = MixedPolicy(max_imbalance, max_keys)
+        self._turn = 0
+
+    def choose_prefill(self, targets: Sequence[Target], key: bytes | None) -> Target:
+        return self.prefill.choose(targets, key)
+
+    def choose_decode(self, targets: Sequence[Target]) -> Target:
+        roomy = [t for t in targets if t.free_share() >= LOW_FREE_SHARE] or list(targets)
+        ranks = [(t.load(), -t.free_share()) for t in roomy]
+        best = min(ranks)
+        ties = [t for t, rank in zip(roomy, ranks, strict=True) if rank == best]
+        self._turn += 1
+        return ties[self._turn % len(ties)]

@@ -1,14 +1,18 @@
 """`pipeline router`: the front end. One loop owns every socket: the front ROUTER (clients,
 the daemon's protocol) and each instance's DEALER (``upstream``).
 
-State: the request table (router id -> the client identity, the client's id, the instance
-running it or none yet) with its per-client index, the requests waiting for an instance to
+State: the request table (router id -> the client identity, the client's id, its legs: the
+instances running it, under their upstream ids, none yet while it waits; in disaggregated
+mode its ``pd.PDState``) with its per-client index, the requests waiting for an instance to
 come up, the stats ops fanned out to the instances, the drain. Router ids are the router's
-own counter, so two clients' ids never clash on an instance.
+own counter ("r12"), so two clients' ids never clash on an instance; a split request runs as
+"r12.d" on its decode instance and "r12.p" on its prefill instance (``pd``).
 
-Every accepted generate gets exactly one final: the instance's, or the router's own when
-the instance is lost with it in flight (``instance_failed``, naming the instance), no
-instance came up within NO_INSTANCE_WAIT_S (``unavailable``), or the drain ran out.
+Every accepted generate gets exactly one final: the instance's (a split request's: the
+decode instance's, or the prefill instance's when that failed), or the router's own when an
+instance is lost with it in flight (``instance_failed``, naming the instance; the other leg
+is aborted), no instance came up within NO_INSTANCE_WAIT_S (``unavailable``), or the drain
+ran out.
 Clients are held to the daemon's rules (``gateway.protocol``): bad frames get its error
 answers, a duplicate id in flight gets ``duplicate_id``, and a client gone (bye, or its
 connection dropped: ROUTER_MANDATORY pings, as the daemon does) has its requests aborted on
@@ -24,6 +28,7 @@ import sys
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,10 +36,13 @@ import msgspec
 import zmq
 
 from pipeline.gateway import protocol as P
-from pipeline.gateway.front import add_front_args, cannot_start, check_endpoint, check_front_args, is_loopback
+from pipeline.gateway.front import cannot_start, is_loopback
 from pipeline.gateway.systemd import Notifier
-from pipeline.messages import ErrorInfo, RequestResult, error_result
-from pipeline.router.policy import MixedPolicy, prefix_key
+from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, error_result
+from pipeline.messages.kv import KVReservation
+from pipeline.router.args import add_args, check_args
+from pipeline.router.pd import DECODE, PREFILL, PDState, decode_request, prefill_request, runs_plain
+from pipeline.router.policy import MixedPolicy, PoolPolicy, Target, prefix_key
 from pipeline.router.stats import merge
 from pipeline.router.upstream import PROBE_INTERVAL_S, Upstream
 
@@ -44,33 +52,18 @@ ABORT_GRACE_S = 2.0  # after the drain's aborts, for the instances' abort answer
 PING = P.encode(P.Ping())
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", required=True,
-                   help="ZMQ endpoint to bind for clients (tcp://HOST:PORT or ipc://PATH)")
-    p.add_argument("--instance", required=True, nargs="+", action="extend", metavar="ADDR",
-                   help="the ZMQ endpoint of a running `pipeline serve` (mixed role); repeatable")
-    add_front_args(p)
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """ValueError naming the flag and its limit."""
-    check_front_args(args)
-    for addr in args.instance:
-        check_endpoint("--instance", addr)
-    if len(set(args.instance)) != len(args.instance):
-        raise ValueError(f"--instance: an address is given twice: {' '.join(args.instance)}")
-    if args.listen in args.instance:
-        raise ValueError(f"--listen {args.listen} is also an --instance")
+__all__ = ["Router", "add_args", "check_args", "main"]
 
 
 @dataclass(slots=True)
 class Route:
     identity: bytes
     client_id: str
-    msg: P.Generate  # carries the router id
+    msg: P.Generate  # the client's, under the router id
     key: bytes | None  # the prefix key (policy)
     deadline: float  # while no instance runs it: when to give up
-    target: Upstream | None = None
+    legs: dict[str, Upstream] = field(default_factory=dict)  # upstream id -> the instance running it
+    pd: PDState | None = None  # split over a decode and a prefill instance
 
 
 @dataclass(slots=True)
@@ -88,7 +81,11 @@ class Router:
         self.notify = notify
         self.ctx: zmq.Context = zmq.Context()
         self.policy = MixedPolicy()
-        self.upstreams = [Upstream(self.ctx, a) for a in args.instance]
+        self.pools = PoolPolicy()
+        self.split = bool(args.decode)  # disaggregated pools, else mixed replicas
+        self.prefill = [Upstream(self.ctx, a, "prefill") for a in args.prefill]
+        self.decode = [Upstream(self.ctx, a, "decode") for a in args.decode]
+        self.upstreams = [Upstream(self.ctx, a) for a in args.instance] + self.prefill + self.decode
         self.routes: dict[str, Route] = {}
         self.clients: dict[bytes, dict[str, str]] = {}  # identity -> {client id: router id}
         self.pending: deque[str] = deque()  # router ids waiting for an instance, oldest first
@@ -141,20 +138,26 @@ class Router:
         del own[route.client_id]
         if not own:
             del self.clients[route.identity]
-        if route.target is not None:
-            route.target.inflight.discard(rid)
+        for uid, u in route.legs.items():
+            u.inflight.discard(uid)
         if res is not None:
             self._reply(route.identity, P.Final(result=msgspec.structs.replace(res, id=route.client_id)))
 
     def _fail(self, rid: str, code: str, message: str, finish_reason: str = "error") -> None:
         self._finish(rid, error_result(rid, code, message, finish_reason=finish_reason))
 
+    def _abort(self, route: Route, but: str | None = None) -> None:
+        """Abort a request on every instance running it (but the leg ``but``)."""
+        if route.pd is not None:
+            route.pd.aborting = True
+        for uid, u in route.legs.items():
+            if uid != but:
+                u.send(P.Abort(id=uid))
+
     def _drop_client(self, identity: bytes) -> None:
         """Bye, or its connection is gone: abort its requests on their instances."""
         for rid in list(self.clients.get(identity, {}).values()):
-            target = self.routes[rid].target
-            if target is not None:
-                target.send(P.Abort(id=rid))
+            self._abort(self.routes[rid])
             self._finish(rid)
         for op_id in [k for k, op in self.ops.items() if op.identity == identity]:
             del self.ops[op_id]
@@ -188,11 +191,11 @@ class Router:
         elif isinstance(msg, P.Abort):
             rid = self.clients.get(identity, {}).get(msg.id)
             if rid is not None:
-                target = self.routes[rid].target
-                if target is None:
+                route = self.routes[rid]
+                if not route.legs:
                     self._fail(rid, "aborted", "aborted by the client", "abort")
                 else:
-                    target.send(P.Abort(id=rid))  # its final comes from the instance
+                    self._abort(route)  # its final comes from the (decode) instance
         elif isinstance(msg, P.Bye):
             self._drop_client(identity)
         elif isinstance(msg, P.Health):
@@ -225,32 +228,58 @@ class Router:
                 f"field `id`: request {client_id!r} is already in flight from this client; this "
                 "generate was not run (the running request's answer still comes)"))))
             return
+        refusal: tuple[str, str] | None = None
         if self.stopping:
+            refusal = ("draining", "the router is draining: it accepts no new requests")
+        elif msg.kv_transfer is not None:  # it would bypass the split (or be refused there)
+            refusal = ("invalid_request", "field `kv_transfer`: set by the router on its "
+                       "instances, never by a client")
+        if refusal is not None:
             if not own:
                 del self.clients[identity]
-            self._reply(identity, P.Final(result=error_result(
-                client_id, "draining", "the router is draining: it accepts no new requests")))
+            self._reply(identity, P.Final(result=error_result(client_id, *refusal)))
             return
         self.seq += 1
         rid = f"r{self.seq}"
         own[client_id] = rid
-        self.routes[rid] = Route(identity, client_id, msgspec.structs.replace(msg, id=rid),
-                                 prefix_key(msg), time.monotonic() + NO_INSTANCE_WAIT_S)
+        route = Route(identity, client_id, msgspec.structs.replace(msg, id=rid), prefix_key(msg),
+                      time.monotonic() + NO_INSTANCE_WAIT_S)
+        if self.split and not runs_plain(msg):
+            route.pd = PDState.of(msg)
+        self.routes[rid] = route
         if not self._dispatch(rid):
             self.pending.append(rid)
 
     def _dispatch(self, rid: str) -> bool:
-        """Send a request to the instance the policy picks; False if none is up."""
+        """Send a request to the instance the policy picks (a split one: to a decode
+        instance, while a prefill instance is up too); False if none is up."""
         route = self.routes[rid]
-        while ups := [u for u in self.upstreams if u.up]:
-            target = self.policy.choose(ups, route.key)
+        if not self.split:
+            return self._launch(route, rid, route.msg, self.upstreams,
+                                lambda ups: self.policy.choose(ups, route.key))
+        if route.pd is None:  # runs whole on a decode instance
+            return self._launch(route, rid, route.msg, self.decode, self.pools.choose_decode)
+        if not any(u.up for u in self.prefill):
+            return False
+        return self._launch(route, rid + DECODE, decode_request(route.msg, rid + DECODE),
+                            self.decode, self.pools.choose_decode)
+
+    def _launch(self, route: Route, uid: str, msg: P.Generate, pool: list[Upstream],
+                choose: Callable[[list[Upstream]], Target]) -> bool:
+        """Send ``msg`` (upstream id ``uid``) to one of ``pool``; False if none is up (True
+        as well when the request went meanwhile: a lost instance's failures dropped its client)."""
+        rid = uid.partition(".")[0]
+        while ups := [u for u in pool if u.up]:
+            target = choose(ups)
             assert isinstance(target, Upstream)
-            if target.send(route.msg):
-                route.target = target
-                target.inflight.add(rid)
+            if target.send(msg):
+                route.legs[uid] = target
+                target.inflight.add(uid)
                 target.routed += 1
                 return True
             self._down(target, "its connection is gone")
+            if self.routes.get(rid) is not route:
+                return True
         return False
 
     def _stats(self, identity: bytes, op_id: str) -> None:
@@ -290,21 +319,27 @@ class Router:
     def _handle_reply(self, u: Upstream, msg: P.ReplyMsg) -> None:
         if isinstance(msg, P.Delta | P.Final):
             out = msg.delta if isinstance(msg, P.Delta) else msg.result
-            route = self.routes.get(out.id)
-            if route is None or route.target is not u:
-                return  # its client is gone; the instance was told to abort it
-            if isinstance(msg, P.Final):
-                self._finish(out.id, msg.result)
+            rid = out.id.partition(".")[0]
+            route = self.routes.get(rid)
+            if route is None or route.legs.get(out.id) is not u:
+                return  # its client is gone (or it failed); the instance was told to abort it
+            if route.pd is not None:
+                self._split_answer(route, rid, out.id, msg)
+            elif isinstance(msg, P.Final):
+                self._finish(rid, msg.result)
             else:
-                self._reply(route.identity, P.Delta(delta=msgspec.structs.replace(msg.delta, id=route.client_id)))
+                self._forward(route, msg.delta)
         elif isinstance(msg, P.HealthReply):
-            up = u.on_health(msg.id, msg.status)
+            was = u.why_down
+            up = u.on_health(msg.id, msg.status, msg.detail)
             if up and not u.up:
                 u.up = True
-                self._log(f"instance {u.address} is up")
+                self._log(f"{u.name()} is up")
                 self._dispatch_pending()
             elif up is False and u.up:
-                self._down(u, f"its health check says {msg.status!r}")
+                self._down(u, u.why_down if msg.status == "ok" else f"its health check says {msg.status!r}")
+            elif up is False and u.why_down != was:
+                self._log(f"{u.name()} is not used: {u.why_down}")
         elif isinstance(msg, P.StatsReply):
             if msg.id.startswith("probe."):
                 u.stats = msg.stats
@@ -317,23 +352,66 @@ class Router:
                 op.waiting.discard(u.address)
                 self._maybe_answer(msg.id)
             elif msg.id is None:
-                self._log(f"instance {u.address} refused a frame: {msg.error.code}: {msg.error.message}")
+                self._log(f"{u.name()} refused a frame: {msg.error.code}: {msg.error.message}")
         # Ping: the instance checking the router's connection; nothing to answer.
+
+    def _forward(self, route: Route, delta: RequestDelta) -> None:
+        self._reply(route.identity, P.Delta(delta=msgspec.structs.replace(delta, id=route.client_id)))
+
+    def _split_answer(self, route: Route, rid: str, uid: str, msg: P.Delta | P.Final) -> None:
+        """An answer of one leg of a split request (``pd.PDState`` decides what the client gets)."""
+        pd = route.pd
+        assert pd is not None
+        if uid.endswith(DECODE):
+            if isinstance(msg, P.Final):  # THE final; a prefill still running is not needed
+                self._abort(route, but=uid)
+                self._finish(rid, msg.result)
+                return
+            kv, out = pd.on_decode_delta(msg.delta)
+            if kv is not None:
+                self._start_prefill(route, rid, kv)
+        elif isinstance(msg, P.Final):
+            route.legs.pop(uid).inflight.discard(uid)  # done on P: its loss no longer matters
+            failed = pd.on_prefill_final(msg.result)
+            if failed is not None:
+                self._abort(route)
+                self._finish(rid, failed)
+            return
+        else:
+            out = pd.on_prefill_delta(msg.delta)
+        if out is not None:
+            self._forward(route, out)
+
+    def _start_prefill(self, route: Route, rid: str, kv: KVReservation) -> None:
+        """The decode instance reserved the prompt's KV: a prefill instance computes it."""
+        uid = rid + PREFILL
+        if not self._launch(route, uid, prefill_request(route.msg, uid, kv), self.prefill,
+                            lambda ups: self.pools.choose_prefill(ups, route.key)):
+            self._abort(route)
+            self._fail(rid, "unavailable", "no prefill instance available: none of "
+                       f"{' '.join(u.address for u in self.prefill)} is up")
 
     def _down(self, u: Upstream, why: str) -> None:
         lost = u.reset(why)
-        self._log(f"instance {u.address} is down ({why}); failing its {len(lost)} request(s)")
-        for rid in lost:
-            self._fail(rid, "instance_failed", f"instance {u.address} failed with the request in "
-                                               f"flight: {why}")
+        self._log(f"{u.name()} is down ({why}); failing its {len(lost)} request(s)")
+        for uid in lost:
+            rid = uid.partition(".")[0]
+            route = self.routes.get(rid)
+            if route is None or route.legs.get(uid) is not u:
+                continue
+            del route.legs[uid]  # that connection is gone: nothing to abort there
+            self._abort(route)
+            self._fail(rid, "instance_failed", f"{u.name()} failed with the request in flight: {why}")
         for key in list(self.ops):
             if u.address in self.ops[key].waiting:
                 self.ops[key].waiting.discard(u.address)
                 self._maybe_answer(key)
 
     def _dispatch_pending(self) -> None:
-        while self.pending and self._dispatch(self.pending[0]):
-            self.pending.popleft()
+        # Each in turn (oldest first): in disaggregated mode a request that runs whole needs
+        # only a decode instance, so it does not wait behind a split one.
+        waiting = list(self.pending)
+        self.pending = deque(rid for rid in waiting if rid in self.routes and not self._dispatch(rid))
 
     # ---- the loop ----
     def _tick(self, now: float) -> None:
@@ -344,10 +422,14 @@ class Router:
                 self._down(u, why)
         self.pending = deque(rid for rid in self.pending if rid in self.routes)
         while self.pending and now >= self.routes[self.pending[0]].deadline:
-            names = " ".join(u.address for u in self.upstreams)
-            self._fail(self.pending.popleft(), "unavailable", (
-                f"no instance available: none of {names} passed its health check within "
-                f"{NO_INSTANCE_WAIT_S:g} s"))
+            rid = self.pending.popleft()
+            role, pool = "", self.upstreams
+            if self.split:  # name the pool that has no instance up
+                split = self.routes[rid].pd is not None and any(u.up for u in self.decode)
+                role, pool = ("prefill ", self.prefill) if split else ("decode ", self.decode)
+            self._fail(rid, "unavailable", (
+                f"no {role}instance available: none of {' '.join(u.address for u in pool)} passed "
+                f"its health check within {NO_INSTANCE_WAIT_S:g} s"))
         for key in [k for k, op in self.ops.items() if now >= op.deadline]:
             self._maybe_answer(key, expired=True)
         for identity in list(self.clients):
@@ -362,10 +444,12 @@ class Router:
             self._log(f"drain timeout: aborting {len(self.routes)} request(s)")
             self.abort_deadline = now + ABORT_GRACE_S
             for rid, route in list(self.routes.items()):
-                if route.target is None:
+                if rid not in self.routes:  # a failed send to its client dropped it
+                    continue
+                if not route.legs:
                     self._fail(rid, "aborted", "aborted by the router: it shut down", "abort")
                 else:
-                    route.target.send(P.Abort(id=rid))
+                    self._abort(route)
         if self.abort_deadline is not None and now >= self.abort_deadline:
             for rid in list(self.routes):
                 self._fail(rid, "aborted", "aborted by the router: it shut down before the "
@@ -377,7 +461,9 @@ class Router:
         assert self.mon is not None
         self.notify.ready(f"routing {self.args.listen} to {len(self.upstreams)} instance(s)")
         self.notify.start_watchdog(lambda: time.monotonic() - self.last_loop < 5.0)
-        self._log(f"serving on {self.args.listen}, instances: {' '.join(self.args.instance)}")
+        self._log(f"serving on {self.args.listen}, " + (
+            f"prefill: {' '.join(self.args.prefill)}, decode: {' '.join(self.args.decode)}"
+            if self.split else f"instances: {' '.join(self.args.instance)}"))
         next_tick = 0.0
         while True:
             poller = zmq.Poller()  # the instances' sockets change when one goes down
@@ -413,6 +499,8 @@ class Router:
     def status(self) -> str:
         if self.stopping:
             return "draining"
+        if self.split:  # a split request needs both pools
+            return "ok" if any(u.up for u in self.prefill) and any(u.up for u in self.decode) else "starting"
         return "ok" if any(u.up for u in self.upstreams) else "starting"
 
     def detail(self) -> dict[str, Any]:

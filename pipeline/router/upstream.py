@@ -1,10 +1,12 @@
 """Router: the connection to one `pipeline serve` instance.
 
 State: one DEALER socket (all the router's requests to this instance multiplexed on it,
-under the router's own ids) and its monitor; whether the instance is up; the router ids in
-flight on it; the latest stats it reported; the health probe outstanding. The instance is up
-from a health reply "ok" until its connection drops (the monitor reports it at once, e.g.
-after a SIGKILL), a probe goes unanswered PROBE_TIMEOUT_S, or it reports another status.
+under the router's own ids) and its monitor; its role (the pool it serves: mixed, prefill or
+decode); whether the instance is up; the router ids in flight on it; the latest stats it
+reported; the health probe outstanding. The instance is up from a health reply "ok" (in a
+pool: whose detail names that role, when it names one) until its connection drops (the
+monitor reports it at once, e.g. after a SIGKILL), a probe goes unanswered PROBE_TIMEOUT_S,
+or it reports another status.
 Going down replaces the socket: nothing queued for the old connection reaches a restarted
 instance, and a live instance sees its client gone and aborts what the router had sent it.
 Not thread-safe: the router's loop owns it.
@@ -23,9 +25,10 @@ MONITOR_EVENTS = zmq.EVENT_DISCONNECTED
 
 
 class Upstream:
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, role: str = "mixed") -> None:
         self.ctx = ctx
         self.address = address
+        self.role = role  # mixed (--instance: any instance serves) | prefill | decode
         self.up = False
         self.why_down = "not reached yet"
         self.inflight: set[str] = set()  # router ids this instance runs
@@ -93,12 +96,22 @@ class Upstream:
             self.send(P.Stats(id=op))
         return None
 
-    def on_health(self, op: str, status: str) -> bool | None:
-        """A health answer: whether the instance is now up (None if not our probe's)."""
+    def on_health(self, op: str, status: str, detail: dict[str, Any]) -> bool | None:
+        """A health answer: whether the instance is now up (None if not our probe's). In a
+        pool, an instance whose health names another role is not used (``why_down`` says so):
+        a request split for that pool would only be refused there."""
         if self._probe is None or self._probe[0] != op:
             return None
         self._probe = None
+        role = detail.get("role", self.role) if isinstance(detail, dict) else self.role
+        if status == "ok" and self.role != "mixed" and role != self.role:
+            self.why_down = f"its role is {role!r}, not {self.role!r} (it is in the {self.role} pool)"
+            return False
         return status == "ok"
+
+    def name(self) -> str:
+        """How messages name it: "instance ADDR", or "decode instance ADDR" in a pool."""
+        return f"instance {self.address}" if self.role == "mixed" else f"{self.role} instance {self.address}"
 
     def reset(self, why: str) -> list[str]:
         """The instance is down: a fresh socket; returns the router ids it was running."""
@@ -113,7 +126,7 @@ class Upstream:
         return lost
 
     def describe(self) -> dict[str, Any]:
-        return {"up": self.up, "why_down": None if self.up else self.why_down,
+        return {"role": self.role, "up": self.up, "why_down": None if self.up else self.why_down,
                 "inflight": len(self.inflight), "routed": self.routed, "load": self.load()}
 
     def close(self) -> None:

@@ -1,0 +1,141 @@
+"""Router, disaggregated pools: one client request split over a decode and a prefill instance.
+
+Owns (per request, ``PDState``): which phase it is in (waiting for the decode instance's
+KV reservation, prefill asked, prefill done), whether the client asked to abort, and what of
+the first token the client already has, so that the decode instance's copy of it is not
+sent twice. Also builds the two upstream requests (``decode_request``, ``prefill_request``).
+Pure: no socket, no clock; ``server`` does the sending and the aborts.
+
+The flow (docs/router.md, "Disaggregated pools"): the decode instance D gets the request
+with ``kv_transfer`` role "decode" and answers a delta carrying its ``KVReservation``; the
+prefill instance P then gets it with ``max_tokens=1`` and the reservation's blocks; P's first
+token goes to a streaming client at once; D's deltas follow with that token stripped from
+the front; D's final is the client's final. P's final is only forwarded when it failed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+from msgspec import UNSET
+
+from pipeline.gateway import protocol as P
+from pipeline.messages import RequestDelta, RequestResult
+from pipeline.messages.kv import KVReservation, KVTransferParams
+
+# Suffixes of the router's ids on the instances: "r12.d" on the decode instance, "r12.p" on
+# the prefill one. A request that runs whole on one instance keeps the plain "r12".
+DECODE = ".d"
+PREFILL = ".p"
+
+
+def runs_plain(msg: P.Generate) -> bool:
+    """Whether a request runs whole on one decode instance (a full engine) rather than split:
+    n > 1 and prompt_logprobs need the prompt computed where the request runs; with
+    max_tokens == 1 the prefill instance's one token is the whole answer anyway; and with
+    logprobs the decode instance has none for the first token (it did not sample it), so
+    its final would lack them."""
+    return ((msg.n is not UNSET and msg.n > 1)
+            or (msg.prompt_logprobs is not UNSET and msg.prompt_logprobs is not None)
+            or (msg.logprobs is not UNSET and msg.logprobs is not None)
+            or (msg.max_tokens is not UNSET and msg.max_tokens == 1))
+
+
+def decode_request(msg: P.Generate, uid: str) -> P.Generate:
+    """What the decode instance gets: the client's request, streamed (the reservation comes
+    back in a delta), reserving KV for the prompt instead of computing it."""
+    return msgspec.structs.replace(msg, id=uid, stream=True,
+                                   kv_transfer=KVTransferParams(role="decode"))
+
+
+def prefill_request(msg: P.Generate, uid: str, kv: KVReservation) -> P.Generate:
+    """What the prefill instance gets: the prompt and one token, its KV shipped into ``kv``."""
+    # min_tokens may not exceed max_tokens; min_tokens >= 1 still bans a stop token first.
+    min_tokens = UNSET if msg.min_tokens is UNSET else min(msg.min_tokens, 1)
+    return msgspec.structs.replace(
+        msg, id=uid, stream=True, max_tokens=1, min_tokens=min_tokens,
+        kv_transfer=KVTransferParams(role="prefill", peer=kv.endpoint,
+                                     remote_req_id=kv.engine_req_id,
+                                     remote_block_ids=list(kv.block_ids),
+                                     remote_num_cached_tokens=kv.num_cached_tokens))
+
+
+@dataclass(slots=True)
+class PDState:
+    """One split request. ``stream`` is the client's flag; ``show_text`` is False when the
+    request has stop strings: the prefill instance, done after one token, flushes text the
+    decode instance may still hold back (or drop, on a match), so only its ids go ahead."""
+    stream: bool
+    show_text: bool
+    reserved: bool = False  # D's reservation came: P was (or is being) asked
+    prefill_done: bool = False  # P's final came
+    aborting: bool = False  # the client (or the drain) aborted: the final is D's
+    first_sent: bool = False  # the client has the first token (from P, or from D if first)
+    strip_ids: list[int] = field(default_factory=list)  # of P's first token, still to drop from D's
+    strip_text: str = ""
+
+    @classmethod
+    def of(cls, msg: P.Generate) -> PDState:
+        stops = msg.stop if msg.stop is not UNSET else None
+        return cls(stream=msg.stream, show_text=not stops)
+
+    def on_decode_delta(self, d: RequestDelta) -> tuple[KVReservation | None, RequestDelta | None]:
+        """A delta of D: (the reservation to hand to a prefill instance, the delta to forward
+        to the client); either may be None."""
+        if d.kv is not None:  # never forwarded
+            if self.reserved or self.aborting:
+                return None, None
+            self.reserved = True
+            return d.kv, None
+        if not self.stream:
+            return None, None
+        if d.index == 0:
+            stripped = self._strip(d)
+            if stripped is None:
+                return None, None
+            d = stripped
+            self.first_sent = self.first_sent or bool(d.token_ids)
+        return None, d
+
+    def on_prefill_delta(self, d: RequestDelta) -> RequestDelta | None:
+        """A delta of P (its first token): forwarded at once unless D's came first."""
+        if not self.stream or self.first_sent or not d.token_ids or d.index != 0:
+            return None
+        self.first_sent = True
+        text = d.text if self.show_text else ""
+        self.strip_ids, self.strip_text = list(d.token_ids), text
+        return msgspec.structs.replace(d, text=text)
+
+    def on_prefill_final(self, res: RequestResult) -> RequestResult | None:
+        """P's final: the client's final when P failed (D is then aborted), else None."""
+        self.prefill_done = True
+        if res.error is None or self.aborting:
+            return None
+        return res
+
+    def _strip(self, d: RequestDelta) -> RequestDelta | None:
+        """D's delta minus what the client already has from P; None if nothing is left."""
+        ids, text, logprobs = d.token_ids, d.text, d.logprobs
+        if self.strip_ids:
+            k = 0
+            while k < min(len(ids), len(self.strip_ids)) and ids[k] == self.strip_ids[k]:
+                k += 1
+            if k < len(ids) and k < len(self.strip_ids):  # they disagree: stop stripping
+                self.strip_ids, self.strip_text = [], ""
+            else:
+                self.strip_ids = self.strip_ids[k:]
+            if logprobs is not None and len(logprobs) == len(ids):
+                logprobs = logprobs[k:]
+            ids = ids[k:]
+        if self.strip_text:
+            if text.startswith(self.strip_text):
+                text, self.strip_text = text[len(self.strip_text):], ""
+            elif self.strip_text.startswith(text):  # D still holds part of it back
+                self.strip_text, text = self.strip_text[len(text):], ""
+            else:  # the texts disagree: stop stripping, the client gets D's as is
+                self.strip_text = ""
+        if not ids and not text:
+            return None
+        if ids is d.token_ids and text is d.text:
+            return d
+        return msgspec.structs.replace(d, token_ids=ids, text=text, logprobs=logprobs)

@@ -1,0 +1,505 @@
+"""`pipeline router --prefill ... --decode ...`: the router's per-request state machine for
+disaggregated pools, tested exactly against scripted instances.
+
+The router is the real one (``pipeline.router.server.Router``, its loop in a thread). Each
+instance is a ``FakeInstance``: a ZMQ ROUTER socket in the test that speaks the daemon's wire
+protocol, answers the router's health and stats probes by itself (as an instance of its role)
+and hands every generate and abort to the test, which scripts the answers: the decode
+instance's reservation delta, deltas and final; the prefill instance's first-token delta and
+final. The client is a raw DEALER, so every frame the router sends it is seen. End-to-end
+runs with real instances are in other tests.
+"""
+from __future__ import annotations
+
+import argparse
+import queue
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from e2e_helpers import PIPELINE, ROOT, env, free_port
+
+from pipeline.gateway import protocol as P
+from pipeline.gateway.systemd import Notifier
+from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, error_result
+from pipeline.messages.answers import Timings, Usage
+from pipeline.messages.kv import KVReservation, KVTransferParams
+from pipeline.router import server
+from pipeline.router.args import check_args
+from pipeline.router.pd import PDState
+from pipeline.router.policy import PoolPolicy
+from pipeline.router.server import Router
+
+WAIT_S = 5.0
+RESERVATION = KVReservation(engine_req_id="d-engine-7", block_ids=[5, 9, 2], num_cached_tokens=16,
+                            endpoint="tcp://127.0.0.1:7300", timeout_s=30.0)
+PROMPT = "the for statement is used to iterate over the elements of a sequence"
+
+
+class FakeInstance:
+    """A scripted `pipeline serve --role ROLE`: answers health ("ok", its role) and stats;
+    generates and aborts go to ``expect``; ``send`` answers the router (in order)."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.got: queue.Queue[P.ClientMsg] = queue.Queue()
+        self.out: queue.Queue[P.ReplyMsg] = queue.Queue()
+        self.peer: bytes | None = None  # the router's DEALER
+        self.received = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while not self.stop.is_set():
+                if self.sock.poll(5):
+                    self.peer, frame = self.sock.recv_multipart()
+                    self._on(P.decode_client(frame))
+                while not self.out.empty() and self.peer is not None:
+                    self.sock.send_multipart([self.peer, P.encode(self.out.get())])
+        finally:
+            self.sock.close(linger=0)  # the router's monitor sees the connection drop
+            self.ctx.term()
+
+    def _on(self, msg: P.ClientMsg) -> None:
+        assert self.peer is not None
+        if isinstance(msg, P.Health):
+            reply: P.ReplyMsg = P.HealthReply(id=msg.id, status="ok", detail={"role": self.role})
+        elif isinstance(msg, P.Stats):
+            reply = P.StatsReply(id=msg.id, stats={
+                "running": 0, "waiting": 0, "kv_blocks_total": 100, "kv_blocks_free": 80, "kv_blocks_used": 20,
+                "requests_received": self.received, "kv_usage": 0.2})
+        else:
+            self.received += isinstance(msg, P.Generate)
+            self.got.put(msg)
+            return
+        self.sock.send_multipart([self.peer, P.encode(reply)])
+
+    def expect(self, kind: type, timeout: float = WAIT_S) -> Any:
+        msg = self.got.get(timeout=timeout)
+        assert isinstance(msg, kind), msg
+        return msg
+
+    def send(self, msg: P.ReplyMsg) -> None:
+        self.out.put(msg)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+class Cli:
+    """A client: one DEALER; ``recv`` skips the router's liveness pings."""
+
+    def __init__(self, address: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def send(self, msg: P.ClientMsg) -> None:
+        self.sock.send(P.encode(msg))
+
+    def recv(self, timeout: float = WAIT_S) -> P.ReplyMsg:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0 and self.sock.poll(int(left * 1000)), "no answer from the router"
+            msg = P.decode_reply(self.sock.recv())
+            if not isinstance(msg, P.Ping):
+                return msg
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+    def health(self) -> P.HealthReply:
+        self.send(P.Health(id="h"))
+        while not isinstance(msg := self.recv(), P.HealthReply):
+            pass
+        return msg
+
+
+def wait_for(cond, what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def result(rid: str, token_ids: list[int], text: str, finish: str = "length") -> RequestResult:
+    return RequestResult(id=rid, text=text, token_ids=token_ids, finish_reason=finish,
+                         usage=Usage(prompt_tokens=12, completion_tokens=len(token_ids)),
+                         timings=Timings(arrival_time=1.0))
+
+
+def delta(rid: str, token_ids: list[int], text: str, kv: KVReservation | None = None) -> P.Delta:
+    return P.Delta(delta=RequestDelta(rid, text, token_ids, kv=kv))
+
+
+class Setup:
+    def __init__(self, router: Router, prefill: list[FakeInstance], decode: list[FakeInstance]) -> None:
+        self.router, self.prefill, self.decode = router, prefill, decode
+        self.cli = Cli(router.args.listen)
+        self.p, self.d = prefill[0], decode[0]
+
+    def start_split(self, rid: str = "a", **kw: Any) -> tuple[P.Generate, P.Generate]:
+        """A client generate up to the prefill instance running it: (D's request, P's)."""
+        self.cli.send(P.Generate(id=rid, prompt=PROMPT, max_tokens=5, temperature=0.0, **kw))
+        dg = self.d.expect(P.Generate)
+        self.d.send(delta(dg.id, [], "", kv=RESERVATION))
+        return dg, self.p.expect(P.Generate)
+
+    def sync(self) -> None:
+        """Everything the decode instance sent so far was handled: a request run whole on it
+        (max_tokens=1) is answered after them, on the same connection, in order."""
+        self.cli.send(P.Generate(id="sync", prompt="x", max_tokens=1))
+        g = self.d.expect(P.Generate)
+        assert g.kv_transfer is None
+        self.d.send(P.Final(result=result(g.id, [1], "x")))
+        msg = self.cli.recv()
+        assert isinstance(msg, P.Final) and msg.result.id == "sync", msg
+
+    def instance(self, address: str) -> dict[str, Any]:
+        return self.cli.health().detail["instances"][address]
+
+
+@contextmanager
+def pd_router(prefill: list[str], decode: list[str]) -> Iterator[Router]:
+    args = argparse.Namespace(listen=f"tcp://127.0.0.1:{free_port()}", instance=None,
+                              prefill=prefill, decode=decode, drain_timeout=5.0,
+                              max_frame_bytes=P.MAX_FRAME_BYTES)
+    check_args(args)
+    router = Router(args, Notifier(None))
+    router.open()
+    code: list[int] = []
+    thread = threading.Thread(target=lambda: code.append(router.serve()), daemon=True)
+    thread.start()
+    try:
+        yield router
+    finally:
+        router.stopping = True  # the drain, as on SIGTERM
+        thread.join(20)
+        router.close()
+    assert code == [0] and not router.routes and not router.clients
+    assert all(not u.inflight for u in router.upstreams)
+
+
+@pytest.fixture
+def pd() -> Iterator[Setup]:
+    with ExitStack() as stack:
+        p, d = FakeInstance("prefill"), FakeInstance("decode")
+        stack.callback(d.close)
+        stack.callback(p.close)
+        router = stack.enter_context(pd_router([p.address], [d.address]))
+        s = Setup(router, [p], [d])
+        stack.callback(lambda: s.cli.close())
+        wait_for(lambda: s.cli.health().status == "ok", "both pools up")
+        yield s
+
+
+# ---- the split request ----
+
+def test_streaming_client_gets_p_first_token_then_d_rest_without_duplication(pd):
+    dg, pg = pd.start_split(stream=True)
+    assert dg.id.endswith(".d") and dg.kv_transfer == KVTransferParams(role="decode")
+    assert dg.stream and dg.max_tokens == 5 and dg.prompt == PROMPT and dg.temperature == 0.0
+    assert pg.id.endswith(".p") and pg.id[:-2] == dg.id[:-2]
+    assert pg.max_tokens == 1 and pg.stream and pg.prompt == PROMPT and pg.temperature == 0.0
+    assert pg.kv_transfer == KVTransferParams(
+        role="prefill", peer=RESERVATION.endpoint, remote_req_id=RESERVATION.engine_req_id,
+        remote_block_ids=RESERVATION.block_ids, remote_num_cached_tokens=RESERVATION.num_cached_tokens)
+    pd.p.send(delta(pg.id, [11], " Hi"))
+    first = pd.cli.recv()  # at once: D has sent nothing since its reservation (never forwarded)
+    assert isinstance(first, P.Delta) and first.delta == RequestDelta("a", " Hi", [11])
+    pd.p.send(P.Final(result=result(pg.id, [11], " Hi")))
+    wait_for(lambda: pd.instance(pd.p.address)["inflight"] == 0, "P's final to be taken")
+    final = result(dg.id, [11, 12, 13, 14], " Hi there!")
+    for msg in (delta(dg.id, [11], ""),  # D holds the text back: nothing new for the client
+                delta(dg.id, [12, 13], " Hi there"), delta(dg.id, [14], "!"), P.Final(result=final)):
+        pd.d.send(msg)
+    got = [first.delta]
+    while not isinstance(msg := pd.cli.recv(), P.Final):
+        assert isinstance(msg, P.Delta)
+        got.append(msg.delta)
+    assert [(x.token_ids, x.text) for x in got] == [([11], " Hi"), ([12, 13], " there"), ([14], "!")]
+    assert msg.result == msgspec.structs.replace(final, id="a")
+    assert "".join(x.text for x in got) == final.text
+    assert [t for x in got for t in x.token_ids] == final.token_ids
+
+
+def test_non_streaming_client_gets_only_the_decode_final(pd):
+    dg, pg = pd.start_split(stream=False)
+    assert dg.stream and pg.stream and pg.max_tokens == 1  # the legs stream regardless
+    pd.p.send(delta(pg.id, [11], " Hi"))
+    pd.p.send(P.Final(result=result(pg.id, [11], " Hi")))
+    final = result(dg.id, [11, 12], " Hi there")
+    for msg in (delta(dg.id, [11], " Hi"), delta(dg.id, [12], " there"), P.Final(result=final)):
+        pd.d.send(msg)
+    msg = pd.cli.recv()
+    assert isinstance(msg, P.Final) and msg.result == msgspec.structs.replace(final, id="a")
+
+
+@pytest.mark.parametrize("kw", [{"n": 2}, {"prompt_logprobs": 1}, {"max_tokens": 1}, {"logprobs": 2}])
+def test_n_logprobs_and_one_token_run_whole_on_a_decode_instance(pd, kw):
+    pd.cli.send(P.Generate(id="w", prompt=PROMPT, stream=True, **({"max_tokens": 4} | kw)))
+    g = pd.d.expect(P.Generate)
+    assert g.kv_transfer is None and "." not in g.id and g.stream
+    assert all(getattr(g, k) == v for k, v in kw.items())
+    pd.d.send(delta(g.id, [7], "x"))  # plain: forwarded as is
+    pd.d.send(P.Final(result=result(g.id, [7], "x")))
+    assert pd.cli.recv() == delta("w", [7], "x")
+    assert pd.cli.recv() == P.Final(result=result("w", [7], "x"))
+    assert pd.p.got.empty()
+
+
+def test_prefill_error_is_the_final_and_aborts_decode(pd):
+    dg, pg = pd.start_split(stream=True)
+    err = error_result(pg.id, "kv_transfer_failed", "cannot reach tcp://127.0.0.1:7300")
+    pd.p.send(P.Final(result=err))
+    msg = pd.cli.recv()
+    assert isinstance(msg, P.Final) and msg.result.id == "a"
+    assert msg.result.error == ErrorInfo("kv_transfer_failed", "cannot reach tcp://127.0.0.1:7300")
+    assert pd.d.expect(P.Abort).id == dg.id
+    pd.d.send(P.Final(result=error_result(dg.id, "aborted", "aborted", finish_reason="abort")))
+    pd.sync()  # D's own final after the abort is not a second final
+
+
+def test_decode_error_before_prefill_ran_is_forwarded(pd):
+    pd.cli.send(P.Generate(id="a", prompt=PROMPT, max_tokens=5, stream=True))
+    dg = pd.d.expect(P.Generate)
+    pd.d.send(P.Final(result=error_result(dg.id, "kv_transfer_timeout", "no KV in 30 s")))
+    msg = pd.cli.recv()
+    assert isinstance(msg, P.Final) and msg.result.error == ErrorInfo("kv_transfer_timeout", "no KV in 30 s")
+    # and with the prefill running: that is aborted
+    dg, pg = pd.start_split(rid="b", stream=True)
+    pd.d.send(P.Final(result=error_result(dg.id, "kv_transfer_failed", "bad KV")))
+    msg = pd.cli.recv()
+    assert isinstance(msg, P.Final) and msg.result.id == "b" and msg.result.error.code == "kv_transfer_failed"
+    assert pd.p.expect(P.Abort).id == pg.id
+    assert pd.p.got.empty()
+
+
+def test_client_abort_reaches_both_and_the_final_is_decodes(pd):
+    dg, pg = pd.start_split(stream=True)
+    pd.cli.send(P.Abort(id="a"))
+    assert pd.d.expect(P.Abort).id == dg.id
+    assert pd.p.expect(P.Abort).id == pg.id
+    pd.p.send(P.Final(result=error_result(pg.id, "aborted", "by P", finish_reason="abort")))
+    wait_for(lambda: pd.instance(pd.p.address)["inflight"] == 0, "P's final to be taken")
+    final = error_result(dg.id, "aborted", "by D", finish_reason="abort")
+    pd.d.send(P.Final(result=final))
+    msg = pd.cli.recv()
+    assert isinstance(msg, P.Final) and msg.result == msgspec.structs.replace(final, id="a")
+
+
+def test_client_gone_aborts_both(pd):
+    dg, pg = pd.start_split(stream=True)
+    pd.cli.sock.close(linger=0)
+    assert pd.d.expect(P.Abort).id == dg.id
+    assert pd.p.expect(P.Abort).id == pg.id
+    pd.cli = Cli(pd.router.args.listen)
+
+
+def test_decode_instance_lost_fails_at_once_and_aborts_prefill(pd, monkeypatch):
+    _, pg = pd.start_split(stream=True)
+    t0 = time.monotonic()
+    pd.d.close()
+    msg = pd.cli.recv()
+    assert time.monotonic() - t0 < 1.0
+    assert isinstance(msg, P.Final) and msg.result.id == "a" and msg.result.error is not None
+    assert msg.result.error.code == "instance_failed"
+    assert f"decode instance {pd.d.address}" in msg.result.error.message
+    assert pd.p.expect(P.Abort).id == pg.id
+    assert pd.cli.health().status == "starting"  # no decode instance up
+    # a new split request waits for a decode instance: then it is unavailable
+    monkeypatch.setattr(server, "NO_INSTANCE_WAIT_S", 1.0)
+    pd.cli.send(P.Generate(id="b", prompt=PROMPT, max_tokens=5))
+    msg = pd.cli.recv(timeout=10)
+    assert msg.result.error.code == "unavailable" and "no decode instance" in msg.result.error.message
+
+
+def test_prefill_lost_before_its_final_fails_and_aborts_decode(pd):
+    dg, _ = pd.start_split(stream=True)
+    pd.p.close()
+    msg = pd.cli.recv()
+    assert isinstance(msg, P.Final) and msg.result.error.code == "instance_failed"
+    assert f"prefill instance {pd.p.address}" in msg.result.error.message
+    assert pd.d.expect(P.Abort).id == dg.id
+
+
+def test_prefill_lost_after_its_final_does_not_fail_the_request(pd):
+    dg, pg = pd.start_split(stream=False)
+    pd.p.send(delta(pg.id, [11], " Hi"))
+    pd.p.send(P.Final(result=result(pg.id, [11], " Hi")))
+    wait_for(lambda: pd.instance(pd.p.address)["inflight"] == 0, "P's final to be taken")
+    pd.p.close()
+    wait_for(lambda: not pd.instance(pd.p.address)["up"], "the router to see P down")
+    final = result(dg.id, [11, 12], " Hi there")
+    pd.d.send(delta(dg.id, [11, 12], " Hi there"))
+    pd.d.send(P.Final(result=final))
+    msg = pd.cli.recv()
+    assert isinstance(msg, P.Final) and msg.result == msgspec.structs.replace(final, id="a")
+    assert pd.d.got.empty()  # no abort
+
+
+def test_health_and_stats_cover_both_pools_with_roles(pd):
+    detail = pd.cli.health().detail["instances"]
+    assert {a: (i["role"], i["up"]) for a, i in detail.items()} == {
+        pd.p.address: ("prefill", True), pd.d.address: ("decode", True)}
+    pd.cli.send(P.Stats(id="s"))
+    while not isinstance(msg := pd.cli.recv(), P.StatsReply):
+        pass
+    assert msg.stats["kv_blocks_total"] == 200 and msg.stats["kv_blocks_free"] == 160
+    assert msg.stats["kv_usage"] == 0.2
+    assert {a: i["role"] for a, i in msg.stats["instances"].items()} == {
+        pd.p.address: "prefill", pd.d.address: "decode"}
+
+
+def test_a_client_kv_transfer_is_refused(pd):
+    pd.cli.send(P.Generate(id="k", prompt=PROMPT, kv_transfer=KVTransferParams(role="decode")))
+    msg = pd.cli.recv()
+    assert isinstance(msg, P.Final) and msg.result.error.code == "invalid_request"
+    assert "kv_transfer" in msg.result.error.message and pd.d.got.empty()
+
+
+def test_drain_lets_a_split_request_finish(pd):
+    dg, pg = pd.start_split(stream=False)
+    pd.router.stopping = True
+    wait_for(lambda: pd.cli.health().status == "draining", "the drain")
+    pd.cli.send(P.Generate(id="late", prompt=PROMPT))
+    msg = pd.cli.recv()
+    assert msg.result.id == "late" and msg.result.error.code == "draining"
+    pd.p.send(P.Final(result=result(pg.id, [11], " Hi")))
+    pd.d.send(P.Final(result=result(dg.id, [11, 12], " Hi there")))
+    msg = pd.cli.recv()
+    assert isinstance(msg, P.Final) and msg.result.error is None and msg.result.token_ids == [11, 12]
+
+
+# ---- pools: routing, instances of the wrong role, no prefill instance ----
+
+def test_wrong_role_is_not_used_and_plain_requests_do_not_wait_for_prefill(monkeypatch):
+    monkeypatch.setattr(server, "NO_INSTANCE_WAIT_S", 1.0)
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    with ExitStack() as stack:
+        d, wrong = FakeInstance("decode"), FakeInstance("mixed")
+        stack.callback(d.close)
+        stack.callback(wrong.close)
+        router = stack.enter_context(pd_router([dead], [d.address, wrong.address]))
+        cli = Cli(router.args.listen)
+        stack.callback(cli.close)
+        wait_for(lambda: "role" in (cli.health().detail["instances"][wrong.address]["why_down"] or ""),
+                 "the wrong-role instance to be refused")
+        assert cli.health().status == "starting"  # no prefill instance
+        cli.send(P.Generate(id="split", prompt=PROMPT, max_tokens=5))
+        cli.send(P.Generate(id="whole", prompt=PROMPT, max_tokens=1))
+        g = d.expect(P.Generate)  # the whole one runs on D at once
+        assert g.kv_transfer is None
+        d.send(P.Final(result=result(g.id, [3], "y")))
+        msg = cli.recv()
+        assert msg.result.id == "whole" and msg.result.error is None
+        msg = cli.recv(timeout=10)
+        assert msg.result.id == "split" and msg.result.error.code == "unavailable"
+        assert "no prefill instance" in msg.result.error.message and dead in msg.result.error.message
+        assert d.got.empty() and wrong.got.empty()
+
+
+def test_requests_spread_over_the_decode_pool():
+    with ExitStack() as stack:
+        insts = [FakeInstance(r) for r in ("prefill", "decode", "decode")]
+        for i in insts:
+            stack.callback(i.close)
+        p, d1, d2 = insts
+        router = stack.enter_context(pd_router([p.address], [d1.address, d2.address]))
+        cli = Cli(router.args.listen)
+        stack.callback(cli.close)
+        wait_for(lambda: cli.health().status == "ok" and all(
+            i["up"] for i in cli.health().detail["instances"].values()), "all up")
+        for i in range(2):
+            cli.send(P.Generate(id=f"g{i}", prompt=PROMPT, max_tokens=5))
+        a, b = d1.expect(P.Generate), d2.expect(P.Generate)  # the least loaded each time
+        for inst, g in ((d1, a), (d2, b)):
+            inst.send(P.Final(result=error_result(g.id, "aborted", "x", finish_reason="abort")))
+        assert {cli.recv().result.id for _ in range(2)} == {"g0", "g1"}
+
+
+# ---- the pure parts ----
+
+def test_pd_state_strips_what_the_client_has_from_p():
+    s = PDState(stream=True, show_text=True)
+    kv, out = s.on_decode_delta(RequestDelta("x", "", [], kv=RESERVATION))
+    assert kv == RESERVATION and out is None
+    assert s.on_decode_delta(RequestDelta("x", "", [], kv=RESERVATION)) == (None, None)  # once
+    assert s.on_prefill_delta(RequestDelta("x", "ab", [1])) == RequestDelta("x", "ab", [1])
+    assert s.on_decode_delta(RequestDelta("x", "a", [1])) == (None, None)
+    assert s.on_decode_delta(RequestDelta("x", "bcd", [2])) == (None, RequestDelta("x", "cd", [2]))
+    # D first (the race): P's delta is dropped, D's comes whole
+    s = PDState(stream=True, show_text=True)
+    assert s.on_decode_delta(RequestDelta("x", "ab", [1])) == (None, RequestDelta("x", "ab", [1]))
+    assert s.on_prefill_delta(RequestDelta("x", "ab", [1])) is None
+    # texts that disagree: stripping stops, D's text comes as is
+    s = PDState(stream=True, show_text=True)
+    s.on_prefill_delta(RequestDelta("x", "\ufffd", [1]))
+    assert s.on_decode_delta(RequestDelta("x", "é!", [1, 2])) == (None, RequestDelta("x", "é!", [2]))
+    # stop strings: P's text is held back, only its ids go ahead
+    s = PDState.of(P.Generate(id="x", prompt="p", stream=True, stop=["."]))
+    assert s.on_prefill_delta(RequestDelta("x", "a", [1])) == RequestDelta("x", "", [1])
+    assert s.on_decode_delta(RequestDelta("x", "a", [1])) == (None, RequestDelta("x", "a", []))
+    # P's final: only a failure is forwarded, and not once the client aborted
+    err = error_result("x", "kv_transfer_failed", "m")
+    assert PDState(True, True).on_prefill_final(err) is err
+    assert PDState(True, True, aborting=True).on_prefill_final(err) is None
+
+
+class FakeTarget:
+    def __init__(self, address: str, load: int, free: float) -> None:
+        self.address, self._load, self._free = address, load, free
+
+    def load(self) -> int:
+        return self._load
+
+    def free_share(self) -> float:
+        return self._free
+
+
+def test_pool_policy():
+    pol = PoolPolicy()
+    a, b, c = FakeTarget("a", 2, 0.5), FakeTarget("b", 1, 0.2), FakeTarget("c", 1, 0.6)
+    assert pol.choose_decode([a, b, c]) is c  # least loaded, then most free KV
+    assert pol.choose_decode([a, FakeTarget("full", 0, 0.01)]) is a
+    first = pol.choose_prefill([a, b, c], b"k")
+    assert all(pol.choose_prefill([a, b, c], b"k") is first for _ in range(3))  # cache-aware
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--instance", "tcp://127.0.0.1:2", "--prefill", "tcp://127.0.0.1:3"], "--instance"),
+    (["--prefill", "tcp://127.0.0.1:3"], "--prefill needs --decode"),
+    (["--decode", "tcp://127.0.0.1:3"], "--decode needs --prefill"),
+    ([], "--instance ADDR..."),
+    (["--prefill", "tcp://127.0.0.1:3", "--decode", "tcp://127.0.0.1:3"], "both pools"),
+    (["--prefill", "nowhere", "--decode", "tcp://127.0.0.1:3"], "--prefill 'nowhere'"),
+])
+def test_bad_pool_flags(flags, says):
+    args = argparse.Namespace(listen="tcp://127.0.0.1:1", instance=None, prefill=None, decode=None,
+                              drain_timeout=1.0, max_frame_bytes=P.MAX_FRAME_BYTES)
+    for flag, addrs in zip(flags[::2], flags[1::2], strict=True):
+        setattr(args, flag[2:], [addrs])
+    with pytest.raises(ValueError, match=says):
+        check_args(args)
+
+
+def test_bad_pool_flags_exit_2_with_one_line():
+    p = subprocess.run([*PIPELINE, "router", "--listen", "tcp://127.0.0.1:1", "--prefill",
+                        "tcp://127.0.0.1:2"], capture_output=True, text=True, cwd=ROOT, env=env(),
+                       timeout=60)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "--prefill needs --decode" in p.stderr
