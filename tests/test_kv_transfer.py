@@ -17,7 +17,20 @@ from test_ipc_procs import CTX
 
 from pipeline.cache.layout import KVLayout, LayoutMismatch
 from pipeline.cache.messager import Messager
-from pipeline.cache.tcp import DATA, FLUSH, HELLO, FlushAck, KVHeader, KVReceiver, TcpTransfer
+from pipeline.cache.tcp import (
+    DATA,
+    DONE,
+    ERR,
+    FLUSH,
+    HELLO,
+    OK,
+    FlushAck,
+    KVHeader,
+    KVReceiver,
+    PeerInfo,
+    TcpTransfer,
+    host_identity,
+)
 from pipeline.cache.transfer import IpcTransfer, KVTransfer, KVTransferError
 from pipeline.ipc.layer_signal import LayerSignal
 from pipeline.ipc.segment import attach_segment, unlink_segment
@@ -235,7 +248,8 @@ def _enc(obj) -> bytes:
 
 
 BB = LAYOUT.block_bytes
-MALFORMED_BEFORE_HELLO = [[DATA, _enc(KVHeader(0, [0], [1])), bytes(BB), bytes(BB)], [FLUSH, _enc(1)], [b"Z"]]
+MALFORMED_BEFORE_HELLO = [[DATA, _enc(KVHeader(0, [0], [1])), bytes(BB), bytes(BB)], [FLUSH, _enc(1)], [b"Z"],
+                          [DONE, _enc(["r", 1, ""])]]
 MALFORMED_AFTER_HELLO = [
     [b""], [b"ZZ", b"x"], [HELLO, b"\xc1garbage"], [HELLO, _enc({"num_layers": 3})],
     [DATA, b"\x93", bytes(BB), bytes(BB)],  # truncated header
@@ -252,6 +266,8 @@ MALFORMED_AFTER_HELLO = [
     # run 1 fine, run 2 out of range: rejected whole, run 1 not written either
     [DATA, _enc(KVHeader(0, [0, 12], [1, 1])), bytes(range(256)) * (BB // 256), bytes(BB), bytes(BB), bytes(BB)],
     [FLUSH, b"not an int"],
+    [DONE, _enc(["r", 1, ""])],  # well-formed, but this receiver takes no done messages
+    [DONE, b"\xc1"],
 ]
 
 
@@ -263,9 +279,15 @@ def test_malformed_messages_are_rejected_and_the_receiver_keeps_serving(decode_t
     try:
         for frames in MALFORMED_BEFORE_HELLO:
             s.send_multipart(frames)
+        # The flush without a handshake is answered at once (a restarted receiver), not ignored.
+        assert s.poll(WAIT * 1000)
+        assert s.recv_multipart() == [ERR, b"no handshake from this peer (receiver restarted?)"]
         s.send_multipart([HELLO, _enc(LAYOUT)])
         assert s.poll(WAIT * 1000)
-        assert s.recv_multipart()[0] == b"O"
+        kind, body = s.recv_multipart()
+        assert kind == OK
+        info = __import__("msgspec").msgpack.decode(body, type=PeerInfo)
+        assert (info.layout, info.segment, info.host) == (REMOTE, "", host_identity())
         for frames in MALFORMED_AFTER_HELLO:
             s.send_multipart(frames)
         s.send_multipart([FLUSH, _enc(7)])

@@ -1,35 +1,66 @@
-"""Cache messager stage: KV transfer across hosts over ZMQ (TCP), both ends.
+"""Cache messager stage: the KV link over ZMQ, both ends (data over TCP, control always).
 
-Owns `TcpTransfer` (prefill side, a DEALER: one multipart message per layer sent,
-`[b"D", header, K run 1, V run 1, K run 2, ...]`, the header naming the layer and each
-contiguous run's remote blocks, the K and V frames zero-copy views of the local pool) and
-`KVReceiver` (decode side, a ROUTER served by one thread: handshake, then each run copied
-from the received frame straight into its pool). Wire: `[b"H", KVLayout]` answered
-`[b"O", KVLayout]` or `[b"E", reason]`; `[b"F", seq]` answered `[b"F", FlushAck]` once every
-earlier message of that peer was applied or rejected (ZMQ keeps a peer's messages in order).
+Owns `TcpTransfer` (prefill side, a DEALER: the handshake, then one multipart message per
+layer sent, `[b"D", header, K run 1, V run 1, K run 2, ...]`, the header naming the layer and
+each contiguous run's remote blocks, the K and V frames zero-copy views of the local pool;
+flushes; and the "done" message of a request) and `KVReceiver` (decode side, a ROUTER served
+by one thread: handshake, then each run copied from the received frame straight into its
+pool, each done message handed to `on_done`). Wire:
+- `[b"H", KVLayout]` answered `[b"O", PeerInfo]` (the receiver's layout, the name of its KV
+  shared-memory segment and its host identity: what the prefill side needs to choose ipc)
+  or `[b"E", reason]`;
+- `[b"D", KVHeader, frames...]`: one layer's runs;
+- `[b"F", seq]` answered `[b"F", FlushAck]` once every earlier message of that peer was
+  applied or rejected (ZMQ keeps a peer's messages in order), `[b"E", reason]` to a peer
+  without a handshake (a receiver that restarted: the sender fails at once, no time-out);
+- `[b"R", KVDone]`: request `req_id`'s KV is in (its first `token`) or failed (`error`);
+  applied after that peer's earlier data, for the same ordering reason.
 A malformed or unexpected message is rejected whole (checked before a byte of it is written),
 logged and counted against its peer's next flush; it never stops the receiver. Every frame
-is bounded in bytes (MAXMSGSIZE: one layer of the pool; headers by the pool's block count)
-and every header field by the layout.
+is bounded in bytes (MAXMSGSIZE: one layer of the pool; headers by the pool's block count,
+done messages by MAX_DONE_FRAME) and every field by the layout or the KVDone limits.
 State: TcpTransfer: the socket and messages sent since the last flush. KVReceiver: the
-socket, the pool view, per handshaken peer the applied / rejected counts since its last flush.
+socket, the pool view, per handshaken peer the applied / rejected counts since its last
+flush, and the exception that ended its thread, if one did.
 """
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
+from collections.abc import Callable
+from typing import Annotated
 
 import msgspec
 import numpy as np
 import zmq
+from msgspec import Meta
 
 from pipeline.cache.layout import KVLayout, runs
 from pipeline.cache.transfer import KVTransfer, KVTransferError
+from pipeline.ipc.errors import PeerDied
 
 logger = logging.getLogger(__name__)
 
-HELLO, OK, ERR, DATA, FLUSH = b"H", b"O", b"E", b"D", b"F"
+HELLO, OK, ERR, DATA, FLUSH, DONE = b"H", b"O", b"E", b"D", b"F", b"R"
 MAX_SMALL_FRAME = 1024  # bytes of a header, layout or flush frame
+MAX_REQ_ID = 256  # characters of a request id (KVTransferParams.remote_req_id's limit)
+MAX_DONE_ERROR = 4096  # characters of a done message's error (clipped by the sender)
+MAX_DONE_FRAME = 4 * (MAX_DONE_ERROR + MAX_REQ_ID) + 64  # UTF-8: at most 4 bytes a character
+MAX_REPLY_FRAME = 64 * 1024  # what the prefill side takes from a receiver in one frame
+MAX_TOKEN = 2**31 - 1
+
+
+def host_identity() -> str:
+    """This host as a peer can compare it: boot id and host name ("" if the boot id is not
+    readable: then no peer is taken for the same host)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        return ""
+    return f"{boot}/{socket.gethostname()}" if boot else ""
 
 
 class KVHeader(msgspec.Struct, array_like=True):
@@ -46,18 +77,37 @@ class FlushAck(msgspec.Struct, array_like=True):
     reason: str  # the last rejection's, "" if none
 
 
+class PeerInfo(msgspec.Struct, array_like=True):
+    """The receiver's handshake reply."""
+    layout: KVLayout
+    segment: Annotated[str, Meta(max_length=255)]  # its KV pool's shared-memory name, "" if none
+    host: Annotated[str, Meta(max_length=512)]  # its `host_identity()`
+
+
+class KVDone(msgspec.Struct, array_like=True):
+    """The receiver's request `req_id`: KV in and first `token` sampled, or `error`."""
+    req_id: Annotated[str, Meta(min_length=1, max_length=MAX_REQ_ID)]
+    token: Annotated[int, Meta(ge=-1, le=MAX_TOKEN)] = -1
+    error: Annotated[str, Meta(max_length=MAX_DONE_ERROR)] = ""
+
+
 _enc = msgspec.msgpack.Encoder()
 _layout_dec = msgspec.msgpack.Decoder(KVLayout)
+_peer_dec = msgspec.msgpack.Decoder(PeerInfo)
 _header_dec = msgspec.msgpack.Decoder(KVHeader)
 _ack_dec = msgspec.msgpack.Decoder(FlushAck)
+_done_dec = msgspec.msgpack.Decoder(KVDone)
 _int_dec = msgspec.msgpack.Decoder(int)
 
 
 class TcpTransfer(KVTransfer):
-    """Prefill side: connects to a `KVReceiver`, handshakes, then streams runs of blocks."""
+    """Prefill side: connects to a `KVReceiver`, handshakes, then streams runs of blocks.
+
+    `timeout_s` bounds every send and every reply (flush); `connect_timeout_s` (default: the
+    same) the handshake's reply. `peer` is what the receiver said about itself."""
 
     def __init__(self, local_pool: object, local: KVLayout, endpoint: str,
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, connect_timeout_s: float | None = None) -> None:
         self.local = local
         self._src: np.ndarray | None = local.pool(local_pool)
         self._timeout_ms = int(timeout_s * 1000)
@@ -65,25 +115,36 @@ class TcpTransfer(KVTransfer):
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDTIMEO, self._timeout_ms)  # a dead peer must not block us
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_FRAME)  # replies are small
         self._sent = self._seq = 0
         self.endpoint = endpoint
         try:
             self._sock.connect(endpoint)
             self._sock.send_multipart([HELLO, _enc.encode(local)])
-            kind, body = self._reply("handshake")
+            kind, body = self._reply("handshake", connect_timeout_s)
             if kind == ERR:
                 raise ValueError(f"KV receiver at {endpoint} refused the handshake: "
                                  f"{body.decode(errors='replace')}")
-            self.remote = _layout_dec.decode(body)
+            if kind != OK:
+                raise KVTransferError(f"KV receiver at {endpoint}: unexpected handshake reply {kind!r}")
+            self.peer = _peer_dec.decode(body)
+            self.remote = self.peer.layout
             local.check_peer(self.remote)
+        except msgspec.DecodeError as e:
+            self.close()
+            raise KVTransferError(f"KV receiver at {endpoint}: malformed handshake reply: {e}") from None
+        except zmq.ZMQError as e:
+            self.close()
+            raise KVTransferError(f"KV receiver at {endpoint}: {e}") from None
         except BaseException:
             self.close()
             raise
 
-    def _reply(self, what: str) -> tuple[bytes, bytes]:
-        if not self._sock.poll(self._timeout_ms):
+    def _reply(self, what: str, timeout_s: float | None = None) -> tuple[bytes, bytes]:
+        ms = self._timeout_ms if timeout_s is None else int(timeout_s * 1000)
+        if not self._sock.poll(ms):
             raise KVTransferError(f"KV receiver at {self.endpoint}: no {what} reply within "
-                                  f"{self._timeout_ms / 1000} s")
+                                  f"{ms / 1000} s")
         frames = self._sock.recv_multipart()
         if len(frames) != 2:
             raise KVTransferError(f"KV receiver at {self.endpoint}: malformed {what} reply")
@@ -108,12 +169,17 @@ class TcpTransfer(KVTransfer):
         return 2 * len(arr) * self.local.block_bytes
 
     def flush(self) -> None:
+        if self._src is None:
+            raise KVTransferError(f"transfer to {self.endpoint} is closed")
         self._seq += 1
         sent, self._sent = self._sent, 0
         try:
             self._sock.send_multipart([FLUSH, _enc.encode(self._seq)])
             while True:  # a reply to an earlier, timed-out flush may still come first
                 kind, body = self._reply("flush")
+                if kind == ERR:
+                    raise KVTransferError(f"KV receiver at {self.endpoint} refused the flush: "
+                                          f"{body.decode(errors='replace')}")
                 ack = _ack_dec.decode(body) if kind == FLUSH else None
                 if ack is None or ack.seq == self._seq:
                     break
@@ -124,6 +190,23 @@ class TcpTransfer(KVTransfer):
                 f"KV receiver at {self.endpoint} applied {ack.applied if ack else 0} of {sent} "
                 f"messages, rejected {ack.rejected if ack else '?'}"
                 + (f": {ack.reason}" if ack and ack.reason else ""))
+
+    def send_done(self, req_id: str, token: int = -1, error: str = "") -> None:
+        """Tell the receiver its request `req_id` has its KV (and first `token`) or failed
+        (`error`, clipped to MAX_DONE_ERROR). Not acknowledged: a lost one times out there.
+        ValueError for a field the receiver would refuse; KVTransferError if it cannot be
+        queued within the time-out."""
+        if self._ctx.closed:
+            raise KVTransferError(f"transfer to {self.endpoint} is closed")
+        if not 0 < len(req_id) <= MAX_REQ_ID:
+            raise ValueError(f"req_id of {len(req_id)} characters must be 1..{MAX_REQ_ID}")
+        if not error and not 0 <= token <= MAX_TOKEN:
+            raise ValueError(f"token={token} must be in 0..{MAX_TOKEN} (or give an error)")
+        msg = KVDone(req_id, -1 if error else token, error[:MAX_DONE_ERROR])
+        try:
+            self._sock.send_multipart([DONE, _enc.encode(msg)])
+        except zmq.ZMQError as e:
+            raise KVTransferError(f"KV done message to {self.endpoint} failed: {e}") from e
 
     def close(self) -> None:
         self._src = None  # the view pins the local pool's mapping
@@ -144,23 +227,44 @@ class _Peer:
         self.reason = ""
 
 
-class KVReceiver:
-    """Decode side: receives runs of blocks into `pool` (laid out as `layout`) on a thread."""
+DoneFn = Callable[[str, int, str], None]
 
-    def __init__(self, pool: object, layout: KVLayout, endpoint: str = "tcp://127.0.0.1:0") -> None:
+
+class KVReceiver:
+    """Decode side: receives runs of blocks into `pool` (laid out as `layout`) on a thread.
+
+    `segment`: the name of `pool`'s shared-memory segment, told to peers so that one on the
+    same `host` (default: this one's `host_identity()`) can copy into it directly ("": none).
+    `on_done(req_id, token, error)`: called on the receiver thread for each valid done
+    message; PeerDied from it ends the thread (`error` holds it, `wait` returns True), any
+    other exception rejects that message. `max_token`: larger tokens are rejected."""
+
+    def __init__(self, pool: object, layout: KVLayout, endpoint: str = "tcp://127.0.0.1:0", *,
+                 segment: str = "", host: str | None = None, on_done: DoneFn | None = None,
+                 max_token: int = MAX_TOKEN) -> None:
         self.layout, self._dst = layout, layout.pool(pool)
+        self.info = PeerInfo(layout, segment, host_identity() if host is None else host)
+        self.on_done, self.max_token = on_done, max_token
         self.rejected = 0  # all peers, since start: for tests and metrics
+        self.done = 0  # done messages handed to on_done
+        self.error: BaseException | None = None  # what ended the thread, if not close()
+        self.stopping = False  # close() was called: on_done may give up waiting
         self._peers: dict[bytes, _Peer] = {}
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # The largest legal frame is one layer's K (or V) of the whole pool.
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_SMALL_FRAME, layout.num_blocks * layout.block_bytes))
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_DONE_FRAME, layout.num_blocks * layout.block_bytes))
         # A header names at most one run per block: two msgpack ints (<= 9 bytes each) per run.
         self._max_header = MAX_SMALL_FRAME + 18 * layout.num_blocks
-        self._sock.bind(endpoint)
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            self._sock.close()
+            self._ctx.term()
+            raise OSError(f"KV receiver cannot listen on {endpoint}: {e}") from None
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        stop_addr = f"inproc://kv-receiver-stop-{id(self)}"
+        stop_addr = f"inproc://kv-receiver-stop-{id(self)}-{os.getpid()}"
         self._stop_rx = self._ctx.socket(zmq.PAIR)
         self._stop_rx.bind(stop_addr)
         self._stop_tx = self._ctx.socket(zmq.PAIR)
@@ -169,6 +273,14 @@ class KVReceiver:
         self._thread.start()
 
     def _serve(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - kept for the owner (wait / error)
+            self.error = e
+            if not isinstance(e, PeerDied):
+                logger.error("KV receiver %s stopped: %s: %s", self.endpoint, type(e).__name__, e)
+
+    def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._stop_rx, zmq.POLLIN)
@@ -177,13 +289,15 @@ class KVReceiver:
             peer = frames[0].bytes
             try:
                 self._handle(peer, frames[1:])
+            except PeerDied:
+                raise  # on_done's ring reader (the engine) died: nothing left to serve
             except Exception as e:  # noqa: BLE001 - a bad message must never end the receiver
                 self.rejected += 1
                 logger.warning("KV receiver %s: rejected a message from peer %s: %s",
                                self.endpoint, peer.hex(), e)
                 if (p := self._peers.get(peer)) is not None:
                     p.rejected += 1
-                    p.reason = str(e)
+                    p.reason = str(e)[:MAX_SMALL_FRAME]
 
     def _handle(self, peer: bytes, frames: list) -> None:
         kind = frames[0].bytes if frames and len(frames[0]) <= 1 else None
@@ -195,10 +309,12 @@ class KVReceiver:
                 self._sock.send_multipart([peer, ERR, str(e).encode()])
                 raise _Rejected(e) from None
             self._peers[peer] = _Peer()
-            self._sock.send_multipart([peer, OK, _enc.encode(self.layout)])
+            self._sock.send_multipart([peer, OK, _enc.encode(self.info)])
             return
         p = self._peers.get(peer)
         if p is None:
+            if kind == FLUSH:  # the sender would otherwise wait out its time-out
+                self._sock.send_multipart([peer, ERR, b"no handshake from this peer (receiver restarted?)"])
             raise _Rejected("message before a successful handshake")
         if kind == DATA and len(frames) >= 4 and len(frames[1]) <= self._max_header:
             self._apply(_header_dec.decode(frames[1].buffer), frames[2:])
@@ -207,8 +323,19 @@ class KVReceiver:
             seq = _int_dec.decode(frames[1].buffer)
             self._sock.send_multipart([peer, FLUSH, _enc.encode(FlushAck(seq, p.applied, p.rejected, p.reason))])
             self._peers[peer] = _Peer()
+        elif kind == DONE and len(frames) == 2 and len(frames[1]) <= MAX_DONE_FRAME:
+            self._done(_done_dec.decode(frames[1].buffer))
         else:
             raise _Rejected(f"unexpected message: kind {kind!r}, {len(frames)} frames")
+
+    def _done(self, d: KVDone) -> None:
+        if not d.error and not 0 <= d.token <= self.max_token:
+            raise _Rejected(f"done for {d.req_id!r}: token={d.token} out of range 0..{self.max_token} "
+                            f"and no error")
+        if self.on_done is None:
+            raise _Rejected("done message, but this receiver takes none")
+        self.on_done(d.req_id, d.token, d.error)
+        self.done += 1
 
     def _apply(self, h: KVHeader, kv: list) -> None:
         """Checks the whole message before writing a byte of it."""
@@ -230,10 +357,16 @@ class KVReceiver:
             for j in (0, 1):
                 dst[j, start:start + n] = np.frombuffer(kv[2 * k + j].buffer, np.uint8).reshape(n, -1)
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the receiver thread ended (then True; `error` says why) or `timeout`."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def close(self) -> None:
         """Stop the thread, close the sockets, drop the pool view. Idempotent."""
         if self._ctx.closed:
             return
+        self.stopping = True
         self._stop_tx.send(b"")
         self._thread.join()
         for s in (self._sock, self._stop_rx, self._stop_tx):

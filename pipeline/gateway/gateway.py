@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait as wait_sentinels
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -30,7 +31,7 @@ from pipeline.config import EngineConfig
 from pipeline.gateway.supervisor import Stage, describe_exit, last_words, spawn_stage, wait_ready
 from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.errors import PeerDied
-from pipeline.ipc.instance import Instance, unlink_instance
+from pipeline.ipc.instance import Instance, owner_alive, unlink_instance
 from pipeline.ipc.layer_signal import LayerSignal
 from pipeline.ipc.ring import Doorbell, Ring, wait_any
 from pipeline.ipc.sweep import sweep_stale
@@ -64,6 +65,15 @@ def size_problem(req: GatewayRequest, encoded_size: int, limit: int) -> str | No
     name = max(fields, key=fields.__getitem__)
     return (f"request: {encoded_size} bytes encoded, the limit is {limit} bytes "
             f"(MAX_REQUEST_BYTES); field `{name}` takes {fields[name]} of them")
+
+
+def sweep_kv_sockets(run_dir: Path) -> None:
+    """Remove the ipc sockets decode instances left behind when killed (`<id>`: a dead
+    instance, by the owner record ``ipc.sweep`` judges /dev/shm entries by)."""
+    for path in run_dir.glob("pipeline-*.kv"):
+        iid = path.name[len("pipeline-"):-len(".kv")]
+        if owner_alive(iid) is not True and path.is_socket() and path.stat().st_uid == os.geteuid():
+            path.unlink(missing_ok=True)
 
 
 class Gateway:
@@ -101,7 +111,8 @@ class Gateway:
         self.instance = Instance(self.config.instance_id)
         if self.config.role == "decode" and not self.config.kv_listen:
             # Same host only: where prefill instances' cache messagers reach ours.
-            run_dir = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+            run_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+            sweep_kv_sockets(run_dir)
             self.config = msgspec.structs.replace(
                 self.config, kv_listen=f"ipc://{run_dir}/pipeline-{self.config.instance_id}.kv")
         try:
@@ -347,6 +358,8 @@ class Gateway:
                          getattr(self, "layer_signal", None), *getattr(self, "doorbells", [])]:
                 if ring is not None:
                     ring.close()
+        if self.config.kv_listen.startswith("ipc://"):  # a killed messager leaves its socket
+            Path(self.config.kv_listen[len("ipc://"):]).unlink(missing_ok=True)
         if self.instance is not None:
             self.instance.cleanup()
             # Segments a stage created itself (the worker's KV cache) and could not unlink

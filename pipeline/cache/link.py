@@ -1,0 +1,142 @@
+"""Cache messager stage (prefill side): the link to one decode peer, and the bounded set of them.
+
+Owns `KVLink`, a `KVTransfer` to one decode instance's cache messager: its ZMQ connection
+(`TcpTransfer`: handshake, flush round trips, done messages) always, and the blocks either
+over that same socket (tcp) or copied straight into the peer's KV segment (`IpcTransfer`,
+ipc) when mode allows, the peer's host identity equals ours and its segment maps. On ipc a
+flush is still one round trip on the socket: it proves the peer that owns the segment is the
+live receiver we shook hands with (a dead or restarted one fails the step instead of its
+blocks silently landing in a segment nobody reads). Owns `LinkCache`: peer endpoint -> link,
+the least recently used closed beyond `max_links`; a peer whose connect failed is refused
+for `retry_s` (with its error) so that a dead peer costs one handshake time-out, not one per
+step. State: KVLink: its two transfers. LinkCache: the links, the recently failed peers.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from pipeline.cache.layout import KVLayout
+from pipeline.cache.tcp import TcpTransfer, host_identity
+from pipeline.cache.transfer import IpcTransfer, KVTransfer, KVTransferError
+from pipeline.messages.kv import MAX_KV_ENDPOINT_BYTES
+
+logger = logging.getLogger(__name__)
+
+MODES = ("auto", "ipc", "tcp")
+
+
+def check_peer_endpoint(peer: object) -> str:
+    """`peer` if it is a ZMQ endpoint a link can connect to, else ValueError naming the limit."""
+    if not isinstance(peer, str) or not peer.startswith(("tcp://", "ipc://")) \
+            or len(peer.encode()) > MAX_KV_ENDPOINT_BYTES:
+        raise ValueError(f"peer={peer!r} must be tcp://HOST:PORT or ipc://PATH of at most "
+                         f"{MAX_KV_ENDPOINT_BYTES} bytes")
+    return peer
+
+
+class KVLink(KVTransfer):
+    """One decode peer. `kind` is "ipc" or "tcp"; `mode` "ipc" that cannot be used raises
+    KVTransferError saying why. `local_segment`: our own pool's name, never taken as a peer's."""
+
+    def __init__(self, local_pool: object, local: KVLayout, endpoint: str, mode: str = "auto", *,
+                 timeout_s: float = 10.0, connect_timeout_s: float | None = None,
+                 host: str | None = None, local_segment: str = "") -> None:
+        if mode not in MODES:
+            raise ValueError(f"kv_transfer mode={mode!r} must be one of {MODES}")
+        self.endpoint = check_peer_endpoint(endpoint)
+        self.control = TcpTransfer(local_pool, local, endpoint, timeout_s, connect_timeout_s)
+        self.local, self.remote = local, self.control.remote
+        self.data: KVTransfer = self.control
+        self.kind = "tcp"
+        if mode == "tcp":
+            return
+        peer = self.control.peer
+        mine = host_identity() if host is None else host
+        why = None
+        if not peer.segment:
+            why = "it has no shared-memory KV segment"
+        elif not mine or peer.host != mine:
+            why = f"it runs on host {peer.host!r}, this is {mine!r}"
+        elif peer.segment == local_segment:
+            why = f"it names this instance's own KV segment {peer.segment}"
+        else:
+            try:
+                self.data = IpcTransfer(local_pool, local, peer.segment, self.remote)
+                self.kind = "ipc"
+            except Exception as e:  # noqa: BLE001 - any failure to map it means "not here"
+                why = f"cannot map its KV segment {peer.segment}: {type(e).__name__}: {e}"
+        if why is not None and mode == "ipc":
+            self.control.close()
+            raise KVTransferError(f"kv_transfer=ipc to {endpoint} impossible: {why}")
+
+    def send_layer(self, layer: int, pairs: object) -> int:
+        return self.data.send_layer(layer, pairs)
+
+    def flush(self) -> None:
+        self.data.flush()
+        if self.data is not self.control:
+            self.control.flush()
+
+    def send_done(self, req_id: str, token: int = -1, error: str = "") -> None:
+        """The peer's request `req_id` is complete (its first `token`) or failed (`error`).
+        Sent after every earlier block of this link (ipc copies end in send_layer)."""
+        self.control.send_done(req_id, token, error)
+
+    def close(self) -> None:
+        if self.data is not self.control:
+            self.data.close()
+        self.control.close()
+
+
+class LinkCache:
+    """peer endpoint -> link made by `connect(peer)`, at most `max_links` kept open."""
+
+    def __init__(self, connect: Callable[[str], KVLink], max_links: int = 64,
+                 retry_s: float = 1.0) -> None:
+        if max_links < 1:
+            raise ValueError(f"max_links={max_links} must be >= 1")
+        self._connect, self.max_links, self.retry_s = connect, max_links, retry_s
+        self._links: OrderedDict[str, KVLink] = OrderedDict()
+        self._down: OrderedDict[str, tuple[float, str]] = OrderedDict()  # peer -> (until, why)
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    def get(self, peer: str) -> KVLink:
+        """The open link to `peer`, connecting if needed; KVTransferError / ValueError why not."""
+        link = self._links.get(peer)
+        if link is not None:
+            self._links.move_to_end(peer)
+            return link
+        check_peer_endpoint(peer)
+        down = self._down.get(peer)
+        if down is not None:
+            if time.monotonic() < down[0]:
+                raise KVTransferError(f"{down[1]} (not retried for {self.retry_s} s)")
+            del self._down[peer]
+        try:
+            link = self._connect(peer)
+        except Exception as e:
+            self._down[peer] = (time.monotonic() + self.retry_s, f"{type(e).__name__}: {e}")
+            while len(self._down) > self.max_links:
+                self._down.popitem(last=False)
+            raise
+        logger.info("KV link to %s: %s", peer, link.kind)
+        self._links[peer] = link
+        while len(self._links) > self.max_links:
+            _, old = self._links.popitem(last=False)
+            old.close()
+        return link
+
+    def drop(self, peer: str) -> None:
+        """Close `peer`'s link (after a failure): the next `get` connects anew."""
+        link = self._links.pop(peer, None)
+        if link is not None:
+            link.close()
+
+    def close(self) -> None:
+        while self._links:
+            self._links.popitem()[1].close()
