@@ -12,7 +12,7 @@ import sys
 COMMANDS = {
     "run": ("pipeline.gateway.pipe", "pipe mode: prompts or JSON lines on stdin, JSON lines out"),
     "serve": ("pipeline.gateway.serve", "the daemon (ZMQ, systemd Type=notify)"),
-    "router": ("pipeline.router.server", "one address in front of several daemons (data parallel, or prefill/decode pools)"),
+    "router": ("pipeline.router.server", "one address over several daemons (replicas or prefill/decode pools)"),
     "make-model": ("pipeline.models.make_model", "write a random-initialised checkpoint"),
 }
 BENCHES = {

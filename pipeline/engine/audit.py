@@ -2,26 +2,41 @@
 
 Read-only over the scheduler's state. O(blocks + owned blocks), so the engine runs it when
 idle, and tests after every step: free + cached-evictable + in-use == total, every in-use
-block's ref count equals its number of owners, only cached blocks are shared, no request
-lists a block twice, nothing is leaked, and only running requests hold blocks.
+block's ref count equals its number of owners plus the references held for a KV transfer
+(prefill role: a step's blocks stay leased until the cache messager reports their transfer;
+decode role: an ended reservation's blocks stay quarantined until its prefill peer is done
+with them; ``Reservations.check`` checks the quarantine itself), only cached blocks are
+shared by requests, no request lists a block twice, nothing is leaked, and only requests that
+may hold blocks do: running ones, decode-role reservations (WAITING_FOR_KV) and
+decode-role requests waiting for admission with the KV they received.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from pipeline.engine.block_pool import BlockPool
 from pipeline.engine.request import Request, RequestStatus
 
 
-def audit_block_table(pool: BlockPool, requests: Iterable[Request], num_running: int) -> list[str]:
+def _may_hold_blocks(req: Request) -> bool:
+    st = req.status
+    return (st == RequestStatus.RUNNING or st == RequestStatus.WAITING_FOR_KV
+            or (st == RequestStatus.WAITING and req.kv_received))
+
+
+def audit_block_table(pool: BlockPool, requests: Iterable[Request], num_running: int,
+                      held: Mapping[int, int] | None = None) -> list[str]:
+    """``held``: block id -> references held for a KV transfer, not by a request (prefill
+    transfer leases, decode quarantine); a referenced block nobody holds is a leak."""
     errs = pool.check()
+    held = held or {}
     owners: dict[int, list[str]] = defaultdict(list)
     n_running = 0
     for req in requests:
         if req.status == RequestStatus.RUNNING:
             n_running += 1
-        elif req.blocks:
+        if req.blocks and not _may_hold_blocks(req):
             errs.append(f"request {req.req_id} ({req.status.name}) holds {len(req.blocks)} blocks")
         for b in req.blocks:
             owners[b.block_id].append(req.req_id)
@@ -31,10 +46,17 @@ def audit_block_table(pool: BlockPool, requests: Iterable[Request], num_running:
             errs.append(f"block {bid} listed twice by request {ids[0]}")
         if len(ids) > 1 and b.block_hash is None:
             errs.append(f"uncached block {bid} owned by several requests: {sorted(ids)}")
-        if len(ids) != b.ref_cnt:
-            errs.append(f"block {bid} ref_cnt {b.ref_cnt} but owners {sorted(ids)}")
+        n_held = held.get(bid, 0)
+        if len(ids) + n_held != b.ref_cnt:
+            errs.append(f"block {bid} ref_cnt {b.ref_cnt} but owners {sorted(ids)}"
+                        + (f" and {n_held} held for a KV transfer" if n_held else ""))
+    for bid, n_held in held.items():
+        b = pool.blocks[bid]
+        if bid not in owners and b.ref_cnt != n_held:
+            errs.append(f"block {bid} ref_cnt {b.ref_cnt} but {n_held} held for a KV transfer, "
+                        f"no owner")
     for b in pool.blocks:
-        if b.ref_cnt > 0 and b.block_id not in owners:
+        if b.ref_cnt > 0 and b.block_id not in owners and b.block_id not in held:
             errs.append(f"block {b.block_id} leaked: ref_cnt {b.ref_cnt}, no owner")
     if n_running != num_running:
         errs.append(f"{num_running} in the running list, {n_running} RUNNING")

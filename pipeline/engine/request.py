@@ -6,6 +6,12 @@ cache, the blocks it owns, the chain hashes of its full blocks, and the timings 
 processor reports. A client request of ``n > 1`` completions is n Requests ("children"):
 each has its own id, ``out_id`` (the client request's id) and ``index``. Nothing outside the
 engine stage ever sees or mutates it.
+
+Disaggregation adds a status and three fields: a decode-role request is WAITING_FOR_KV from
+its arrival until its prompt's KV arrived (first without blocks, queued for a reservation,
+then holding them; ``engine.disagg.Reservations`` says which), then WAITING while it holds
+the received KV until it is admitted (``kv_received``); a prefill-role request carries where
+its prompt's KV goes (``kv_send``) and how far it went (``kv_sent_blocks``, ``kv_finished``).
 """
 from __future__ import annotations
 
@@ -17,16 +23,19 @@ from pipeline.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pipeline.engine.block_pool import KVBlock
+    from pipeline.messages.kv import KVTransferParams
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    WAITING_FOR_KV = 3  # decode role: queued for a reservation, or reserved and receiving
+    # Every finished status is above the others (the waiting queue drops them by comparison).
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
 
 FINISH_REASONS: dict[RequestStatus, str] = {
@@ -90,6 +99,15 @@ class Request:
     held: list[Request] = field(default_factory=list)
     # Next prompt token whose logprobs go out (token 0 has none); prompt_logprobs only.
     prompt_logprobs_sent: int = 1
+    # Decode role: its prompt's KV arrived from a prefill instance into the blocks it holds
+    # (so it may wait for admission holding them, with num_computed_tokens == prompt length).
+    kv_received: bool = False
+    # Prefill role: the decode instance's blocks to fill; leading blocks sent in full so far
+    # (reset by a preemption: sent again from the remote prefix-hit boundary); whether its
+    # KVFinish (first token, or error) is out.
+    kv_send: KVTransferParams | None = None
+    kv_sent_blocks: int = 0
+    kv_finished: bool = False
 
     def __post_init__(self) -> None:
         if not self.out_id:

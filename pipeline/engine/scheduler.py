@@ -14,17 +14,26 @@ place once its prompt's KV is computed, so they take the prompt's full blocks fr
 prefix cache instead of computing them again (each recomputes at most its last, partial
 block, for its own first token's logits). Aborting the client id aborts every child; a stop
 string ends one child (the token processor names it by ``child_id``).
+
+Disaggregation: ``engine.disagg`` holds its state (decode-role reservations and their
+quarantine, prefill-role transfer leases), ``engine.scheduler_pd`` the Scheduler's methods
+for it (``poll_kv``, ``on_kv_ready``, ``take_plan``, ``on_transfer_report``, ...). A decode-role
+reservation waits for its KV outside the queue; once it came the request is admitted first,
+holding its blocks (``_admit``). A prefill-role step's plan is made at the end of ``schedule()``.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
 from pipeline.config import EngineConfig
+from pipeline.engine import scheduler_pd
 from pipeline.engine.audit import audit_block_table
+from pipeline.engine.disagg import Reservations, TransferLeases, check_kv_transfer
 from pipeline.engine.kv_cache_manager import KVCacheManager
 from pipeline.engine.preemption import make_policy
 from pipeline.engine.request import ABORT_STATUS, FINISH_REASONS, Request, RequestStatus
@@ -41,6 +50,7 @@ from pipeline.messages import (
     bytes_to_ids,
     ids_to_bytes,
 )
+from pipeline.messages.kv import TransferPlan
 from pipeline.messages.outputs import child_id
 from pipeline.messages.step import PromptLogprobs
 from pipeline.sampling_params import SamplingParams
@@ -79,7 +89,9 @@ class _Step:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int,
-                 max_model_len: int, hash_key: bytes | None = None) -> None:
+                 max_model_len: int, hash_key: bytes | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the monotonic clock of reservation deadlines (tests inject one)."""
         for name, v in (("max_num_seqs", config.max_num_seqs),
                         ("max_num_batched_tokens", config.max_num_batched_tokens),
                         ("max_model_len", max_model_len)):
@@ -114,18 +126,40 @@ class Scheduler:
         self.num_computed_tokens = 0  # prompt, recomputed and decode tokens run by the worker
         self.num_generated_tokens = 0
         self.num_stale_results = 0  # results for requests preempted/aborted while in flight
+        # Disaggregation (engine.disagg): decode-role reservations, prefill-role leases.
+        self.role = config.role
+        self.reservations = Reservations(self.kv, config.kv_transfer_timeout, clock)
+        self.transfers = TransferLeases(self.kv.pool, block_size)
+        self._plan: TransferPlan | None = None  # this step's, until take_plan()
+        self._kv_outputs: list[EngineOutput] = []  # reservations made in schedule()
+        self.num_kv_transfers_failed = 0
+        self.num_kv_ready_ignored = 0  # KVReady for no reservation (gone, or never made)
 
     # -- admission and abort ------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
         """Queue a validated request (``tokenizer.validate``); ValueError if it could never
-        fit in the whole KV cache, which only the engine knows."""
+        fit in the whole KV cache, which only the engine knows. A refused prefill-role request
+        still owes its decode peer a KVFinish (so the reservation there ends now)."""
+        try:
+            self._add_request(er)
+        except ValueError as exc:
+            if er.req_id not in self.requests:
+                self.transfers.refused(er, str(exc))
+            raise
+
+    def _add_request(self, er: EngineRequest) -> None:
         sp = er.sampling_params
         n = sp.n
         ids = [child_id(er.req_id, k, n) for k in range(n)]
         for rid in {er.req_id, *ids}:
             if rid in self.requests or rid in self.parents:
                 raise ValueError(f"request id {rid!r} is already in the engine")
+            if rid in self.reservations.quarantine:  # its KVReady must free only its blocks
+                raise ValueError(f"request id {rid!r} is still in the engine: a prefill instance "
+                                 f"may be writing into its ended reservation's KV blocks")
         prompt = bytes_to_ids(er.prompt_token_ids).tolist()
+        if er.kv_transfer is not None:
+            check_kv_transfer(er, self.role, self.block_size, len(prompt))
         # The last sampled token's KV is never computed, hence total - 1.
         need = -(-(len(prompt) + sp.max_tokens - 1) // self.block_size)
         if need > self.kv.pool.num_blocks:
@@ -143,13 +177,18 @@ class Scheduler:
         for c in children:
             c.block_hashes = list(first.block_hashes)  # same prompt, same chain
             self.requests[c.req_id] = c
+        self.num_prompt_tokens += len(prompt)
+        kvt = er.kv_transfer
+        if kvt is not None and kvt.role == "decode":
+            self.reservations.add(first)  # n == 1: no siblings
+            return
+        first.kv_send = kvt  # prefill role, or None
         first.order = self.waiting.add(first)
         if n > 1:
             self.parents[er.req_id] = children
             first.held = children[1:]
             if not self.kv.enable_caching:
                 self._release_siblings(first)  # nothing to share: no reason to wait
-        self.num_prompt_tokens += len(prompt)
 
     def _release_siblings(self, first: Request) -> None:
         """Queue the held siblings of ``first`` at its place in the queue."""
@@ -175,16 +214,33 @@ class Scheduler:
             for req in children if children is not None else [self.requests.get(rid)]:
                 if req is None or req.req_id not in self.requests:
                     continue  # unknown or already finished: its final output went out already
-                if req.status == RequestStatus.RUNNING:
-                    self.running.remove(req)
-                else:
-                    self.waiting.discard(req)  # a no-op for a held sibling
+                self._detach(req)
                 req.status = status
-                self._finish(req)
+                self._finish(req, why or f"finished ({reason}) before its first token")
                 outs.append(self._output(req, [], why))
         return outs
 
-    def _finish(self, req: Request) -> None:
+    def _detach(self, req: Request) -> None:
+        """Take a live request out of the list or queue it is in (before finishing it)."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_KV:
+            self.reservations.discard(req)
+        else:
+            self.waiting.discard(req)  # a no-op for a held sibling
+
+    def _fail(self, req: Request, code: str, message: str) -> list[EngineOutput]:
+        """End a live request as an error with ``code`` (the answer's ErrorInfo.code)."""
+        self._detach(req)
+        req.status = RequestStatus.FINISHED_ERROR
+        self._finish(req, message)
+        return [self._output(req, [], message, error_code=code)]
+
+    def _finish(self, req: Request, why: str = "") -> None:
+        """``why``: for a prefill-role PD request ending before its first token, what its
+        KVFinish tells the decode instance."""
+        if req.kv_send is not None:
+            self.transfers.finish(req, error=why or "the prefill request ended before its first token")
         self.kv.free(req)
         req.finish_time = time.time()
         req.scheduled_step = -1
@@ -204,12 +260,15 @@ class Scheduler:
         req.scheduled_step = -1
         req.sent_to_worker = False
         req.num_preemptions += 1
+        req.kv_sent_blocks = 0  # prefill role: send again from the remote prefix-hit boundary
         self.num_preemptions += 1
         self._reserve = RESERVE_INIT
         self.waiting.add_front(req)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Whether a step has work (or may have, once blocks free up). Decode-role
+        reservations are no work for a step: the stage waits for KV or their deadline."""
+        return len(self.requests) > len(self.reservations)
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -258,6 +317,10 @@ class Scheduler:
         if not preempted:
             self._reserve = max(RESERVE_MIN, self._reserve * RESERVE_DECAY)
             self._admit(step, budget, num_sched, new_reqs, st)
+            if self.reservations.queued:
+                self._kv_outputs += self._reserve_kv()
+        if self.role == "prefill":
+            self._plan_step(step, num_sched)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(step, new_reqs, cached_reqs, num_sched, sum(num_sched.values()),
                                finished, [r.req_id for r in preempted])
@@ -293,20 +356,28 @@ class Scheduler:
             req = self.waiting.peek()
             if req is None:
                 break
-            # Prompt logprobs need every prompt position's logits: no prefix-cache hit.
-            computed, n_hit = ([], 0) if req.owes_prompt_logprobs else kv.get_computed_blocks(req)
-            n = min(req.num_tokens - n_hit, budget)
+            # Prompt logprobs need every prompt position's logits: no prefix-cache hit. A
+            # request holding blocks (decode role: its prompt's KV arrived) looks up nothing.
+            held = bool(req.blocks)
+            computed, n_hit = ([], 0) if req.owes_prompt_logprobs or held else \
+                kv.get_computed_blocks(req)
+            n = min(req.num_tokens - req.num_computed_tokens - n_hit, budget)
             if self._explicit_threshold or running:
                 n = min(n, self.long_prefill_token_threshold)
             size = 4 * req.num_tokens + req.params_bytes  # what NewRequestData carries
             if new_reqs and st.new_request_bytes + size > NEW_REQUESTS_BYTES_PER_STEP:
                 break
-            if running and kv.blocks_needed(req, n, computed) + reserve > kv.pool.num_free_blocks:
+            # Only a request that takes blocks eats into the running requests' reserve (one
+            # whose KV arrived has its first decode token's slot already: it never waits for
+            # a block, so reservations cannot deadlock the batch).
+            need = kv.blocks_needed(req, n, computed)
+            if running and need and need + reserve > kv.pool.num_free_blocks:
                 break
             if kv.allocate_slots(req, n, computed) is None:
                 break
             self.waiting.pop()
-            kv.record_lookup(req.num_tokens, n_hit)
+            if not held:
+                kv.record_lookup(req.num_tokens, n_hit)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = n_hit
                 req.first_scheduled_time = time.time()
@@ -365,6 +436,8 @@ class Scheduler:
             self.num_generated_tokens += 1
             if caching and len(toks) % bs == 0:
                 kv.hash_new_blocks(req)
+            if req.kv_send is not None and not req.kv_finished:
+                self.transfers.finish(req, token=tok)  # prefill role: the first token
             n_toks = len(toks)
             # Inline pre-check: most tokens can end nothing, skip the full stop rules.
             done = (tok in req.stop_ids or n_toks >= req.max_num_tokens
@@ -397,16 +470,32 @@ class Scheduler:
 
     @staticmethod
     def _output(req: Request, toks: list[int], error: str | None,
-                prompt_logprobs: list[TokenLogprobs] | None = None) -> EngineOutput:
+                prompt_logprobs: list[TokenLogprobs] | None = None,
+                error_code: str | None = None) -> EngineOutput:
         return EngineOutput(req.out_id, toks, req.finish_reason, req.stop_reason, None,
                             req.num_prompt_tokens, max(req.num_cached_tokens, 0),
-                            req.first_scheduled_time, error, req.index, prompt_logprobs)
+                            req.first_scheduled_time, error, req.index, prompt_logprobs,
+                            error_code=error_code)
+
+    # -- disaggregation (engine.scheduler_pd) ------------------------------------------------
+    _reserve_kv = scheduler_pd.reserve_kv
+    poll_kv = scheduler_pd.poll_kv
+    expire_reservations = scheduler_pd.expire_reservations
+    next_kv_deadline = scheduler_pd.next_kv_deadline
+    take_outputs = scheduler_pd.take_outputs
+    on_kv_ready = scheduler_pd.on_kv_ready
+    _plan_step = scheduler_pd.plan_step
+    take_plan = scheduler_pd.take_plan
+    drop_plan = scheduler_pd.drop_plan
+    on_transfer_report = scheduler_pd.on_transfer_report
+    take_kv_finishes = scheduler_pd.take_kv_finishes
 
     # -- observability ------------------------------------------------------------------
     def stats(self) -> EngineStats:
         pool = self.kv.pool
         return EngineStats(
-            running=len(self.running), waiting=len(self.waiting),
+            # Requests queued for a reservation wait for blocks too.
+            running=len(self.running), waiting=len(self.waiting) + len(self.reservations.queued),
             kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used_blocks,
             kv_blocks_cached=len(pool.cached), kv_blocks_cached_evictable=pool.num_cached_free,
             kv_blocks_free=pool.num_free_blocks - pool.num_cached_free,
@@ -418,11 +507,21 @@ class Scheduler:
             prompt_tokens=self.num_prompt_tokens, computed_tokens=self.num_computed_tokens,
             generation_tokens=self.num_generated_tokens,
             stale_results_dropped=self.num_stale_results,
-            reserve_blocks_per_running=self._reserve)
+            reserve_blocks_per_running=self._reserve,
+            kv_reserved_requests=len(self.reservations.reserved),
+            kv_reserved_blocks=self.reservations.num_reserved_blocks,  # quarantined ones too
+            kv_reservation_timeouts=self.reservations.num_timeouts,
+            kv_transfer_leased_blocks=self.transfers.num_leased_blocks,
+            kv_transfers_failed=self.num_kv_transfers_failed)
 
     def check_invariants(self) -> list[str]:
         """O(blocks) audit of the block table; logs and returns violations (empty: sound)."""
-        errs = audit_block_table(self.kv.pool, self.requests.values(), len(self.running))
+        res = self.reservations
+        errs = audit_block_table(self.kv.pool, self.requests.values(), len(self.running),
+                                 self.transfers.held + res.quarantined_block_ids())
+        errs += res.check()
+        errs += [f"quarantined request {rid} is live again" for rid in res.quarantine
+                 if rid in self.requests]
         for e in errs:
             logger.error("KV block table invariant violated: %s", e)
         return errs

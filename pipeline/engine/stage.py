@@ -6,16 +6,26 @@ step's SchedulerOutput to the workers (broadcast ring), EngineOutputs to the tok
 and an EngineStats snapshot to the gateway a few times a second. Only this process allocates,
 frees or caches KV blocks. When idle it audits the block table and logs violations with the
 ids. State besides the scheduler: the step timing counters (engine overhead vs worker time).
+
+Disaggregation (``config.role``). Prefill: each step's TransferPlan goes to the cache messager
+(ring kv_plans) before the step goes to the workers, the KVFinish messages after the step's
+update; the messager's TransferReports (ring kv_reports) release the plan's blocks. Decode:
+KVReady messages (ring kv_ready) complete reservations, or free the quarantined blocks of an
+ended one; reservations are made and expired, and quarantined blocks past their deadline
+freed, every loop iteration, and an idle loop waits no later than the next such deadline.
+The kv rings share the engine's doorbell, so one wait_any covers them.
 """
 from __future__ import annotations
 
 import time
+import traceback
 
 import msgspec
 
 from pipeline.engine.scheduler import Scheduler
 from pipeline.ipc.ring import wait_any
 from pipeline.messages import AbortRequest, EngineOutput, EngineOutputs, EngineRequest
+from pipeline.messages.kv import TransferPlan
 from pipeline.runtime import rings
 from pipeline.runtime.process import ReadyFn, log
 from pipeline.runtime.spec import StageSpec
@@ -45,6 +55,13 @@ class EngineLoop:
         self.steps = rings.attach(spec, "steps", "writer")  # engine -> workers
         self.outputs = rings.attach(spec, "outputs", "writer")  # engine -> token processor
         self.stats_ring = rings.attach(spec, "stats", "writer")  # engine -> gateway
+        role = spec.config.role
+        # Disaggregation: engine <-> this instance's cache messager.
+        self.kv_plans = rings.attach(spec, "kv_plans", "writer") if role == "prefill" else None
+        self.kv_reports = rings.attach(spec, "kv_reports") if role == "prefill" else None
+        self.kv_ready = rings.attach(spec, "kv_ready") if role == "decode" else None
+        self.wait_rings = [c.ring for c in (self.requests, self.stops, self.kv_reports,
+                                            self.kv_ready) if c is not None]
         self.invariants_checked = True
         self.times = StepTimes()
         self.next_stats = 0.0
@@ -67,25 +84,83 @@ class EngineLoop:
         while (stop := self.stops.try_recv()) is not None:
             outs += self._abort(stop)
             self.invariants_checked = False
+        outs += self._drain_kv()
         return outs
+
+    def _drain_kv(self) -> list[EngineOutput]:
+        """The cache messager's reports (prefill) or KVReady messages (decode). A message the
+        scheduler cannot take is logged and dropped: it must not kill the engine."""
+        outs: list[EngineOutput] = []
+        for ch, take in ((self.kv_reports, self.sched.on_transfer_report),
+                         (self.kv_ready, self.sched.on_kv_ready)):
+            if ch is None:
+                continue
+            while True:
+                try:
+                    msg = ch.try_recv()
+                except (ValueError, msgspec.ValidationError) as exc:
+                    log(self.spec, f"bad message on ring {ch.role} dropped: {exc}")
+                    continue
+                if msg is None:
+                    break
+                try:
+                    outs += take(msg)
+                except Exception as exc:  # noqa: BLE001 - a bad message must not end the engine
+                    log(self.spec, f"engine could not apply {type(msg).__name__} from ring "
+                                   f"{ch.role}: {exc!r}\n{traceback.format_exc()}")
+                self.invariants_checked = False
+        return outs
+
+    def _send_kv_finishes(self) -> None:
+        """KVFinish messages after everything that made them (the step's update, aborts,
+        failed reports): on the plans ring, so each follows its request's last plan."""
+        if self.kv_plans is None:
+            return
+        for f in self.sched.take_kv_finishes():
+            self.kv_plans.send(f)
+
+    def _send_plan(self, plan: TransferPlan) -> list[EngineOutput]:
+        """Send the step's plan, or fail its requests when it exceeds the ring's messages."""
+        assert self.kv_plans is not None
+        buf = self.kv_plans.encode(plan)
+        limit = self.kv_plans.max_message_bytes
+        if len(buf) <= limit:
+            self.kv_plans.send_encoded(buf)
+            return []
+        why = (f"the KV transfer plan of step {plan.step_id} is {len(buf)} bytes, over the "
+               f"kv_plans ring's limit of {limit} bytes (max_num_seqs / max_num_batched_tokens "
+               f"/ block size too large for it)")
+        log(self.spec, why)
+        return self.sched.drop_plan(plan, why)
 
     def _emit(self, outs: list[EngineOutput]) -> None:
         if outs:
             self.outputs.send(EngineOutputs(outputs=outs, timestamp=time.time()))
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One step; False when it could run nothing and preempted nothing (only an event
+        from a ring, or a deadline, can change that: blocks held by reservations or leases)."""
         t0 = time.perf_counter()
         sched_out = self.sched.schedule()
+        outs = self.sched.take_outputs()  # decode role: reservations made by this schedule
+        plan = self.sched.take_plan()
+        if plan is not None:
+            # Before the step: the messager waits for the step's layers as they are written.
+            outs += self._send_plan(plan)
         self.steps.send(sched_out)
+        self._emit(outs)
         # No deadline: a long prefill may take a while; the wait raises PeerDied if the
         # worker dies meanwhile.
         result = self.results.recv(timeout=None)
         outs = self.sched.update_from_output(sched_out, result)
         self._emit(outs)
+        self._send_kv_finishes()
         if sched_out.total_num_scheduled_tokens:
             self.times.steps += 1
             self.times.step_s += time.perf_counter() - t0
             self.times.worker_s += result.execute_s
+            return True
+        return bool(sched_out.preempted_req_ids)
 
     def publish_stats(self, now: float) -> None:
         self.next_stats = now + STATS_INTERVAL_S
@@ -104,22 +179,47 @@ class EngineLoop:
             log(self.spec, f"block table invariant violated: {err}")
         self.invariants_checked = True
 
+    def run_once(self) -> None:
+        """One loop iteration: take every input, then one step, or a wait for input."""
+        sched = self.sched
+        outs = self._drain_inputs()
+        free = sched.kv.pool.num_free_blocks
+        # Decode role: free expired quarantines, expire reservations, make new ones.
+        polled = sched.poll_kv()
+        if polled or sched.kv.pool.num_free_blocks != free:
+            self.invariants_checked = False  # audit (and publish) the change once idle
+        outs += polled
+        self._emit(outs)
+        self._send_kv_finishes()
+        now = time.monotonic()
+        if now >= self.next_stats:
+            self.publish_stats(now)
+        if sched.has_unfinished_requests():
+            if self.step():
+                return
+            # Nothing could run: wait for what frees blocks (a transfer report, a KVReady, an
+            # abort, a reservation or quarantine deadline) instead of spinning on empty steps.
+        elif not self.invariants_checked:
+            self.check_invariants()
+            self.publish_stats(now)  # so "all blocks free" is visible at once
+        timeout = STATS_INTERVAL_S
+        deadline = sched.next_kv_deadline()  # on the scheduler's clock: time.monotonic
+        if deadline is not None:
+            timeout = max(0.0, min(timeout, deadline - time.monotonic()))
+        try:
+            wait_any(self.wait_rings, timeout)
+        except TimeoutError:
+            pass
+
     def run_forever(self) -> None:
         while True:
-            self._emit(self._drain_inputs())
-            now = time.monotonic()
-            if now >= self.next_stats:
-                self.publish_stats(now)
-            if self.sched.has_unfinished_requests():
-                self.step()
-                continue
-            if not self.invariants_checked:
-                self.check_invariants()
-                self.publish_stats(now)  # so "all blocks free" is visible at once
-            try:
-                wait_any([self.requests.ring, self.stops.ring], STATS_INTERVAL_S)
-            except TimeoutError:
-                pass
+            self.run_once()
+
+    def close(self) -> None:
+        for ch in (self.requests, self.stops, self.results, self.steps, self.outputs,
+                   self.stats_ring, self.kv_plans, self.kv_reports, self.kv_ready):
+            if ch is not None:
+                ch.close()
 
 
 def run(spec: StageSpec, ready: ReadyFn) -> None:
@@ -127,6 +227,6 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
     m = loop.sched
     log(spec, f"scheduler ready: {m.kv.pool.num_blocks} KV blocks of {m.block_size} tokens, "
               f"max_num_seqs {spec.config.max_num_seqs}, max_num_batched_tokens "
-              f"{spec.config.max_num_batched_tokens}")
+              f"{spec.config.max_num_batched_tokens}, role {spec.config.role}")
     ready({})
     loop.run_forever()
