@@ -6,10 +6,10 @@ both listening to one publisher at the same time, each in its own process. (3) B
 one step's KV (runs of contiguous blocks at scattered places): `IpcTransfer` against a plain
 memcpy of the same bytes between the same two buffers; `TcpTransfer` + `KVReceiver` on
 loopback against a plain ZMQ send of the same bytes to the same process. Rounds alternate
-so that the load of other processes drifts over both alike. Targets (2) (time to first token)
-and (4) (decode throughput under disaggregation) need the engine wiring and are not measured.
-Owns no state beyond one `Instance` whose names it unlinks on exit. Children are forked
-before any ZMQ context exists; this command never imports torch.
+so that the load of other processes drifts over both alike. (2) The share of a prefill step's
+KV already in the decode pool when the forward ends (``pd_overlap``: a real worker and
+messager). Owns no state beyond one `Instance` whose names it unlinks on exit. Children of
+(1) and (3) are forked before any ZMQ context exists and before (2) imports torch.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from pipeline.bench.pd_overlap import forward_overlap
 from pipeline.bench.report import Report, percentiles_us
 from pipeline.cache.layout import KVLayout
 from pipeline.cache.messager import Messager
@@ -39,6 +40,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=4, help="layers per step (wake latency)")
     p.add_argument("--blocks", type=int, default=256, help="blocks per layer moved (bandwidth)")
     p.add_argument("--rounds", type=int, default=12, help="alternating rounds per bandwidth case")
+    p.add_argument("--overlap-tokens", type=int, default=512,
+                   help="prompt tokens of the prefill step whose KV overlap is measured")
 
 
 
@@ -230,9 +233,16 @@ def main(args: argparse.Namespace) -> int:
     for kind, (mine, plain) in bw.items():
         rep.add(f"{kind} transfer, {args.blocks} blocks x 32 KiB x (K, V)", mb_per_s=mine)
         rep.add(f"{base[kind]}, same bytes", mb_per_s=plain)
+    # After the forked cases: this one loads torch (its child is spawned).
+    ov = forward_overlap(args.overlap_tokens)
+    rep.add(f"KV copied by the prefill forward's end, {ov['layers']} layers, "
+            f"{ov['prompt_tokens']}-token prompt", share_min=round(ov["share_min"], 3),
+            share_median=round(ov["share_median"], 3), step_mib=round(ov["step_bytes"] / 2**20, 2))
     x = wake["poll sleep(0.01)"][0] / wake["blocking wait"][0]
     rep.target("poll sleep(0.01) p50 / blocking messager wake p50", round(x, 1), ">= 100x", x >= 100)
     for kind, (mine, plain) in bw.items():
         r = mine / plain
         rep.target(f"{kind} transfer / {base[kind]} bandwidth", round(r, 3), ">= 0.7", r >= 0.7)
+    rep.target("step's KV bytes in the decode pool when the prefill forward ends (ipc, min)",
+               round(ov["share_min"], 3), f">= (L-1)/L = {ov['target']:.3f}", ov["share_min"] >= ov["target"])
     return rep.emit(args.json)
