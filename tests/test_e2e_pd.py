@@ -257,9 +257,10 @@ def test_a_reservation_without_kv_times_out_and_frees_its_blocks(model):
         assert final.error is not None and final.error.code == "kv_transfer_timeout", final
         assert "--kv-transfer-timeout" in final.error.message
         assert 0.9 < took < 5.0, took
-        st = stats(dec)
-        assert st["kv_reservation_timeouts"] == 1 and st["kv_reserved_blocks"] == 0
-        assert st["kv_blocks_used"] == 0
+        assert stats(dec)["kv_reservation_timeouts"] == 1
+        # Its blocks stay quarantined a while (a prefill might still be writing them), then go.
+        wait_for(lambda: stats(dec)["kv_reserved_blocks"] == 0 and stats(dec)["kv_blocks_used"] == 0,
+                 "the quarantine to end", 10)
     finally:
         assert dec.stop() == 0
     assert shm_entries(dec.instance_id) == []

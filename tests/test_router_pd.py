@@ -223,7 +223,6 @@ def test_streaming_client_gets_p_first_token_then_d_rest_without_duplication(pd)
     first = pd.cli.recv()  # at once: D has sent nothing since its reservation (never forwarded)
     assert isinstance(first, P.Delta) and first.delta == RequestDelta("a", " Hi", [11])
     pd.p.send(P.Final(result=result(pg.id, [11], " Hi")))
-    wait_for(lambda: pd.instance(pd.p.address)["inflight"] == 0, "P's final to be taken")
     final = result(dg.id, [11, 12, 13, 14], " Hi there!")
     for msg in (delta(dg.id, [11], ""),  # D holds the text back: nothing new for the client
                 delta(dg.id, [12, 13], " Hi there"), delta(dg.id, [14], "!"), P.Final(result=final)):
@@ -338,19 +337,32 @@ def test_prefill_lost_before_its_final_fails_and_aborts_decode(pd):
     assert pd.d.expect(P.Abort).id == dg.id
 
 
-def test_prefill_lost_after_its_final_does_not_fail_the_request(pd):
+def test_prefill_lost_once_decode_produced_a_token_does_not_fail_the_request(pd):
     dg, pg = pd.start_split(stream=False)
     pd.p.send(delta(pg.id, [11], " Hi"))
     pd.p.send(P.Final(result=result(pg.id, [11], " Hi")))
-    wait_for(lambda: pd.instance(pd.p.address)["inflight"] == 0, "P's final to be taken")
+    # P's final alone is not enough: its messager tells D the KV is in after that.
+    assert pd.instance(pd.p.address)["inflight"] == 1
+    pd.d.send(delta(dg.id, [11], " Hi"))  # D decodes: the KV arrived
+    wait_for(lambda: pd.instance(pd.p.address)["inflight"] == 0, "P's leg to be released")
     pd.p.close()
     wait_for(lambda: not pd.instance(pd.p.address)["up"], "the router to see P down")
     final = result(dg.id, [11, 12], " Hi there")
-    pd.d.send(delta(dg.id, [11, 12], " Hi there"))
+    pd.d.send(delta(dg.id, [12], " there"))
     pd.d.send(P.Final(result=final))
     msg = pd.cli.recv()
     assert isinstance(msg, P.Final) and msg.result == msgspec.structs.replace(final, id="a")
     assert pd.d.got.empty()  # no abort
+
+
+def test_prefill_lost_after_its_final_before_decode_has_the_kv_fails_the_request(pd):
+    dg, pg = pd.start_split(stream=False)
+    pd.p.send(delta(pg.id, [11], " Hi"))
+    pd.p.send(P.Final(result=result(pg.id, [11], " Hi")))
+    pd.p.close()  # before its messager said "KV in" to D: D would wait for its time-out
+    msg = pd.cli.recv()
+    assert isinstance(msg, P.Final) and msg.result.error.code == "instance_failed"
+    assert pd.d.expect(P.Abort).id == dg.id
 
 
 def test_health_and_stats_cover_both_pools_with_roles(pd):

@@ -116,6 +116,9 @@ class TcpTransfer(KVTransfer):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDTIMEO, self._timeout_ms)  # a dead peer must not block us
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_FRAME)  # replies are small
+        # A dead receiver (its instance killed) closes the connection: the monitor says so at
+        # once, where a reply would only time out (ZMQ queues sends for a lost peer).
+        self._mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sent = self._seq = 0
         self.endpoint = endpoint
         try:
@@ -140,9 +143,19 @@ class TcpTransfer(KVTransfer):
             self.close()
             raise
 
+    def _check_connected(self) -> None:
+        if self._mon.poll(0):
+            raise KVTransferError(f"KV receiver at {self.endpoint} disconnected (its instance "
+                                  "stopped or died)")
+
     def _reply(self, what: str, timeout_s: float | None = None) -> tuple[bytes, bytes]:
         ms = self._timeout_ms if timeout_s is None else int(timeout_s * 1000)
-        if not self._sock.poll(ms):
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._mon, zmq.POLLIN)
+        events = dict(poller.poll(ms))
+        if self._sock not in events:
+            self._check_connected()
             raise KVTransferError(f"KV receiver at {self.endpoint}: no {what} reply within "
                                   f"{ms / 1000} s")
         frames = self._sock.recv_multipart()
@@ -158,6 +171,7 @@ class TcpTransfer(KVTransfer):
         rs = runs(arr)
         if not rs:
             return 0
+        self._check_connected()
         frames: list = [DATA, _enc.encode(KVHeader(layer, [r for _, r, _ in rs], [n for _, _, n in rs]))]
         for lo, _, n in rs:
             frames += (src[0, lo:lo + n], src[1, lo:lo + n])
@@ -198,6 +212,7 @@ class TcpTransfer(KVTransfer):
         queued within the time-out."""
         if self._ctx.closed:
             raise KVTransferError(f"transfer to {self.endpoint} is closed")
+        self._check_connected()
         if not 0 < len(req_id) <= MAX_REQ_ID:
             raise ValueError(f"req_id of {len(req_id)} characters must be 1..{MAX_REQ_ID}")
         if not error and not 0 <= token <= MAX_TOKEN:
@@ -211,6 +226,8 @@ class TcpTransfer(KVTransfer):
     def close(self) -> None:
         self._src = None  # the view pins the local pool's mapping
         if not self._ctx.closed:
+            self._sock.disable_monitor()
+            self._mon.close()
             self._sock.close()
             self._ctx.term()
 

@@ -69,6 +69,7 @@ class PDState:
     show_text: bool
     reserved: bool = False  # D's reservation came: P was (or is being) asked
     prefill_done: bool = False  # P's final came
+    decoding: bool = False  # D produced a token: the KV arrived, P's loss no longer matters
     aborting: bool = False  # the client (or the drain) aborted: the final is D's
     first_sent: bool = False  # the client has the first token (from P, or from D if first)
     strip_ids: list[int] = field(default_factory=list)  # of P's first token, still to drop from D's

@@ -370,17 +370,30 @@ class Router:
             kv, out = pd.on_decode_delta(msg.delta)
             if kv is not None:
                 self._start_prefill(route, rid, kv)
+            elif msg.delta.token_ids and not pd.decoding:
+                pd.decoding = True
+                if pd.prefill_done:
+                    self._release_prefill(route, rid)
         elif isinstance(msg, P.Final):
-            route.legs.pop(uid).inflight.discard(uid)  # done on P: its loss no longer matters
+            # Done on P, but its cache messager tells D the KV is in only after the last
+            # layer: P's loss still fails the request until D has produced a token.
             failed = pd.on_prefill_final(msg.result)
             if failed is not None:
                 self._abort(route)
                 self._finish(rid, failed)
+            elif msg.result.error is not None or pd.decoding:  # P has no more to say
+                self._release_prefill(route, rid)
             return
         else:
             out = pd.on_prefill_delta(msg.delta)
         if out is not None:
             self._forward(route, out)
+
+    def _release_prefill(self, route: Route, rid: str) -> None:
+        """D decodes: the KV arrived, P's loss no longer matters to this request."""
+        leg = route.legs.pop(rid + PREFILL, None)
+        if leg is not None:
+            leg.inflight.discard(rid + PREFILL)
 
     def _start_prefill(self, route: Route, rid: str, kv: KVReservation) -> None:
         """The decode instance reserved the prompt's KV: a prefill instance computes it."""

@@ -1,0 +1,169 @@
+"""Engine stage: the Scheduler's steps of prefill/decode disaggregation, both roles.
+
+Methods of ``engine.scheduler.Scheduler`` (its class body binds each function here under the
+same name), kept apart so the scheduler module reads as the plain engine. No state of their
+own: they act on the Scheduler's requests and on the PD state ``engine.disagg`` keeps beside
+them (``Scheduler.reservations``, ``Scheduler.transfers``).
+
+Decode role: a request reserves blocks for its prompt (an output with a KVReservation, made
+in ``poll_kv`` or in ``schedule()`` and collected by ``take_outputs``), waits for
+``on_kv_ready`` (or times out in ``poll_kv``), appends the prefill instance's first token and
+joins the batch holding its blocks with the prompt computed. A reservation that ended before
+its KV arrived leaves its writable blocks in the quarantine until its KVReady or deadline.
+Prefill role: each step that computes a PD request's prompt has a TransferPlan
+(``take_plan``) whose blocks stay leased until ``on_transfer_report``; the KVFinish of each PD
+request goes out via ``take_kv_finishes``.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from pipeline.engine.request import Request, RequestStatus
+from pipeline.messages import EngineOutput
+from pipeline.messages.kv import KVFinish, KVReady, TransferPlan, TransferReport
+
+if TYPE_CHECKING:
+    from pipeline.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+# -- decode role -----------------------------------------------------------------------------
+def reserve_kv(self: Scheduler) -> list[EngineOutput]:
+    """Reserve blocks for queued decode-role requests (FCFS), keeping the running requests'
+    reserve free as admission does; their KVReservation outputs."""
+    res = self.reservations
+    return [res.output(req, self.config.kv_listen)
+            for req in res.reserve(int(self._reserve * len(self.running)))]
+
+
+def poll_kv(self: Scheduler) -> list[EngineOutput]:
+    """Between steps (decode role): free quarantined blocks past their deadline, fail
+    reservations past theirs, then reserve blocks for queued requests. The outputs to emit
+    (failures, KVReservations)."""
+    res = self.reservations
+    if res.quarantine:
+        res.release_expired()
+    if not res:
+        return []
+    outs = self.expire_reservations()
+    if res.queued:
+        outs += self._reserve_kv()
+    return outs
+
+
+def expire_reservations(self: Scheduler) -> list[EngineOutput]:
+    """Fail every reservation (queued or holding blocks) past its deadline, freeing its
+    blocks but the quarantined ones."""
+    outs: list[EngineOutput] = []
+    for req in self.reservations.expired():
+        why = self.reservations.timeout_message(req)
+        req.status = RequestStatus.FINISHED_ERROR
+        self._finish(req, why)
+        outs.append(self._output(req, [], why, error_code="kv_transfer_timeout"))
+    return outs
+
+
+def next_kv_deadline(self: Scheduler) -> float | None:
+    """The earliest reservation or quarantine deadline on the scheduler's clock (None: none):
+    the stage must wake by then to expire it."""
+    return self.reservations.next_deadline()
+
+
+def take_outputs(self: Scheduler) -> list[EngineOutput]:
+    """Outputs made by ``schedule()`` outside any step result (KVReservations)."""
+    outs, self._kv_outputs = self._kv_outputs, []
+    return outs
+
+
+def on_kv_ready(self: Scheduler, msg: KVReady) -> list[EngineOutput]:
+    """The prompt's KV of reservation ``msg.req_id`` arrived (with the prefill instance's
+    first token), or failed; either way the prefill side writes no more into its blocks.
+    For a reservation that ended meanwhile it frees the quarantined blocks; other unknown
+    ids are ignored (counted)."""
+    req = self.reservations.take(msg.req_id)
+    if req is None:
+        if self.reservations.release(msg.req_id):
+            return []  # aborted or timed out, answered then: only its blocks were left
+        self.num_kv_ready_ignored += 1
+        logger.warning("KVReady for %r, which holds no reservation (finished, timed out or "
+                       "unknown): ignored", msg.req_id)
+        return []
+    if msg.error or msg.token < 0:
+        self.num_kv_transfers_failed += 1
+        why = msg.error or "the prefill instance sent no first token"
+        return self._fail(req, "kv_transfer_failed", f"KV transfer from the prefill instance "
+                                                     f"failed: {why}")
+    req.num_computed_tokens = req.num_prompt_tokens
+    req.kv_received = True
+    self.kv.cache_computed_blocks(req)  # the decode side's prefix cache has the prompt now
+    toks = req.all_token_ids
+    toks.append(msg.token)
+    self.num_generated_tokens += 1
+    if self.kv.enable_caching and len(toks) % self.block_size == 0:
+        self.kv.hash_new_blocks(req)
+    done = req.check_stop(self.max_model_len)
+    out = EngineOutput(req.out_id, [msg.token], req.finish_reason if done else None,
+                       req.stop_reason, None, req.num_prompt_tokens, req.num_cached_tokens,
+                       req.first_scheduled_time, None, req.index)
+    if done:
+        self._finish(req)
+    else:
+        # Joins the batch first thing, holding its blocks (see Scheduler._admit).
+        req.status = RequestStatus.WAITING
+        self.waiting.add_front(req)
+    return [out]
+
+
+# -- prefill role ----------------------------------------------------------------------------
+def plan_step(self: Scheduler, step: int, num_sched: dict[str, int]) -> None:
+    """End of ``schedule()`` (prefill role): the step's TransferPlan, kept for ``take_plan``."""
+    if self._plan is not None:
+        raise RuntimeError(f"step {self._plan.step_id}'s transfer plan was never taken "
+                           "(take_plan): its blocks would stay leased forever")
+    requests = self.requests
+    scheduled: Iterable[tuple[Request, int]] = ((requests[r], n) for r, n in num_sched.items())
+    self._plan = self.transfers.plan(step, scheduled)
+
+
+def take_plan(self: Scheduler) -> TransferPlan | None:
+    """The last schedule()'s TransferPlan (None: nothing to send). Send it to the cache
+    messager before the step goes to the workers, or ``drop_plan`` it."""
+    plan, self._plan = self._plan, None
+    return plan
+
+
+def drop_plan(self: Scheduler, plan: TransferPlan, why: str) -> list[EngineOutput]:
+    """A plan that cannot be sent (``why``): release its lease and fail its requests."""
+    self.transfers.release(plan.step_id)
+    outs: list[EngineOutput] = []
+    for s in plan.sends:
+        req = self.requests.get(s.req_id)
+        if req is not None:
+            self.num_kv_transfers_failed += 1
+            outs += self._fail(req, "kv_transfer_failed", why)
+    return outs
+
+
+def on_transfer_report(self: Scheduler, rep: TransferReport) -> list[EngineOutput]:
+    """The cache messager finished step ``rep.step_id``'s transfer: release its blocks;
+    fail the requests whose transfer failed, if still alive."""
+    if not self.transfers.release(rep.step_id):
+        self.transfers.num_unknown_reports += 1
+        logger.warning("TransferReport for step %d, which has no lease: ignored", rep.step_id)
+    outs: list[EngineOutput] = []
+    for rid, why in rep.failed.items():
+        self.num_kv_transfers_failed += 1
+        req = self.requests.get(rid)
+        if req is not None and req.kv_send is not None:
+            outs += self._fail(req, "kv_transfer_failed",
+                               f"KV transfer to the decode instance failed: {why}")
+    return outs
+
+
+def take_kv_finishes(self: Scheduler) -> list[KVFinish]:
+    """The KVFinish messages owed to the cache messager (send them after the plans); at most
+    one per request (``TransferLeases.finish``), so an abort after it sends none."""
+    return self.transfers.take_finishes()
