@@ -8,7 +8,9 @@ memcpy of the same bytes between the same two buffers; `TcpTransfer` + `KVReceiv
 loopback against a plain ZMQ send of the same bytes to the same process. Rounds alternate
 so that the load of other processes drifts over both alike. (2) The share of a prefill step's
 KV already in the decode pool when the forward ends (``pd_overlap``: a real worker and
-messager). Owns no state beyond one `Instance` whose names it unlinks on exit. Children of
+messager). (4) The decoders' inter-token latency while long prompts arrive, a prefill +
+decode pair behind the router against one mixed instance with the same CPU budget
+(``pd_load``). Owns no state beyond one `Instance` whose names it unlinks on exit. Children of
 (1) and (3) are forked before any ZMQ context exists and before (2) imports torch.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 
 import numpy as np
 
+from pipeline.bench import pd_load
 from pipeline.bench.pd_overlap import forward_overlap
 from pipeline.bench.report import Report, percentiles_us
 from pipeline.cache.layout import KVLayout
@@ -42,6 +45,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=12, help="alternating rounds per bandwidth case")
     p.add_argument("--overlap-tokens", type=int, default=512,
                    help="prompt tokens of the prefill step whose KV overlap is measured")
+    pd_load.add_args(p)
 
 
 
@@ -238,6 +242,13 @@ def main(args: argparse.Namespace) -> int:
     rep.add(f"KV copied by the prefill forward's end, {ov['layers']} layers, "
             f"{ov['prompt_tokens']}-token prompt", share_min=round(ov["share_min"], 3),
             share_median=round(ov["share_median"], 3), step_mib=round(ov["step_bytes"] / 2**20, 2))
+    # Last: real daemons and a router (ZMQ contexts: after every fork above).
+    load = pd_load.itl_under_long_prompts(args)
+    for setup in ("mixed", "pd"):
+        r = load[setup]
+        rep.add(f"decoders' ITL under long prompts, {setup}", **{
+            k: r[k] for k in r if k.endswith("_ms") or k in ("failed", "short_answers", "itl_gaps")})
+    rep.machine["pd_load_cpu_budget"] = load["cpu_budget"]
     x = wake["poll sleep(0.01)"][0] / wake["blocking wait"][0]
     rep.target("poll sleep(0.01) p50 / blocking messager wake p50", round(x, 1), ">= 100x", x >= 100)
     for kind, (mine, plain) in bw.items():
@@ -245,4 +256,10 @@ def main(args: argparse.Namespace) -> int:
         rep.target(f"{kind} transfer / {base[kind]} bandwidth", round(r, 3), ">= 0.7", r >= 0.7)
     rep.target("step's KV bytes in the decode pool when the prefill forward ends (ipc, min)",
                round(ov["share_min"], 3), f">= (L-1)/L = {ov['target']:.3f}", ov["share_min"] >= ov["target"])
+    q = load["itl_p99_ratio"]
+    rep.target("decode instance ITL p99 / mixed instance ITL p99, long prompts arriving",
+               round(q, 3), "< 1", q < 1)
+    rep.add("TTFT, pd / mixed (reported beside target 4)",
+            long_prompts_p50=round(load["ttft_long_p50_ratio"], 3),
+            decoders_p50=round(load["ttft_decoder_p50_ratio"], 3))
     return rep.emit(args.json)
