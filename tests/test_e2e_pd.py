@@ -212,17 +212,15 @@ def test_abort_frees_both_sides(pair, vocab):
 
     async def run():
         async with AsyncClient(router.address, timeout=120) as c:
-            tasks = [asyncio.create_task(c.generate(prompt_token_ids=p, max_tokens=200,
-                                                    ignore_eos=True, temperature=0.0))
-                     for p in ids]
-            # Abort once at least one is decoding on the decode instance.
-            while stats(dec)["running"] == 0:
-                await asyncio.sleep(0.01)
+            started: asyncio.Queue = asyncio.Queue()
+            tasks = [asyncio.create_task(_stream_started(c, p, started)) for p in ids]
+            await started.get()  # one is decoding; the others are anywhere in the flow
             for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+                t.cancel()  # the client aborts each on its way out
+            return await asyncio.gather(*tasks, return_exceptions=True)
 
-    asyncio.run(run())
+    outcomes = asyncio.run(run())
+    assert any(isinstance(o, asyncio.CancelledError) for o in outcomes)
     wait_for(lambda: stats(dec)["kv_blocks_used"] == 0 and stats(dec)["kv_reserved_blocks"] == 0,
              "the decode instance to free the aborted requests' blocks")
     wait_for(lambda: stats(pre)["kv_blocks_used"] == 0 and stats(pre)["kv_transfer_leased_blocks"] == 0,

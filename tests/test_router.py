@@ -226,6 +226,25 @@ def test_greedy_through_router_equals_one_daemon_and_both_get_work(cluster):
     assert sum(split) == len(PROMPTS) and min(split) > 0, split
 
 
+def test_64_mixed_length_prompts_through_router_equal_one_daemon(cluster, model):
+    """Issue 10's acceptance over mixed replicas: the prompts of the disaggregated pair's
+    parity test (long ones, shared long prefixes), greedy, through the router."""
+    import json
+
+    from test_e2e_pd import GREEDY, prompts
+
+    router, (a, _) = cluster
+    ids = prompts(json.loads((model / "config.json").read_text())["vocab_size"])
+
+    async def run(address: str) -> list[RequestResult]:
+        async with AsyncClient(address, timeout=180) as c:
+            return await asyncio.gather(*(c.generate(prompt_token_ids=p, **GREEDY) for p in ids))
+
+    via_router, direct = asyncio.run(run(router.address)), asyncio.run(run(a.address))
+    assert [r.error for r in via_router] == [None] * len(ids)
+    assert [r.token_ids for r in via_router] == [r.token_ids for r in direct]
+
+
 def test_repeated_long_prefix_goes_back_to_the_same_instance(cluster):
     router, daemons = cluster
     assert len(LONG_PREFIX.encode()) >= PREFIX_BYTES
