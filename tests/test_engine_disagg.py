@@ -887,3 +887,26 @@ def test_stage_fails_a_plan_over_the_ring_limit(rig, monkeypatch):
     (o,) = rig.outputs()
     assert o.finish_reason == "error" and o.error_code == "kv_transfer_failed"
     assert rig.loop.sched.stats().kv_transfer_leased_blocks == 0
+
+
+def test_prefill_stops_sending_when_the_decode_reservation_ends():
+    """KVTransferParams.deadline_s: past it (less the margin) the decode side may have freed
+    the blocks; the prefill fails the request instead of planning more sends into them."""
+    p, pw, clock = make("prefill", budget=4, threshold=4)
+    prompt = list(range(1, 23))
+    er = prefill_req("r", prompt, [100 + i for i in range(6)])
+    er.kv_transfer.deadline_s = 3.0
+    p.add_request(er)
+    plan = step(p, pw)[1]
+    assert plan is not None  # the first chunk goes
+    assert p.next_kv_deadline() == pytest.approx(clock() + 2.0)
+    clock.t += 1.9
+    assert p.poll_kv() == []
+    clock.t += 0.2
+    outs = p.poll_kv()
+    assert [(o.req_id, o.finish_reason, o.error_code) for o in outs] == [("r", "error", "kv_transfer_timeout")]
+    assert "reservation" in outs[0].error
+    assert not p.has_unfinished_requests() and p.take_plan() is None
+    assert [f.error != "" for f in p.take_kv_finishes()] == [True]  # the decode side is told
+    assert p.on_transfer_report(TransferReport(plan.step_id, {})) == []
+    assert all_free(p) and p.check_invariants() == []

@@ -218,7 +218,8 @@ def test_streaming_client_gets_p_first_token_then_d_rest_without_duplication(pd)
     assert pg.max_tokens == 1 and pg.stream and pg.prompt == PROMPT and pg.temperature == 0.0
     assert pg.kv_transfer == KVTransferParams(
         role="prefill", peer=RESERVATION.endpoint, remote_req_id=RESERVATION.engine_req_id,
-        remote_block_ids=RESERVATION.block_ids, remote_num_cached_tokens=RESERVATION.num_cached_tokens)
+        remote_block_ids=RESERVATION.block_ids, remote_num_cached_tokens=RESERVATION.num_cached_tokens,
+        deadline_s=RESERVATION.timeout_s)
     pd.p.send(delta(pg.id, [11], " Hi"))
     first = pd.cli.recv()  # at once: D has sent nothing since its reservation (never forwarded)
     assert isinstance(first, P.Delta) and first.delta == RequestDelta("a", " Hi", [11])

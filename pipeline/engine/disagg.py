@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 # The longest a reservation's blocks stay held after it ended without a KVReady (see above).
 QUARANTINE_S = 5.0
+# A prefill stops sending this long before the reservation's end as the router reported it
+# (KVTransferParams.deadline_s): the decode side's clock started a hop earlier.
+SEND_MARGIN_S = 1.0
 
 
 def check_kv_transfer(er: EngineRequest, role: str, block_size: int, num_prompt: int) -> None:

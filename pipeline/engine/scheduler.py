@@ -33,7 +33,7 @@ import msgspec
 from pipeline.config import EngineConfig
 from pipeline.engine import scheduler_pd
 from pipeline.engine.audit import audit_block_table
-from pipeline.engine.disagg import Reservations, TransferLeases, check_kv_transfer
+from pipeline.engine.disagg import SEND_MARGIN_S, Reservations, TransferLeases, check_kv_transfer
 from pipeline.engine.kv_cache_manager import KVCacheManager
 from pipeline.engine.preemption import make_policy
 from pipeline.engine.request import ABORT_STATUS, FINISH_REASONS, Request, RequestStatus
@@ -128,8 +128,11 @@ class Scheduler:
         self.num_stale_results = 0  # results for requests preempted/aborted while in flight
         # Disaggregation (engine.disagg): decode-role reservations, prefill-role leases.
         self.role = config.role
+        self.clock = clock
         self.reservations = Reservations(self.kv, config.kv_transfer_timeout, clock)
         self.transfers = TransferLeases(self.kv.pool, block_size)
+        # Prefill role: when each request's decode-side reservation ends (its sends must stop).
+        self.send_deadlines: dict[str, float] = {}
         self._plan: TransferPlan | None = None  # this step's, until take_plan()
         self._kv_outputs: list[EngineOutput] = []  # reservations made in schedule()
         self.num_kv_transfers_failed = 0
@@ -183,6 +186,8 @@ class Scheduler:
             self.reservations.add(first)  # n == 1: no siblings
             return
         first.kv_send = kvt  # prefill role, or None
+        if kvt is not None and kvt.deadline_s > 0:
+            self.send_deadlines[first.req_id] = self.clock() + max(0.0, kvt.deadline_s - SEND_MARGIN_S)
         first.order = self.waiting.add(first)
         if n > 1:
             self.parents[er.req_id] = children

@@ -46,11 +46,30 @@ def poll_kv(self: Scheduler) -> list[EngineOutput]:
     res = self.reservations
     if res.quarantine:
         res.release_expired()
+    outs = expire_sends(self) if self.send_deadlines else []
     if not res:
-        return []
-    outs = self.expire_reservations()
+        return outs
+    outs += self.expire_reservations()
     if res.queued:
         outs += self._reserve_kv()
+    return outs
+
+
+def expire_sends(self: Scheduler) -> list[EngineOutput]:
+    """Prefill role: fail the requests whose decode-side reservation has ended (or is about
+    to: SEND_MARGIN_S) before their prompt's KV went out; nothing more is sent for them."""
+    now = self.clock()
+    outs: list[EngineOutput] = []
+    for rid in [r for r, t in self.send_deadlines.items() if t <= now]:
+        del self.send_deadlines[rid]
+        req = self.requests.get(rid)
+        if req is None or req.kv_finished:
+            continue
+        for o in self.abort_requests([req.out_id], "error", (
+                "kv_transfer_timeout: the decode instance's reservation for this request ended "
+                "before its prompt's KV was sent (--kv-transfer-timeout there)")):
+            o.error_code = "kv_transfer_timeout"
+            outs.append(o)
     return outs
 
 
@@ -69,7 +88,8 @@ def expire_reservations(self: Scheduler) -> list[EngineOutput]:
 def next_kv_deadline(self: Scheduler) -> float | None:
     """The earliest reservation or quarantine deadline on the scheduler's clock (None: none):
     the stage must wake by then to expire it."""
-    return self.reservations.next_deadline()
+    deadlines = [self.reservations.next_deadline(), *self.send_deadlines.values()]
+    return min((d for d in deadlines if d is not None), default=None)
 
 
 def take_outputs(self: Scheduler) -> list[EngineOutput]:

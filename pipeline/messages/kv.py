@@ -37,6 +37,9 @@ class KVTransferParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     remote_block_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_REMOTE_BLOCKS)] = []
     # ...of which the first remote_num_cached_tokens // block_size it has already (prefix hit).
     remote_num_cached_tokens: Annotated[int, Meta(ge=0)] = 0
+    # prefill: the reservation's time left (KVReservation.timeout_s) when the router asked; the
+    # prefill side writes nothing after it (0: no limit), so freed decode blocks stay unwritten.
+    deadline_s: Annotated[float, Meta(ge=0)] = 0.0
 
 
 class KVReservation(msgspec.Struct, kw_only=True):

@@ -57,7 +57,8 @@ def prefill_request(msg: P.Generate, uid: str, kv: KVReservation) -> P.Generate:
         kv_transfer=KVTransferParams(role="prefill", peer=kv.endpoint,
                                      remote_req_id=kv.engine_req_id,
                                      remote_block_ids=list(kv.block_ids),
-                                     remote_num_cached_tokens=kv.num_cached_tokens))
+                                     remote_num_cached_tokens=kv.num_cached_tokens,
+        deadline_s=kv.timeout_s))
 
 
 @dataclass(slots=True)
