@@ -51,6 +51,14 @@ def run_pipe(model: Path, lines: list[str], *flags: str, timeout: float = 240) \
     return p.returncode, answers, p.stderr
 
 
+def wait_for(cond, what: str, timeout: float = 30.0) -> None:
+    """Poll a condition the system reaches by itself (no fixed sleep stands in for it)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -113,6 +121,32 @@ class Daemon:
             self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()
+
+
+class RouterProc:
+    """`pipeline router --listen ADDR <flags>` in a subprocess, with its log."""
+
+    def __init__(self, *flags: str, extra_env: dict | None = None) -> None:
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.log = open(f"/tmp/pipeline-router-{os.getpid()}-{free_port()}.log", "w+")
+        self.proc = subprocess.Popen([*PIPELINE, "router", "--listen", self.address, *flags],
+                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env=env() | (extra_env or {}))
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(30)
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()

@@ -12,12 +12,11 @@ import asyncio
 import os
 import random
 import signal
-import subprocess
 import time
 
 import pytest
 import zmq
-from e2e_helpers import PIPELINE, ROOT, Daemon, env, free_port, make_tiny_model, shm_entries
+from e2e_helpers import Daemon, RouterProc, free_port, make_tiny_model, shm_entries, wait_for
 
 from pipeline.client import Client
 from pipeline.client.async_client import AsyncClient
@@ -32,34 +31,15 @@ CHUNKED = ["--max-num-batched-tokens", "32"]
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
 
-class Router:
+class Router(RouterProc):
     """`pipeline router --prefill ... --decode ...` in a subprocess, with its log."""
 
     def __init__(self, prefill: list[str], decode: list[str]) -> None:
-        self.address = f"tcp://127.0.0.1:{free_port()}"
-        self.log = open(f"/tmp/pipeline-router-pd-{os.getpid()}-{free_port()}.log", "w+")
-        self.proc = subprocess.Popen([*PIPELINE, "router", "--listen", self.address, "--prefill",
-                                      *prefill, "--decode", *decode], stdout=self.log,
-                                     stderr=subprocess.STDOUT, cwd=ROOT, env=env())
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
+        super().__init__("--prefill", *prefill, "--decode", *decode)
 
     def wait_up(self, n: int, timeout: float = 60.0) -> None:
         wait_for(lambda: "serving on" in self.output() and sum(up(self).values()) == n,
                  f"{n} instances up behind the router", timeout)
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(30)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            self.log.close()
 
 
 def up(router: Router) -> dict[str, bool]:
@@ -68,14 +48,6 @@ def up(router: Router) -> dict[str, bool]:
             return {a: i["up"] for a, i in c.health().detail["instances"].items()}
     except (TimeoutError, ConnectionError):
         return {}
-
-
-def wait_for(cond, what: str, timeout: float = 30.0) -> None:
-    """Poll a condition the system reaches by itself (no fixed sleep stands in for it)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def stats(d: Daemon) -> dict:

@@ -16,7 +16,18 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from e2e_helpers import ENGINE_FLAGS, PIPELINE, ROOT, Daemon, env, free_port, make_tiny_model, shm_entries
+from e2e_helpers import (
+    ENGINE_FLAGS,
+    PIPELINE,
+    ROOT,
+    Daemon,
+    RouterProc,
+    env,
+    free_port,
+    make_tiny_model,
+    shm_entries,
+    wait_for,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -33,20 +44,11 @@ LONG_PREFIX = " ".join(WORDS * 4)
 LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0.0}  # stays in flight a while
 
 
-class Router:
-    """`pipeline router` in a subprocess, with its log."""
+class Router(RouterProc):
+    """`pipeline router --instance ...` in a subprocess, with its log."""
 
     def __init__(self, *instances: str, extra_env: dict | None = None) -> None:
-        self.address = f"tcp://127.0.0.1:{free_port()}"
-        self.log = open(f"/tmp/pipeline-router-{os.getpid()}-{free_port()}.log", "w+")
-        self.proc = subprocess.Popen([*PIPELINE, "router", "--listen", self.address, "--instance",
-                                      *instances], stdout=self.log, stderr=subprocess.STDOUT,
-                                     cwd=ROOT, env=env() | (extra_env or {}))
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
+        super().__init__("--instance", *instances, extra_env=extra_env)
 
     def wait_listening(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -54,16 +56,6 @@ class Router:
             assert self.proc.poll() is None, self.output()
             assert time.monotonic() < deadline, self.output()
             time.sleep(0.1)
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(30)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            self.log.close()
 
 
 def daemon_at(model: Path, port: int) -> Daemon:
@@ -76,14 +68,6 @@ def daemon_at(model: Path, port: int) -> Daemon:
                               env=env(), start_new_session=True)
     d.instance_id = f"{d.proc.pid:x}"
     return d
-
-
-def wait_for(cond, what: str, timeout: float = 30.0) -> None:
-    """Poll a condition the system reaches by itself (no fixed sleep stands in for it)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def received(d: Daemon) -> int:
