@@ -15,7 +15,7 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent / "default_model")
 MAX_BLOCK_SIZE = 256
 CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16", "float16"),
            "preemption_policy": ("newest", "lowest_priority"), "role": ("mixed", "prefill", "decode"),
-           "kv_transfer": ("auto", "ipc", "tcp")}
+           "kv_transfer": ("auto", "ipc", "tcp"), "pd_fallback": ("none", "local")}
 
 
 def _flag(field: str) -> str:
@@ -45,6 +45,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_transfer: str = "auto"  # auto (ipc on one host, else tcp) | ipc | tcp
     kv_listen: str = ""  # decode: where its cache messager takes KV ("": an ipc:// path)
     kv_transfer_timeout: float = 30.0  # s: a reservation that gets no KV by then is freed
+    # prefill: a request whose KV did not reach its decode peer fails (none) or is decoded
+    # here (local)
+    pd_fallback: str = "none"
 
     def check(self) -> None:
         """Raise ValueError naming the flag and its limit for a value no stage could run with
@@ -80,6 +83,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got "
                                  f"{getattr(self, name)!r}")
+        if self.pd_fallback != "none" and self.role != "prefill":
+            raise ValueError(f"--pd-fallback is for --role prefill (where KV is sent), not "
+                             f"{self.role}; leave it at none")
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -130,7 +136,9 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
                         "same host only)")
     g.add_argument("--kv-transfer-timeout", type=float, default=d.kv_transfer_timeout, metavar="S",
                    help="decode: free a reservation (failing its request) that got no KV within S s")
-
+    g.add_argument("--pd-fallback", default=d.pd_fallback, choices=CHOICES["pd_fallback"],
+                   help="prefill: a request whose KV cannot reach its decode peer fails (none, "
+                        "default) or is decoded here instead (local)")
 
 
 def config_from_args(a: argparse.Namespace) -> EngineConfig:

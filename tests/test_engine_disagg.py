@@ -27,6 +27,7 @@ from pipeline.engine.request import RequestStatus
 from pipeline.engine.scheduler import Scheduler
 from pipeline.messages import EngineOutput, EngineRequest, ids_to_bytes
 from pipeline.messages.kv import (
+    FALLBACK_ERROR,
     KVFinish,
     KVReady,
     KVTransferParams,
@@ -51,8 +52,8 @@ class Clock:
         return self.t
 
 
-def make(role, num_blocks=48, bs=4, budget=64, seqs=8, caching=True, threshold=0):
-    cfg = EngineConfig(role=role, kv_listen=LISTEN if role == "decode" else "",
+def make(role, num_blocks=48, bs=4, budget=64, seqs=8, caching=True, threshold=0, fallback="none"):
+    cfg = EngineConfig(role=role, kv_listen=LISTEN if role == "decode" else "", pd_fallback=fallback,
                        kv_transfer_timeout=TIMEOUT, max_num_seqs=seqs,
                        max_num_batched_tokens=budget, long_prefill_token_threshold=threshold,
                        enable_prefix_caching=caching)
@@ -431,16 +432,18 @@ def test_abort_before_first_token_sends_an_error_finish_and_drop_plan_fails():
     assert all_free(p) and p.check_invariants() == []
 
 
-def test_abort_after_the_first_token_sends_no_second_finish():
-    p, pw, _ = make("prefill")
+def test_prefill_ends_after_its_first_token_whatever_its_max_tokens():
+    p, pw, _ = make("prefill", num_blocks=8)
     prompt = list(range(1, 15))
     kv = KVTransferParams(role="prefill", peer=LISTEN, remote_req_id="d", remote_block_ids=[4, 5, 6, 7])
-    p.add_request(request("r", prompt, kv, max_tokens=3, ignore_eos=True))  # not the router's 1
+    # The client's own params (the router's since --pd-fallback): 100 tokens do not fit 8
+    # blocks of 4, but a prefill without fallback needs the prompt's blocks only.
+    p.add_request(request("r", prompt, kv, max_tokens=100, ignore_eos=True))
     _, plan, outs = step(p, pw)
-    assert plan is not None and outs[0].finish_reason is None
+    assert plan is not None and [o.finish_reason for o in outs] == ["length"]
+    assert outs[0].new_token_ids == reference(pw, prompt, 1)
     assert p.take_kv_finishes() == [KVFinish("r", LISTEN, "d", outs[0].new_token_ids[0])]
-    (o,) = p.abort_requests(["r"])
-    assert o.finish_reason == "abort" and p.take_kv_finishes() == []  # the decode side has its KV
+    assert p.abort_requests(["r"]) == [] and p.take_kv_finishes() == []  # the decode side has its KV
     # Nor does a failed report of that step: the messager reports that in the finish it sends.
     assert p.on_transfer_report(TransferReport(plan.step_id, {"r": "peer reset"})) == []
     assert p.take_kv_finishes() == []
@@ -475,6 +478,171 @@ def test_preempted_prefill_resends_from_the_remote_boundary(caching):
     assert all_free(p) and p.check_invariants() == []
 
 
+# -- prefill role, --pd-fallback local -------------------------------------------------------
+def send_req(rid, prompt, remote, cached=0, **sp) -> EngineRequest:
+    """A prefill-role request as the router sends it: the client's own sampling params."""
+    kv = KVTransferParams(role="prefill", peer=LISTEN, remote_req_id="d-" + rid,
+                          remote_block_ids=list(remote), remote_num_cached_tokens=cached)
+    return request(rid, prompt, kv, **sp)
+
+
+PROMPT18 = list(range(1, 19))  # 3 steps of 8 tokens, 5 blocks of 4
+
+
+def three_steps(p: Scheduler, pw: FakeWorker) -> tuple[list[TransferPlan], list[EngineOutput]]:
+    plans, outs = [], []
+    for _ in range(3):
+        _, plan, o = step(p, pw)
+        assert plan is not None
+        plans.append(plan)
+        outs += o
+    return plans, outs
+
+
+def test_local_parks_the_first_token_until_every_report_then_ends_it():
+    p, pw, _ = make("prefill", budget=8, threshold=8, fallback="local")
+    p.add_request(send_req("r", PROMPT18, range(5), max_tokens=6, ignore_eos=True))
+    plans, outs = three_steps(p, pw)
+    first = reference(pw, PROMPT18, 1)
+    assert [(o.new_token_ids, o.finish_reason) for o in outs] == [(first, None)]  # at once
+    r = p.requests["r"]
+    assert list(p.parked) == ["r"] and r.status == RequestStatus.PARKED and r.kv_pending == 3
+    assert not p.has_unfinished_requests() and p.stats().running == 0
+    assert p.take_kv_finishes() == []  # the decode side learns nothing before the reports
+    assert p.check_invariants() == []  # parked, holding its blocks
+    assert p.on_transfer_report(TransferReport(plans[2].step_id, {})) == []
+    assert p.on_transfer_report(TransferReport(plans[0].step_id, {})) == []
+    (o,) = p.on_transfer_report(TransferReport(plans[1].step_id, {}))
+    assert o.new_token_ids == [] and o.finish_reason == "length" and o.error is None
+    assert p.take_kv_finishes() == [KVFinish("r", LISTEN, "d-r", first[0])]
+    assert not p.parked and not p.requests and p.num_kv_fallbacks == 0
+    assert all_free(p) and p.check_invariants() == []
+
+
+def drain_outputs(p: Scheduler, pw: FakeWorker) -> list[EngineOutput]:
+    outs = []
+    while p.has_unfinished_requests():
+        _, plan, o = step(p, pw)
+        assert plan is None  # a request that fell back sends nothing more
+        outs += o
+    return outs
+
+
+def test_local_failure_after_the_first_token_decodes_it_like_a_mixed_run():
+    p, pw, _ = make("prefill", budget=8, threshold=8, fallback="local")
+    p.add_request(send_req("r", PROMPT18, range(5), max_tokens=6, ignore_eos=True))
+    plans, outs = three_steps(p, pw)
+    assert p.on_transfer_report(TransferReport(plans[0].step_id, {})) == []
+    assert p.on_transfer_report(TransferReport(plans[1].step_id, {"r": "peer reset"})) == []
+    assert p.take_kv_finishes() == [KVFinish("r", LISTEN, "d-r", -1, FALLBACK_ERROR)]
+    r = p.requests["r"]
+    assert r.status == RequestStatus.RUNNING and r.kv_send is None and not p.parked
+    assert p.check_invariants() == []
+    outs += drain_outputs(p, pw)
+    # The same tokens as a mixed instance: the prompt's KV and the first token were kept.
+    m, mw, _ = make("mixed")
+    m.add_request(request("r", PROMPT18, max_tokens=6, ignore_eos=True))
+    mixed = drain_outputs(m, mw)
+    assert [t for o in outs for t in o.new_token_ids] == [t for o in mixed for t in o.new_token_ids]
+    assert [t for o in outs for t in o.new_token_ids] == reference(pw, PROMPT18, 6, ignore_eos=True)
+    assert [o.finish_reason for o in outs] == [None] * 5 + ["length"]
+    # The last report changes nothing: the request is gone, its KVFinish went out.
+    assert p.on_transfer_report(TransferReport(plans[2].step_id, {"r": "peer reset"})) == []
+    assert p.take_kv_finishes() == [] and p.num_kv_fallbacks == 1
+    assert p.stats().kv_transfers_failed == 2
+    assert all_free(p) and p.check_invariants() == []
+
+
+@pytest.mark.parametrize("how", ["report", "drop_plan"])
+def test_local_failure_before_the_first_token_falls_back_at_once(how):
+    p, pw, _ = make("prefill", budget=8, threshold=8, fallback="local")
+    p.add_request(send_req("r", PROMPT18, range(5), max_tokens=6, ignore_eos=True))
+    if how == "report":
+        _, plan, outs = step(p, pw)
+        assert plan is not None
+        assert p.on_transfer_report(TransferReport(plan.step_id, {"r": "unreachable"})) == []
+    else:  # the plan could not even go to the messager
+        so = p.schedule()
+        plan = p.take_plan()
+        assert plan is not None
+        assert p.drop_plan(plan, "plan too large") == []
+        outs = p.update_from_output(so, pw.execute(so))  # the step itself stands
+        assert plan.step_id not in p.transfers.leases
+    assert p.take_kv_finishes() == [KVFinish("r", LISTEN, "d-r", -1, FALLBACK_ERROR)]
+    assert p.requests["r"].kv_send is None
+    outs += drain_outputs(p, pw)  # never parked: decided before its first token
+    assert [t for o in outs for t in o.new_token_ids] == reference(pw, PROMPT18, 6, ignore_eos=True)
+    assert outs[-1].finish_reason == "length" and p.take_kv_finishes() == []
+    if how == "report":
+        assert p.stats().kv_transfer_leased_blocks == 0
+    assert all_free(p) and p.check_invariants() == []
+
+
+def test_parked_requests_abort_and_stop_strings():
+    p, pw, _ = make("prefill", fallback="local")
+    for rid, prompt in (("a", [1, 2, 3, 4, 5]), ("b", [6, 7, 8, 9, 10]), ("c", [11, 12, 13, 14, 15])):
+        p.add_request(send_req(rid, prompt, range(2), max_tokens=4, ignore_eos=True))
+    _, plan, outs = step(p, pw)
+    assert plan is not None and set(p.parked) == {"a", "b", "c"}
+    first = {o.req_id: o.new_token_ids[0] for o in outs}
+    # A client abort ends it at once; the decode side learns why.
+    (o,) = p.abort_requests(["a"])
+    assert o.finish_reason == "abort"
+    assert p.take_kv_finishes() == [KVFinish("a", LISTEN, "d-a", -1, "aborted by the client")]
+    # A stop string on the first token (the token processor): it ends so once settled.
+    assert p.abort_requests(["b", "c"], "stop") == []
+    assert set(p.parked) == {"b", "c"} and p.check_invariants() == []
+    outs = p.on_transfer_report(TransferReport(plan.step_id, {"c": "peer reset"}))
+    assert sorted((o.req_id, o.finish_reason, o.new_token_ids) for o in outs) == [
+        ("b", "stop", []), ("c", "stop", [])]
+    assert sorted(p.take_kv_finishes(), key=lambda f: f.req_id) == [
+        KVFinish("b", LISTEN, "d-b", first["b"]), KVFinish("c", LISTEN, "d-c", -1, FALLBACK_ERROR)]
+    assert not p.requests and not p.parked
+    assert all_free(p) and p.check_invariants() == []
+
+
+def test_local_fallback_only_for_what_fits_and_none_finishes_at_the_first_token():
+    p, pw, _ = make("prefill", num_blocks=8, fallback="local")
+    # 100 tokens do not fit 8 blocks of 4: sent, never decoded here, so it fails as with none.
+    p.add_request(send_req("big", list(range(1, 10)), range(3), max_tokens=100, ignore_eos=True))
+    assert not p.requests["big"].kv_fallback
+    _, plan, (o,) = step(p, pw)
+    assert o.finish_reason == "length" and not p.parked  # not parked either: ends at once
+    assert plan is not None and p.on_transfer_report(TransferReport(plan.step_id, {"big": "x"})) == []
+    p.add_request(send_req("r", PROMPT18, range(5), max_tokens=6))
+    assert p.requests["r"].kv_fallback
+    _, plan, _ = step(p, pw)
+    assert plan is not None and p.requests["r"].status == RequestStatus.PARKED
+    assert p.on_transfer_report(TransferReport(plan.step_id, {"r": "x"})) == []
+    assert p.requests["r"].status == RequestStatus.RUNNING  # decodes here
+    # --pd-fallback none: the first failed report fails it (unchanged).
+    n, nw, _ = make("prefill", budget=8, threshold=8)
+    n.add_request(send_req("r", PROMPT18, range(5), max_tokens=6))
+    _, plan, _ = step(n, nw)
+    assert plan is not None and not n.requests["r"].kv_fallback
+    (o,) = n.on_transfer_report(TransferReport(plan.step_id, {"r": "x"}))
+    assert o.error_code == "kv_transfer_failed"
+
+
+def test_decode_side_fails_a_fallen_back_request_with_kv_fallback():
+    d, _, _ = make("decode")
+    d.add_request(decode_req("r", list(range(1, 11))))
+    d.poll_kv()
+    (o,) = d.on_kv_ready(KVReady("r", error=FALLBACK_ERROR))
+    assert o.finish_reason == "error" and o.error_code == "kv_fallback" and o.error == FALLBACK_ERROR
+    assert d.stats().kv_transfers_failed == 0  # not a failure: the prefill instance answers
+    assert all_free(d) and not d.requests and d.check_invariants() == []
+
+
+def test_pd_fallback_flag_is_for_prefill_instances():
+    EngineConfig(role="prefill", pd_fallback="local").check()
+    for role in ("mixed", "decode"):
+        with pytest.raises(ValueError, match="--pd-fallback is for --role prefill"):
+            EngineConfig(role=role, pd_fallback="local").check()
+    with pytest.raises(ValueError, match="--pd-fallback must be one of none, local"):
+        EngineConfig(role="prefill", pd_fallback="remote").check()
+
+
 def test_kv_transfer_requests_checked_against_the_role():
     p, _, _ = make("prefill")
     with pytest.raises(ValueError, match="remote_block_ids"):
@@ -491,11 +659,11 @@ def test_kv_transfer_requests_checked_against_the_role():
 class PD:
     """A decode and a prefill engine, their workers, and the messagers and router between."""
 
-    def __init__(self, d_blocks=24, p_blocks=14, budget=12, caching=True) -> None:
+    def __init__(self, d_blocks=24, p_blocks=14, budget=12, caching=True, fallback="none") -> None:
         self.d, self.dw, self.clock = make("decode", num_blocks=d_blocks, budget=budget, seqs=4,
                                            caching=caching, threshold=budget // 2)
         self.p, self.pw, _ = make("prefill", num_blocks=p_blocks, budget=budget, seqs=4,
-                                  caching=caching, threshold=budget // 2)
+                                  caching=caching, threshold=budget // 2, fallback=fallback)
         self.plans_ring: deque = deque()  # prefill engine -> its messager, in order
         self.reports: deque[TransferReport] = deque()
         self.ready: deque[KVReady] = deque()
@@ -510,6 +678,8 @@ class PD:
         self.d_tokens: dict[str, list[int]] = {}
         self.d_final: dict[str, EngineOutput] = {}
         self.p_finishes: dict[str, int] = {}
+        self.p_tokens: dict[str, list[int]] = {}  # the prefill side's outputs, by decode id
+        self.p_final: dict[str, EngineOutput] = {}
 
     def check(self) -> None:
         assert self.d.check_invariants() == []
@@ -530,8 +700,20 @@ class PD:
                 self.d_final[o.req_id] = o
             if o.kv is not None and o.req_id not in self.lost:
                 kv = o.kv
-                self.p.add_request(prefill_req("p-" + o.req_id, self.prompts[o.req_id],
-                                               kv.block_ids, kv.num_cached_tokens, kv.engine_req_id))
+                # The router's prefill leg: the client's own params.
+                kvt = KVTransferParams(role="prefill", peer=LISTEN, remote_req_id=kv.engine_req_id,
+                                       remote_block_ids=kv.block_ids,
+                                       remote_num_cached_tokens=kv.num_cached_tokens)
+                self.p.add_request(request("p-" + o.req_id, self.prompts[o.req_id], kvt,
+                                           max_tokens=self.max_tokens[o.req_id]))
+
+    def record_p(self, outs) -> None:
+        for o in outs:
+            rid = o.req_id[2:]
+            assert rid not in self.p_final, f"{o.req_id}: prefill output after its final one"
+            self.p_tokens.setdefault(rid, []).extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                self.p_final[rid] = o
 
     def take_finishes(self) -> None:
         for f in self.p.take_kv_finishes():
@@ -564,7 +746,7 @@ class PD:
         plan = self.p.take_plan()
         if plan is not None:
             self.plans_ring.append(plan)
-        self.p.update_from_output(so, self.pw.execute(so))
+        self.record_p(self.p.update_from_output(so, self.pw.execute(so)))
         self.take_finishes()
 
     def messager(self, fail: bool) -> None:
@@ -591,7 +773,7 @@ class PD:
             self.ready.append(KVReady(item.remote_req_id, -1 if err else item.token, err))
 
     def p_report(self) -> None:
-        self.p.on_transfer_report(self.reports.popleft())
+        self.record_p(self.p.on_transfer_report(self.reports.popleft()))
         self.take_finishes()
 
     def d_ready(self) -> None:
@@ -599,7 +781,7 @@ class PD:
 
     def abort(self, rid: str) -> None:
         self.record_d(self.d.abort_requests([rid]))
-        self.p.abort_requests(["p-" + rid])
+        self.record_p(self.p.abort_requests(["p-" + rid]))
         self.take_finishes()
 
     def drain(self) -> None:
@@ -651,6 +833,26 @@ def test_end_to_end_tokens_match_an_unsplit_run():
     assert all_free(pd.d) and all_free(pd.p)
 
 
+def test_end_to_end_fallback_answers_from_the_prefill_side():
+    pd = PD(fallback="local")
+    prompts = {f"r{i}": [1 + (7 * i + j) % 40 for j in range(9 + 5 * i)] for i in range(4)}
+    pd.gone |= {"r1", "r3"}  # every send to these reservations fails: their peer is gone
+    for rid, prompt in prompts.items():
+        pd.add(rid, prompt, 5)
+    pd.drain()
+    for rid, prompt in prompts.items():
+        want = reference(pd.pw, prompt, 5)
+        if rid in ("r1", "r3"):
+            assert pd.d_final[rid].error_code == "kv_fallback" and pd.d_tokens[rid] == []
+            assert pd.p_final[rid].finish_reason in ("stop", "length")
+            assert pd.p_tokens[rid] == want
+        else:  # the prefill side ends after the first token, once its transfer is reported
+            assert pd.d_tokens[rid] == want and pd.p_tokens[rid] == want[:1]
+            assert pd.p_final[rid].finish_reason in ("stop", "length")
+    assert pd.p.num_kv_fallbacks == 2
+    assert all_free(pd.d) and all_free(pd.p)
+
+
 # Op kinds, repeated to weight them; "drain": everything in flight completes (later requests
 # then hit both prefix caches).
 KINDS = (["add"] * 6 + ["d_poll", "p_report", "d_ready"] * 3 + ["d_step", "p_step"] * 5
@@ -666,11 +868,13 @@ OPS = st.sampled_from(KINDS).flatmap(
 
 
 @settings(max_examples=250, deadline=None)
-@given(st.lists(OPS, min_size=10, max_size=80), st.booleans())
-def test_random_interleavings_keep_block_accounting(ops, caching):
+@given(st.lists(OPS, min_size=10, max_size=80), st.booleans(), st.sampled_from(["none", "local"]))
+def test_random_interleavings_keep_block_accounting(ops, caching, fallback):
     """Block accounting on both sides after every op, and (in ``PD.messager``) no transfer
-    ever lands in a decode block its reservation no longer holds, aborted or timed out."""
-    pd = PD(caching=caching)
+    ever lands in a decode block its reservation no longer holds, aborted or timed out.
+    With --pd-fallback local a request whose transfer failed is answered by the prefill
+    side, with the tokens of an unsplit run."""
+    pd = PD(caching=caching, fallback=fallback)
     n = 0
     bases = [[1 + (5 * k + j) % 37 for j in range(32)] for k in range(3)]
     for op in ops:
@@ -708,7 +912,16 @@ def test_random_interleavings_keep_block_accounting(ops, caching):
         else:
             assert o.finish_reason in ("abort", "error")
             if o.finish_reason == "error":
-                assert o.error_code in ("kv_transfer_failed", "kv_transfer_timeout"), o
+                assert o.error_code in ("kv_transfer_failed", "kv_transfer_timeout", "kv_fallback"), o
+            if o.error_code == "kv_fallback":
+                assert fallback == "local"
+                pf = pd.p_final[rid]  # the prefill side answers (unless aborted)
+                if pf.finish_reason in ("stop", "length"):
+                    assert pd.p_tokens[rid] == reference(pd.pw, pd.prompts[rid], pd.max_tokens[rid])
+                else:
+                    assert pf.finish_reason == "abort", pf
+    fell_back = sum(o.error_code == "kv_fallback" for o in pd.d_final.values())
+    assert fell_back <= pd.p.num_kv_fallbacks
 
 
 # -- the engine stage loop, in process: real rings, a FakeWorker thread, the test as the rest --

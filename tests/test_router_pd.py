@@ -215,7 +215,8 @@ def test_streaming_client_gets_p_first_token_then_d_rest_without_duplication(pd)
     assert dg.id.endswith(".d") and dg.kv_transfer == KVTransferParams(role="decode")
     assert dg.stream and dg.max_tokens == 5 and dg.prompt == PROMPT and dg.temperature == 0.0
     assert pg.id.endswith(".p") and pg.id[:-2] == dg.id[:-2]
-    assert pg.max_tokens == 1 and pg.stream and pg.prompt == PROMPT and pg.temperature == 0.0
+    # The client's own params: P's engine ends it after one token (unless it falls back).
+    assert pg.max_tokens == 5 and pg.stream and pg.prompt == PROMPT and pg.temperature == 0.0
     assert pg.kv_transfer == KVTransferParams(
         role="prefill", peer=RESERVATION.endpoint, remote_req_id=RESERVATION.engine_req_id,
         remote_block_ids=RESERVATION.block_ids, remote_num_cached_tokens=RESERVATION.num_cached_tokens,
@@ -240,7 +241,7 @@ def test_streaming_client_gets_p_first_token_then_d_rest_without_duplication(pd)
 
 def test_non_streaming_client_gets_only_the_decode_final(pd):
     dg, pg = pd.start_split(stream=False)
-    assert dg.stream and pg.stream and pg.max_tokens == 1  # the legs stream regardless
+    assert dg.stream and pg.stream and pg.max_tokens == 5  # the legs stream regardless
     pd.p.send(delta(pg.id, [11], " Hi"))
     pd.p.send(P.Final(result=result(pg.id, [11], " Hi")))
     final = result(dg.id, [11, 12], " Hi there")
@@ -366,6 +367,131 @@ def test_prefill_lost_after_its_final_before_decode_has_the_kv_fails_the_request
     assert pd.d.expect(P.Abort).id == dg.id
 
 
+# ---- fallback: the prefill instance decodes the request itself (--pd-fallback local) ----
+
+def fallback_final(dg: P.Generate) -> P.Final:
+    return P.Final(result=error_result(dg.id, "kv_fallback", "the prefill instance decodes it"))
+
+
+def client_stream(cli: Cli) -> tuple[list[RequestDelta], RequestResult]:
+    got = []
+    while not isinstance(msg := cli.recv(), P.Final):
+        assert isinstance(msg, P.Delta)
+        got.append(msg.delta)
+    return got, msg.result
+
+
+def test_fallback_seen_in_prefill_tokens_streams_p_and_its_final_is_the_final(pd):
+    dg, pg = pd.start_split(stream=True)
+    pd.p.send(delta(pg.id, [11], " Hi"))
+    assert pd.cli.recv() == delta("a", [11], " Hi")
+    pd.p.send(delta(pg.id, [12], " there"))  # a second token: P decodes it
+    assert pd.cli.recv() == delta("a", [12], " there")
+    assert pd.d.expect(P.Abort).id == dg.id  # D's reservation waits for nothing
+    assert pd.instance(pd.d.address)["inflight"] == 0
+    pd.d.send(P.Final(result=error_result(dg.id, "aborted", "aborted", finish_reason="abort")))
+    pd.sync()  # D's final is not forwarded
+    final = result(pg.id, [11, 12, 13], " Hi there!")
+    pd.p.send(delta(pg.id, [13], "!"))
+    pd.p.send(P.Final(result=final))
+    got, res = client_stream(pd.cli)
+    assert [(x.token_ids, x.text) for x in got] == [([13], "!")]
+    assert res == msgspec.structs.replace(final, id="a")
+
+
+def test_fallback_seen_in_decode_final_before_more_prefill_tokens(pd):
+    dg, pg = pd.start_split(stream=True)
+    pd.p.send(delta(pg.id, [11], " Hi"))
+    assert pd.cli.recv() == delta("a", [11], " Hi")
+    pd.d.send(fallback_final(dg))
+    pd.sync()  # handled, and not forwarded
+    assert pd.instance(pd.d.address)["inflight"] == 0 and pd.instance(pd.p.address)["inflight"] == 1
+    final = result(pg.id, [11, 12], " Hi there")
+    pd.p.send(delta(pg.id, [12], " there"))
+    pd.p.send(P.Final(result=final))
+    got, res = client_stream(pd.cli)
+    assert [(x.token_ids, x.text) for x in got] == [([12], " there")]
+    assert res == msgspec.structs.replace(final, id="a")
+    assert pd.d.got.empty()  # D was done: no abort
+
+
+def test_fallback_from_the_first_prefill_delta_on(pd):
+    """D's kv_fallback before P's first token; then P's first delta carrying two tokens."""
+    dg, pg = pd.start_split(stream=True, stop=["."])
+    pd.d.send(fallback_final(dg))
+    pd.sync()
+    pd.p.send(delta(pg.id, [11, 12], " Hi there"))  # P's stream is the answer: text too
+    assert pd.cli.recv() == delta("a", [11, 12], " Hi there")
+    final = result(pg.id, [11, 12], " Hi there", finish="stop")
+    pd.p.send(P.Final(result=final))
+    assert pd.cli.recv() == P.Final(result=msgspec.structs.replace(final, id="a"))
+
+
+def test_fallback_with_stop_strings_sends_the_text_held_back(pd):
+    dg, pg = pd.start_split(stream=True, stop=["."])
+    pd.p.send(delta(pg.id, [11], " Hi"))
+    assert pd.cli.recv() == delta("a", [11], "")  # D might answer: only the ids go ahead
+    pd.p.send(delta(pg.id, [12], " there"))
+    assert pd.cli.recv() == delta("a", [12], " Hi there")
+    assert pd.d.expect(P.Abort).id == dg.id
+    final = result(pg.id, [11, 12], " Hi there")
+    pd.p.send(P.Final(result=final))
+    assert pd.cli.recv() == P.Final(result=msgspec.structs.replace(final, id="a"))
+
+
+@pytest.mark.parametrize("p_final_first", [True, False])
+def test_non_streaming_fallback_final_is_prefills(pd, p_final_first):
+    """P ended at its first token by its own rules (a stop token): only D's kv_fallback says
+    P's final is the answer, whichever comes first."""
+    dg, pg = pd.start_split(stream=False)
+    final = result(pg.id, [11], " Hi", finish="stop")
+    pd.p.send(delta(pg.id, [11], " Hi"))
+    if p_final_first:
+        pd.p.send(P.Final(result=final))
+        route = next(r for r in pd.router.routes.values() if r.client_id == "a")
+        wait_for(lambda: route.pd is not None and route.pd.prefill_done, "P's final to be taken")
+        pd.d.send(fallback_final(dg))
+    else:
+        pd.d.send(fallback_final(dg))
+        pd.sync()
+        pd.p.send(P.Final(result=final))
+    msg = pd.cli.recv()
+    assert msg == P.Final(result=msgspec.structs.replace(final, id="a"))
+
+
+def test_non_streaming_fallback_seen_in_prefill_tokens(pd):
+    dg, pg = pd.start_split(stream=False)
+    pd.p.send(delta(pg.id, [11], " Hi"))
+    pd.p.send(delta(pg.id, [12], " there"))
+    assert pd.d.expect(P.Abort).id == dg.id
+    pd.d.send(fallback_final(dg))  # crossed the abort: dropped
+    final = result(pg.id, [11, 12], " Hi there")
+    pd.p.send(P.Final(result=final))
+    assert pd.cli.recv() == P.Final(result=msgspec.structs.replace(final, id="a"))
+
+
+def test_fallback_then_prefill_lost_fails_and_client_abort_reaches_only_prefill(pd):
+    dg, pg = pd.start_split(rid="a", stream=True)
+    pd.p.send(delta(pg.id, [11], " Hi"))
+    pd.p.send(delta(pg.id, [12], " there"))
+    assert pd.d.expect(P.Abort).id == dg.id
+    pd.cli.recv(), pd.cli.recv()
+    pd.cli.send(P.Abort(id="a"))
+    assert pd.p.expect(P.Abort).id == pg.id
+    final = error_result(pg.id, "aborted", "by P", finish_reason="abort")
+    pd.p.send(P.Final(result=final))  # the final is P's (D is out)
+    assert pd.cli.recv() == P.Final(result=msgspec.structs.replace(final, id="a"))
+    assert pd.d.got.empty()
+    dg, pg = pd.start_split(rid="b", stream=True)
+    pd.p.send(delta(pg.id, [11, 12], " Hi there"))
+    assert pd.d.expect(P.Abort).id == dg.id
+    pd.p.close()
+    msg = pd.cli.recv()
+    assert isinstance(msg, P.Delta)
+    msg = pd.cli.recv()
+    assert isinstance(msg, P.Final) and msg.result.error.code == "instance_failed"
+
+
 def test_health_and_stats_cover_both_pools_with_roles(pd):
     detail = pd.cli.health().detail["instances"]
     assert {a: (i["role"], i["up"]) for a, i in detail.items()} == {
@@ -472,6 +598,20 @@ def test_pd_state_strips_what_the_client_has_from_p():
     err = error_result("x", "kv_transfer_failed", "m")
     assert PDState(True, True).on_prefill_final(err) is err
     assert PDState(True, True, aborting=True).on_prefill_final(err) is None
+    # fallback: a second token from P, or D's kv_fallback final; then P's final is the final
+    s = PDState(stream=False, show_text=True)
+    assert s.on_prefill_delta(RequestDelta("x", "a", [1])) is None and not s.fell_back
+    assert s.on_prefill_delta(RequestDelta("x", "b", [2])) is None and s.fell_back
+    ok = result("x", [1, 2], "ab")
+    assert s.on_prefill_final(ok) is ok
+    s = PDState(stream=True, show_text=True)
+    assert s.on_decode_final(error_result("x", "kv_transfer_failed", "m")) and not s.fell_back
+    assert s.on_prefill_final(ok) is None and s.prefill_final is ok
+    assert not s.on_decode_final(error_result("x", "kv_fallback", "m")) and s.fell_back
+    # once D decodes, P's tokens are never a fallback
+    s = PDState(stream=True, show_text=True, decoding=True)
+    s.on_prefill_delta(RequestDelta("x", "ab", [1, 2]))
+    assert not s.fell_back
 
 
 class FakeTarget:

@@ -7,8 +7,9 @@ block's ref count equals its number of owners plus the references held for a KV 
 decode role: an ended reservation's blocks stay quarantined until its prefill peer is done
 with them; ``Reservations.check`` checks the quarantine itself), only cached blocks are
 shared by requests, no request lists a block twice, nothing is leaked, and only requests that
-may hold blocks do: running ones, decode-role reservations (WAITING_FOR_KV) and
-decode-role requests waiting for admission with the KV they received.
+may hold blocks do: running ones, decode-role reservations (WAITING_FOR_KV),
+decode-role requests waiting for admission with the KV they received and prefill-role
+requests PARKED until their transfers are reported (--pd-fallback local).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pipeline.engine.request import Request, RequestStatus
 def _may_hold_blocks(req: Request) -> bool:
     st = req.status
     return (st == RequestStatus.RUNNING or st == RequestStatus.WAITING_FOR_KV
-            or (st == RequestStatus.WAITING and req.kv_received))
+            or st == RequestStatus.PARKED or (st == RequestStatus.WAITING and req.kv_received))
 
 
 def audit_block_table(pool: BlockPool, requests: Iterable[Request], num_running: int,

@@ -24,8 +24,10 @@ Owns / State:
   (``Scheduler.add_request`` refuses it), so a late KVReady can free only its own blocks.
 - ``TransferLeases`` (prefill role): per step, a reference on every block of the step's
   TransferPlan until the cache messager's TransferReport for that step (seed 000: a block is
-  never freed or reused while its KV is on the wire), and the KVFinish messages owed to the
-  messager (at most one per request: its first token, or why it failed).
+  never freed or reused while its KV is on the wire), the requests whose sends it carries
+  (each counts it in ``Request.kv_pending`` until then: --pd-fallback local waits for them
+  before a request's first token ends it), and the KVFinish messages owed to the messager
+  (at most one per request: its first token, or why it failed, or FALLBACK_ERROR).
 """
 from __future__ import annotations
 
@@ -274,6 +276,7 @@ class TransferLeases:
         self.pool = pool
         self.block_size = block_size
         self.leases: dict[int, list[KVBlock]] = {}  # step id -> blocks held for its transfer
+        self.carried: dict[int, list[Request]] = {}  # step id -> the requests it sends for
         self.held: Counter[int] = Counter()  # block id -> leases on it (the audit's view)
         self.finishes: list[KVFinish] = []
         self.num_unknown_reports = 0
@@ -290,6 +293,7 @@ class TransferLeases:
         bs = self.block_size
         sends: list[KVSend] = []
         blocks: list[KVBlock] = []
+        carried: list[Request] = []
         for req, n in scheduled:
             kv = req.kv_send
             if kv is None:
@@ -307,29 +311,37 @@ class TransferLeases:
             sends.append(KVSend(req.req_id, kv.peer, kv.remote_req_id, pairs_to_bytes(
                 [(b.block_id, remote[i]) for i, b in enumerate(mine, lo)])))
             blocks += mine
+            carried.append(req)
+            req.kv_pending += 1
         if not sends:
             return None
         self.pool.touch(blocks)
         self.leases[step_id] = blocks
+        self.carried[step_id] = carried
         self.held.update(b.block_id for b in blocks)
         return TransferPlan(step_id, sends)
 
-    def release(self, step_id: int) -> bool:
-        """Drop step ``step_id``'s lease (its report came, or its plan was never sent);
-        False if there is none."""
+    def release(self, step_id: int) -> list[Request] | None:
+        """Drop step ``step_id``'s lease (its report came, or its plan was never sent): the
+        requests it sent for, one ``kv_pending`` less each (finished ones too); None if there
+        is no such lease."""
         blocks = self.leases.pop(step_id, None)
         if blocks is None:
-            return False
+            return None
+        carried = self.carried.pop(step_id)
+        for req in carried:
+            req.kv_pending -= 1
         self.pool.free_blocks(reversed(blocks))  # tail first: eviction order
         held = self.held
         for b in blocks:
             held[b.block_id] -= 1
             if not held[b.block_id]:
                 del held[b.block_id]
-        return True
+        return carried
 
     def finish(self, req: Request, token: int = -1, error: str = "") -> None:
-        """Owe the messager ``req``'s KVFinish, unless one is out already."""
+        """Owe the messager ``req``'s KVFinish, unless one is out already (ring order: after
+        every plan sent so far, so after its last write)."""
         kv = req.kv_send
         if kv is None or req.kv_finished:
             return

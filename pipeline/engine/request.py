@@ -12,6 +12,9 @@ its arrival until its prompt's KV arrived (first without blocks, queued for a re
 then holding them; ``engine.disagg.Reservations`` says which), then WAITING while it holds
 the received KV until it is admitted (``kv_received``); a prefill-role request carries where
 its prompt's KV goes (``kv_send``) and how far it went (``kv_sent_blocks``, ``kv_finished``).
+With ``--pd-fallback local`` a prefill-role request may decode here after all
+(``kv_fallback``): its first token waits, PARKED, for the reports of the steps that carried
+its sends (``kv_pending``); any failure and it drops ``kv_send`` and goes on as a mixed one.
 """
 from __future__ import annotations
 
@@ -31,11 +34,14 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     WAITING_FOR_KV = 3  # decode role: queued for a reservation, or reserved and receiving
+    # Prefill role, --pd-fallback local: its first token is out, its transfers are not all
+    # reported yet; out of the batch, holding its blocks, until they are (Scheduler.parked).
+    PARKED = 4
     # Every finished status is above the others (the waiting queue drops them by comparison).
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH = 5
-    FINISHED_ABORTED = 6
-    FINISHED_ERROR = 7
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
 
 
 FINISH_REASONS: dict[RequestStatus, str] = {
@@ -108,6 +114,14 @@ class Request:
     kv_send: KVTransferParams | None = None
     kv_sent_blocks: int = 0
     kv_finished: bool = False
+    # Prefill role, --pd-fallback local: whether it may decode here if its transfer fails
+    # (its whole max_tokens fits this pool); the steps whose plans carry its sends and whose
+    # reports are not in yet; while PARKED, its first token (for the KVFinish) and how it
+    # ends once its transfer is settled (None: by the prefill rule if ok, decoding on if not).
+    kv_fallback: bool = False
+    kv_pending: int = 0
+    kv_first_token: int = -1
+    kv_end: RequestStatus | None = None
 
     def __post_init__(self) -> None:
         if not self.out_id:

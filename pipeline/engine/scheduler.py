@@ -19,7 +19,9 @@ Disaggregation: ``engine.disagg`` holds its state (decode-role reservations and 
 quarantine, prefill-role transfer leases), ``engine.scheduler_pd`` the Scheduler's methods
 for it (``poll_kv``, ``on_kv_ready``, ``take_plan``, ``on_transfer_report``, ...). A decode-role
 reservation waits for its KV outside the queue; once it came the request is admitted first,
-holding its blocks (``_admit``). A prefill-role step's plan is made at the end of ``schedule()``.
+holding its blocks (``_admit``). A prefill-role step's plan is made at the end of ``schedule()``;
+a prefill-role request ends after its first token, or (--pd-fallback local) is parked out of
+the batch, keeping its blocks, until its transfers are reported (``parked``).
 """
 from __future__ import annotations
 
@@ -136,6 +138,10 @@ class Scheduler:
         self._plan: TransferPlan | None = None  # this step's, until take_plan()
         self._kv_outputs: list[EngineOutput] = []  # reservations made in schedule()
         self.num_kv_transfers_failed = 0
+        # Prefill role, --pd-fallback local: requests whose first token is out, waiting for
+        # their transfers' reports (PARKED: in self.requests, not in running nor waiting).
+        self.parked: dict[str, Request] = {}
+        self.num_kv_fallbacks = 0  # requests decoded here after their transfer failed
         self.num_kv_ready_ignored = 0  # KVReady for no reservation (gone, or never made)
 
     # -- admission and abort ------------------------------------------------------------
@@ -161,12 +167,17 @@ class Scheduler:
                 raise ValueError(f"request id {rid!r} is still in the engine: a prefill instance "
                                  f"may be writing into its ended reservation's KV blocks")
         prompt = bytes_to_ids(er.prompt_token_ids).tolist()
-        if er.kv_transfer is not None:
+        kvt = er.kv_transfer
+        if kvt is not None:
             check_kv_transfer(er, self.role, self.block_size, len(prompt))
         # The last sampled token's KV is never computed, hence total - 1.
         need = -(-(len(prompt) + sp.max_tokens - 1) // self.block_size)
+        sending = kvt is not None and kvt.role == "prefill"
+        max_tokens = 1 if sending and need > self.kv.pool.num_blocks else sp.max_tokens
+        if sending:  # it ends after its first token, unless it falls back (and fits)
+            need = -(-(len(prompt) + max_tokens - 1) // self.block_size)
         if need > self.kv.pool.num_blocks:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({sp.max_tokens}) needs "
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs "
                              f"{need} KV blocks of {self.block_size} tokens, more than the whole "
                              f"KV cache (num_blocks={self.kv.pool.num_blocks})")
         eos = frozenset(er.eos_token_ids)
@@ -181,11 +192,13 @@ class Scheduler:
             c.block_hashes = list(first.block_hashes)  # same prompt, same chain
             self.requests[c.req_id] = c
         self.num_prompt_tokens += len(prompt)
-        kvt = er.kv_transfer
         if kvt is not None and kvt.role == "decode":
             self.reservations.add(first)  # n == 1: no siblings
             return
         first.kv_send = kvt  # prefill role, or None
+        # A request whose max_tokens does not fit this pool cannot decode here: it fails.
+        first.kv_fallback = sending and self.config.pd_fallback == "local" and \
+            max_tokens == sp.max_tokens
         if kvt is not None and kvt.deadline_s > 0:
             self.send_deadlines[first.req_id] = self.clock() + max(0.0, kvt.deadline_s - SEND_MARGIN_S)
         first.order = self.waiting.add(first)
@@ -219,6 +232,12 @@ class Scheduler:
             for req in children if children is not None else [self.requests.get(rid)]:
                 if req is None or req.req_id not in self.requests:
                     continue  # unknown or already finished: its final output went out already
+                if req.status == RequestStatus.PARKED and status in (
+                        RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+                    # A stop string on its first token: it ends so once its transfer is
+                    # settled (ok: the decode side finds the same stop; failed: it ends here).
+                    req.kv_end = status
+                    continue
                 self._detach(req)
                 req.status = status
                 self._finish(req, why or f"finished ({reason}) before its first token")
@@ -229,6 +248,8 @@ class Scheduler:
         """Take a live request out of the list or queue it is in (before finishing it)."""
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.PARKED:
+            del self.parked[req.req_id]
         elif req.status == RequestStatus.WAITING_FOR_KV:
             self.reservations.discard(req)
         else:
@@ -272,8 +293,9 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         """Whether a step has work (or may have, once blocks free up). Decode-role
-        reservations are no work for a step: the stage waits for KV or their deadline."""
-        return len(self.requests) > len(self.reservations)
+        reservations and parked prefill-role requests are no work for a step: the stage
+        waits for KV, transfer reports or a deadline."""
+        return len(self.requests) > len(self.reservations) + len(self.parked)
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -441,12 +463,13 @@ class Scheduler:
             self.num_generated_tokens += 1
             if caching and len(toks) % bs == 0:
                 kv.hash_new_blocks(req)
-            if req.kv_send is not None and not req.kv_finished:
-                self.transfers.finish(req, token=tok)  # prefill role: the first token
             n_toks = len(toks)
             # Inline pre-check: most tokens can end nothing, skip the full stop rules.
             done = (tok in req.stop_ids or n_toks >= req.max_num_tokens
                     or n_toks >= max_len) and req.check_stop(max_len)
+            if req.kv_send is not None and not req.kv_finished:  # prefill role: the first token
+                done = self._first_token(req, tok, done)
+                any_finished = True  # ended or parked: out of the running list either way
             lp = logprobs.get(rid) if logprobs else None
             outputs.append(EngineOutput(req.out_id, [tok], FINISH_REASONS.get(req.status) if done else None,
                                         req.stop_reason, [lp] if lp else None,
@@ -492,6 +515,8 @@ class Scheduler:
     _plan_step = scheduler_pd.plan_step
     take_plan = scheduler_pd.take_plan
     drop_plan = scheduler_pd.drop_plan
+    _kv_failed = scheduler_pd.kv_failed
+    _first_token = scheduler_pd.first_token
     on_transfer_report = scheduler_pd.on_transfer_report
     take_kv_finishes = scheduler_pd.take_kv_finishes
 
@@ -527,6 +552,12 @@ class Scheduler:
         errs += res.check()
         errs += [f"quarantined request {rid} is live again" for rid in res.quarantine
                  if rid in self.requests]
+        errs += [f"parked request {rid} ({r.status.name}) is not PARKED or not live"
+                 for rid, r in self.parked.items()
+                 if r.status != RequestStatus.PARKED or self.requests.get(rid) is not r]
+        errs += [f"request {r.req_id} is PARKED but not in the parked table"
+                 for r in self.requests.values()
+                 if r.status == RequestStatus.PARKED and r.req_id not in self.parked]
         for e in errs:
             logger.error("KV block table invariant violated: %s", e)
         return errs

@@ -12,7 +12,12 @@ joins the batch holding its blocks with the prompt computed. A reservation that 
 its KV arrived leaves its writable blocks in the quarantine until its KVReady or deadline.
 Prefill role: each step that computes a PD request's prompt has a TransferPlan
 (``take_plan``) whose blocks stay leased until ``on_transfer_report``; the KVFinish of each PD
-request goes out via ``take_kv_finishes``.
+request goes out via ``take_kv_finishes``. A PD request ends after its first token
+(``first_token``), whatever its max_tokens: the decode instance decodes it. With
+``--pd-fallback local`` it ends only once every step that carried its sends is reported:
+parked until then (``Scheduler.parked``), then ended (``settle_parked``), or, on any failed
+transfer, decoded here (``kv_failed``: its KVFinish says FALLBACK_ERROR); without it a failed
+transfer fails the request.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.engine.request import Request, RequestStatus
 from pipeline.messages import EngineOutput
-from pipeline.messages.kv import KVFinish, KVReady, TransferPlan, TransferReport
+from pipeline.messages.kv import FALLBACK_ERROR, KVFinish, KVReady, TransferPlan, TransferReport
 
 if TYPE_CHECKING:
     from pipeline.engine.scheduler import Scheduler
@@ -111,6 +116,8 @@ def on_kv_ready(self: Scheduler, msg: KVReady) -> list[EngineOutput]:
         logger.warning("KVReady for %r, which holds no reservation (finished, timed out or "
                        "unknown): ignored", msg.req_id)
         return []
+    if msg.error == FALLBACK_ERROR:  # not a failure of the request: the router takes P's answer
+        return self._fail(req, "kv_fallback", FALLBACK_ERROR)
     if msg.error or msg.token < 0:
         self.num_kv_transfers_failed += 1
         why = msg.error or "the prefill instance sent no first token"
@@ -156,30 +163,90 @@ def take_plan(self: Scheduler) -> TransferPlan | None:
 
 
 def drop_plan(self: Scheduler, plan: TransferPlan, why: str) -> list[EngineOutput]:
-    """A plan that cannot be sent (``why``): release its lease and fail its requests."""
-    self.transfers.release(plan.step_id)
+    """A plan that cannot be sent (``why``): release its lease; its requests' transfers
+    failed (``kv_failed``)."""
+    carried = self.transfers.release(plan.step_id) or []
     outs: list[EngineOutput] = []
     for s in plan.sends:
         req = self.requests.get(s.req_id)
-        if req is not None:
+        if req is not None and req.kv_send is not None and not req.kv_finished:
             self.num_kv_transfers_failed += 1
-            outs += self._fail(req, "kv_transfer_failed", why)
-    return outs
+            outs += self._kv_failed(req, why)
+    return outs + settle_parked(self, carried)
 
 
 def on_transfer_report(self: Scheduler, rep: TransferReport) -> list[EngineOutput]:
     """The cache messager finished step ``rep.step_id``'s transfer: release its blocks;
-    fail the requests whose transfer failed, if still alive."""
-    if not self.transfers.release(rep.step_id):
+    the requests whose transfer failed, if still alive and sending, failed (``kv_failed``);
+    a parked request whose every transfer is now reported ends."""
+    carried = self.transfers.release(rep.step_id)
+    if carried is None:
         self.transfers.num_unknown_reports += 1
         logger.warning("TransferReport for step %d, which has no lease: ignored", rep.step_id)
     outs: list[EngineOutput] = []
     for rid, why in rep.failed.items():
         self.num_kv_transfers_failed += 1
         req = self.requests.get(rid)
-        if req is not None and req.kv_send is not None:
-            outs += self._fail(req, "kv_transfer_failed",
-                               f"KV transfer to the decode instance failed: {why}")
+        if req is not None and req.kv_send is not None and not req.kv_finished:
+            outs += self._kv_failed(req, f"KV transfer to the decode instance failed: {why}")
+    return outs + settle_parked(self, carried or [])
+
+
+def kv_failed(self: Scheduler, req: Request, why: str) -> list[EngineOutput]:
+    """A transfer of live prefill-role ``req`` failed (``why``): with --pd-fallback local
+    (``req.kv_fallback``) it is decoded here, else it fails (``kv_transfer_failed``)."""
+    if not req.kv_fallback:
+        return self._fail(req, "kv_transfer_failed", why)
+    logger.info("request %r: %s; decoding it here (--pd-fallback local)", req.req_id, why)
+    self.num_kv_fallbacks += 1
+    # After every plan that carried its sends (ring order): the decode side frees its
+    # reservation once the last write is in, and fails its half with "kv_fallback".
+    self.transfers.finish(req, error=FALLBACK_ERROR)
+    req.kv_send = None  # a mixed request from now on: no more plans, no send deadline
+    self.send_deadlines.pop(req.req_id, None)
+    if req.status != RequestStatus.PARKED:
+        return []  # still computing its prompt: its first token ends nothing now
+    del self.parked[req.req_id]
+    if req.kv_end is not None:  # its first token (or a stop string on it) ended it anyway
+        req.status = req.kv_end
+        self._finish(req)
+        return [self._output(req, [], None)]
+    req.status = RequestStatus.RUNNING  # decodes on with the blocks it kept
+    self.running.append(req)
+    return []
+
+
+def first_token(self: Scheduler, req: Request, token: int, done: bool) -> bool:
+    """Prefill-role ``req`` sampled its first ``token`` (``done``: its own rules ended it).
+    It ends there (the prefill rule: "length" unless ``done`` says otherwise), its KVFinish
+    carrying the token, unless it may fall back and some transfer of it is not reported yet:
+    then it is parked (False) until ``settle_parked`` or ``kv_failed`` decides."""
+    self.send_deadlines.pop(req.req_id, None)  # nothing more is sent for it
+    if req.kv_fallback and req.kv_pending:
+        req.kv_end = req.status if done else None
+        req.kv_first_token = token
+        req.status = RequestStatus.PARKED
+        self.parked[req.req_id] = req
+        return False
+    self.transfers.finish(req, token=token)
+    if not done:
+        req.status = RequestStatus.FINISHED_LENGTH
+    return True
+
+
+def settle_parked(self: Scheduler, carried: Iterable[Request]) -> list[EngineOutput]:
+    """Of ``carried`` (a released step's requests), the parked ones whose every transfer is
+    reported ok now end: KVFinish with the first token, a final output without tokens."""
+    outs: list[EngineOutput] = []
+    for req in carried:
+        if req.status != RequestStatus.PARKED or req.kv_pending or \
+                self.parked.get(req.req_id) is not req:
+            continue
+        del self.parked[req.req_id]
+        self.transfers.finish(req, token=req.kv_first_token)
+        req.status = req.kv_end or RequestStatus.FINISHED_LENGTH
+        self._finish(req)
+        outs.append(self._output(req, [], None))
     return outs
 
 

@@ -9,7 +9,8 @@ ids. State besides the scheduler: the step timing counters (engine overhead vs w
 
 Disaggregation (``config.role``). Prefill: each step's TransferPlan goes to the cache messager
 (ring kv_plans) before the step goes to the workers, the KVFinish messages after the step's
-update; the messager's TransferReports (ring kv_reports) release the plan's blocks. Decode:
+update; the messager's TransferReports (ring kv_reports) release the plan's blocks (and, with
+--pd-fallback local, end or resume the requests parked after their first token). Decode:
 KVReady messages (ring kv_ready) complete reservations, or free the quarantined blocks of an
 ended one; reservations are made and expired, and quarantined blocks past their deadline
 freed, every loop iteration, and an idle loop waits no later than the next such deadline.

@@ -12,6 +12,10 @@
 - cache messager -> engine (decode): ``KVReady`` when a prefill peer said a request's KV is in
   (with its first token) or failed.
 Ids are each engine's own: a prefill names the decode side's request by ``remote_req_id``.
+A prefill instance with ``--pd-fallback local`` whose transfer of a request failed decodes it
+itself and tells the decode side so with ``KVFinish.error == FALLBACK_ERROR`` (the decode
+engine fails its half with error code "kv_fallback"; the router then takes the prefill
+instance's answer).
 """
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ MAX_KV_ENDPOINT_BYTES = 256
 # A prompt's block table on the decode side: at most MAX_PROMPT_TOKENS / 1 blocks; bounded
 # again by the decode pool's size where it is used.
 MAX_REMOTE_BLOCKS = 1 << 20
+
+# KVFinish.error / KVReady.error of a request the prefill instance decodes itself.
+FALLBACK_ERROR = "the prefill instance decodes this request itself (--pd-fallback local)"
 
 Endpoint = Annotated[str, Meta(max_length=MAX_KV_ENDPOINT_BYTES)]
 

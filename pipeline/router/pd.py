@@ -1,16 +1,22 @@
 """Router, disaggregated pools: one client request split over a decode and a prefill instance.
 
 Owns (per request, ``PDState``): which phase it is in (waiting for the decode instance's
-KV reservation, prefill asked, prefill done), whether the client asked to abort, and what of
-the first token the client already has, so that the decode instance's copy of it is not
-sent twice. Also builds the two upstream requests (``decode_request``, ``prefill_request``).
-Pure: no socket, no clock; ``server`` does the sending and the aborts.
+KV reservation, prefill asked, prefill done, fell back), whether the client asked to abort,
+and what of the first token the client already has, so that the decode instance's copy of it
+is not sent twice. Also builds the two upstream requests (``decode_request``,
+``prefill_request``). Pure: no socket, no clock; ``server`` does the sending and the aborts.
 
 The flow (docs/router.md, "Disaggregated pools"): the decode instance D gets the request
 with ``kv_transfer`` role "decode" and answers a delta carrying its ``KVReservation``; the
-prefill instance P then gets it with ``max_tokens=1`` and the reservation's blocks; P's first
-token goes to a streaming client at once; D's deltas follow with that token stripped from
-the front; D's final is the client's final. P's final is only forwarded when it failed.
+prefill instance P then gets it with the client's own sampling params and the reservation's
+blocks (P's engine ends it after its first token); P's first token goes to a streaming client
+at once; D's deltas follow with that token stripped from the front; D's final is the client's
+final. P's final is only forwarded when it failed.
+
+Fallback (P with ``--pd-fallback local``): P could not ship the KV and decodes the request
+itself. The router learns it from P sending tokens after its first, or from D's final with
+error code "kv_fallback" (``fell_back``): from then on P's deltas go to the client as they
+come, D's answers are dropped, and P's final (kept if it came first) is the client's final.
 """
 from __future__ import annotations
 
@@ -49,11 +55,11 @@ def decode_request(msg: P.Generate, uid: str) -> P.Generate:
 
 
 def prefill_request(msg: P.Generate, uid: str, kv: KVReservation) -> P.Generate:
-    """What the prefill instance gets: the prompt and one token, its KV shipped into ``kv``."""
-    # min_tokens may not exceed max_tokens; min_tokens >= 1 still bans a stop token first.
-    min_tokens = UNSET if msg.min_tokens is UNSET else min(msg.min_tokens, 1)
+    """What the prefill instance gets: the client's request, streamed, its KV shipped into
+    ``kv``. Its engine ends it after the first token (unless it falls back and decodes it:
+    hence the client's own max_tokens, min_tokens and stops)."""
     return msgspec.structs.replace(
-        msg, id=uid, stream=True, max_tokens=1, min_tokens=min_tokens,
+        msg, id=uid, stream=True,
         kv_transfer=KVTransferParams(role="prefill", peer=kv.endpoint,
                                      remote_req_id=kv.engine_req_id,
                                      remote_block_ids=list(kv.block_ids),
@@ -65,7 +71,8 @@ def prefill_request(msg: P.Generate, uid: str, kv: KVReservation) -> P.Generate:
 class PDState:
     """One split request. ``stream`` is the client's flag; ``show_text`` is False when the
     request has stop strings: the prefill instance, done after one token, flushes text the
-    decode instance may still hold back (or drop, on a match), so only its ids go ahead."""
+    decode instance may still hold back (or drop, on a match), so only its ids go ahead
+    (its text is kept in ``held_text``, the client's should P's stream become the answer)."""
     stream: bool
     show_text: bool
     reserved: bool = False  # D's reservation came: P was (or is being) asked
@@ -75,6 +82,10 @@ class PDState:
     first_sent: bool = False  # the client has the first token (from P, or from D if first)
     strip_ids: list[int] = field(default_factory=list)  # of P's first token, still to drop from D's
     strip_text: str = ""
+    prefill_tokens: int = 0  # P's tokens so far: more than one means it decodes (fell back)
+    fell_back: bool = False  # P decodes the request itself: its answers are the client's
+    held_text: str = ""  # P's first delta's text, not shown (stop strings) while D may answer
+    prefill_final: RequestResult | None = None  # P's final, kept until D says who answers
 
     @classmethod
     def of(cls, msg: P.Generate) -> PDState:
@@ -100,20 +111,46 @@ class PDState:
         return None, d
 
     def on_prefill_delta(self, d: RequestDelta) -> RequestDelta | None:
-        """A delta of P (its first token): forwarded at once unless D's came first."""
-        if not self.stream or self.first_sent or not d.token_ids or d.index != 0:
+        """A delta of P (its first token, or any once it fell back): forwarded at once unless
+        D's first token came first. More than one token from P: it fell back (check
+        ``fell_back`` after the call)."""
+        if d.index != 0:
+            return None
+        self.prefill_tokens += len(d.token_ids)
+        if self.prefill_tokens > 1 and not self.decoding:
+            self.fell_back = True
+        if self.fell_back:
+            if not self.stream:
+                return None
+            text, self.held_text = self.held_text + d.text, ""
+            if not d.token_ids and not text:
+                return None
+            self.first_sent = True
+            return d if text is d.text else msgspec.structs.replace(d, text=text)
+        if not self.stream or self.first_sent or not d.token_ids:
             return None
         self.first_sent = True
         text = d.text if self.show_text else ""
+        self.held_text = "" if self.show_text else d.text
         self.strip_ids, self.strip_text = list(d.token_ids), text
         return msgspec.structs.replace(d, text=text)
 
     def on_prefill_final(self, res: RequestResult) -> RequestResult | None:
-        """P's final: the client's final when P failed (D is then aborted), else None."""
+        """P's final: the client's final when P failed (D is then aborted) or it fell back,
+        else None (kept in ``prefill_final``: the client's final should D say it fell back)."""
         self.prefill_done = True
+        if self.fell_back:
+            return res
         if res.error is None or self.aborting:
+            self.prefill_final = res
             return None
         return res
+
+    def on_decode_final(self, res: RequestResult) -> bool:
+        """D's final: True when it is the client's (else P's answer is: it fell back)."""
+        if not self.fell_back and res.error is not None and res.error.code == "kv_fallback":
+            self.fell_back = True
+        return not self.fell_back
 
     def _strip(self, d: RequestDelta) -> RequestDelta | None:
         """D's delta minus what the client already has from P; None if nothing is left."""

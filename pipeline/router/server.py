@@ -9,7 +9,8 @@ own counter ("r12"), so two clients' ids never clash on an instance; a split req
 "r12.d" on its decode instance and "r12.p" on its prefill instance (``pd``).
 
 Every accepted generate gets exactly one final: the instance's (a split request's: the
-decode instance's, or the prefill instance's when that failed), or the router's own when an
+decode instance's, or the prefill instance's when that failed or decoded the request itself,
+``--pd-fallback local``), or the router's own when an
 instance is lost with it in flight (``instance_failed``, naming the instance; the other leg
 is aborted), no instance came up within NO_INSTANCE_WAIT_S (``unavailable``), or the drain
 ran out.
@@ -363,9 +364,15 @@ class Router:
         pd = route.pd
         assert pd is not None
         if uid.endswith(DECODE):
-            if isinstance(msg, P.Final):  # THE final; a prefill still running is not needed
-                self._abort(route, but=uid)
-                self._finish(rid, msg.result)
+            if isinstance(msg, P.Final):
+                if pd.on_decode_final(msg.result):  # THE final; a prefill still running is not needed
+                    self._abort(route, but=uid)
+                    self._finish(rid, msg.result)
+                    return
+                # P decodes it (fell back): D is done; P's final, if in, is THE final.
+                self._drop_leg(route, uid)
+                if pd.prefill_final is not None:
+                    self._finish(rid, pd.prefill_final)
                 return
             kv, out = pd.on_decode_delta(msg.delta)
             if kv is not None:
@@ -378,16 +385,28 @@ class Router:
             # Done on P, but its cache messager tells D the KV is in only after the last
             # layer: P's loss still fails the request until D has produced a token.
             failed = pd.on_prefill_final(msg.result)
-            if failed is not None:
-                self._abort(route)
+            if failed is not None:  # P failed, or fell back: its final is THE final
+                self._abort(route, but=uid)
                 self._finish(rid, failed)
             elif msg.result.error is not None or pd.decoding:  # P has no more to say
                 self._release_prefill(route, rid)
             return
         else:
+            fell_back = pd.fell_back
             out = pd.on_prefill_delta(msg.delta)
+            if pd.fell_back and not fell_back:
+                # P decodes it: D's reservation (waiting for KV that never comes) can go.
+                self._drop_leg(route, rid + DECODE, abort=True)
         if out is not None:
             self._forward(route, out)
+
+    def _drop_leg(self, route: Route, uid: str, abort: bool = False) -> None:
+        """Forget leg ``uid`` (its answers are dropped from now on), aborting it there."""
+        leg = route.legs.pop(uid, None)
+        if leg is not None:
+            leg.inflight.discard(uid)
+            if abort:
+                leg.send(P.Abort(id=uid))
 
     def _release_prefill(self, route: Route, rid: str) -> None:
         """D decodes: the KV arrived, P's loss no longer matters to this request."""
