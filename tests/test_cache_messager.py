@@ -399,7 +399,8 @@ def test_malformed_ring_messages_never_stop_the_prefill_messager(inst, procs):
 def test_refuses_to_start_without_a_shared_memory_kv_pool(inst):
     spec = StageSpec(name="m", kind="messager", config=EngineConfig(role="decode", kv_listen="tcp://127.0.0.1:0"),
                      rings={}, model=model_info(DECODE, None))
-    with pytest.raises(ValueError, match="kv_segment is None: the KV cache is on CUDA.*not built yet"):
+    with pytest.raises(ValueError, match=r"exported no KV cache \(ModelInfo.kv_segment is None and "
+                                         r"ModelInfo.kv_cuda_ipc is empty\)"):
         stage_run(spec, lambda info: None)
     ok = msgspec.structs.replace(spec, model=model_info(DECODE, "/pipeline.x.kv"))
     with pytest.raises(ValueError, match=r"cache messager \(decode\): spec.rings lacks kv_ready"):

@@ -9,7 +9,12 @@ live receiver we shook hands with (a dead or restarted one fails the step instea
 blocks silently landing in a segment nobody reads). Owns `LinkCache`: peer endpoint -> link,
 the least recently used closed beyond `max_links`; a peer whose connect failed is refused
 for `retry_s` (with its error) so that a dead peer costs one handshake time-out, not one per
-step. State: KVLink: its two transfers. LinkCache: the links, the recently failed peers.
+step. A local pool on CUDA (a torch CUDA tensor, from `cuda_ipc.open_pool`) takes the cuda
+path instead: the blocks go only by `CudaIpcTransfer` into a peer whose pool is on CUDA on
+this host (its handshake carries the pool's CUDA IPC handle), whatever the mode but "tcp";
+anything else is refused saying why (tcp from GPU memory is not built). A CPU pool is refused
+by a peer whose pool is on CUDA (it takes no blocks over tcp).
+State: KVLink: its two transfers. LinkCache: the links, the recently failed peers.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from pipeline.cache.cuda_ipc import CudaIpcTransfer
 from pipeline.cache.layout import KVLayout
 from pipeline.cache.tcp import TcpTransfer, host_identity
 from pipeline.cache.transfer import IpcTransfer, KVTransfer, KVTransferError
@@ -38,8 +44,9 @@ def check_peer_endpoint(peer: object) -> str:
 
 
 class KVLink(KVTransfer):
-    """One decode peer. `kind` is "ipc" or "tcp"; `mode` "ipc" that cannot be used raises
-    KVTransferError saying why. `local_segment`: our own pool's name, never taken as a peer's."""
+    """One decode peer. `kind` is "ipc", "tcp" or "cuda_ipc"; `mode` "ipc" that cannot be used
+    raises KVTransferError saying why, as does a CUDA `local_pool` that cannot use cuda_ipc.
+    `local_segment`: our own pool's name, never taken as a peer's."""
 
     def __init__(self, local_pool: object, local: KVLayout, endpoint: str, mode: str = "auto", *,
                  timeout_s: float = 10.0, connect_timeout_s: float | None = None,
@@ -47,10 +54,23 @@ class KVLink(KVTransfer):
         if mode not in MODES:
             raise ValueError(f"kv_transfer mode={mode!r} must be one of {MODES}")
         self.endpoint = check_peer_endpoint(endpoint)
-        self.control = TcpTransfer(local_pool, local, endpoint, timeout_s, connect_timeout_s)
+        cuda = bool(getattr(local_pool, "is_cuda", False))
+        if cuda and mode == "tcp":
+            raise KVTransferError(f"kv_transfer=tcp to {endpoint} impossible: this KV pool is on "
+                                  "CUDA and sending blocks from GPU memory over tcp is not built")
+        self.control = TcpTransfer(None if cuda else local_pool, local, endpoint, timeout_s,
+                                   connect_timeout_s)
         self.local, self.remote = local, self.control.remote
         self.data: KVTransfer = self.control
         self.kind = "tcp"
+        if cuda:
+            self._cuda(local_pool, endpoint, host)
+            return
+        if self.control.peer.cuda_ipc and not self.control.peer.segment:
+            self.control.close()
+            raise KVTransferError(f"KV peer {endpoint}: its KV pool is on CUDA and takes blocks "
+                                  "only by CUDA IPC from a CUDA prefill instance on its host; this "
+                                  "one's pool is in host memory")
         if mode == "tcp":
             return
         peer = self.control.peer
@@ -71,6 +91,25 @@ class KVLink(KVTransfer):
         if why is not None and mode == "ipc":
             self.control.close()
             raise KVTransferError(f"kv_transfer=ipc to {endpoint} impossible: {why}")
+
+    def _cuda(self, local_pool: object, endpoint: str, host: str | None) -> None:
+        peer = self.control.peer
+        mine = host_identity() if host is None else host
+        why = None
+        if not peer.cuda_ipc:
+            why = "its KV pool is not on CUDA"
+        elif not mine or peer.host != mine:
+            why = f"it runs on host {peer.host!r}, this is {mine!r}"
+        else:
+            try:
+                self.data = CudaIpcTransfer(local_pool, self.local, peer.cuda_ipc, self.remote)
+                self.kind = "cuda_ipc"
+            except Exception as e:  # noqa: BLE001 - any failure to open it means "not here"
+                why = f"cannot open its CUDA KV pool: {type(e).__name__}: {e}"
+        if why is not None:
+            self.control.close()
+            raise KVTransferError(f"KV peer {endpoint}: CUDA IPC impossible: {why} (this KV pool "
+                                  "is on CUDA; sending blocks from GPU memory over tcp is not built)")
 
     def send_layer(self, layer: int, pairs: object) -> int:
         return self.data.send_layer(layer, pairs)

@@ -18,8 +18,11 @@ it in on a decode instance (prefill/decode disaggregation, seed 000).
   main thread only blocks, waking every ``spec.ring_timeout_s`` to see that the engine (the
   ring's reader) lives; it exits with PeerDied if the engine or the receiver thread's ring
   send found it dead.
-Both need the KV pool in shared memory (``spec.model.kv_segment``; CPU): on CUDA they refuse
-to start, naming what is missing.
+Both need the worker's KV pool exported: in shared memory (``spec.model.kv_segment``, CPU) or
+by CUDA IPC (``spec.model.kv_cuda_ipc``, CUDA). On CUDA the prefill side maps its worker's pool
+(`cuda_ipc.open_pool`) and ships only by CUDA IPC into decode pools on CUDA on this host
+(config.kv_transfer "tcp" is refused at start: tcp from GPU memory is not built); the decode
+side maps nothing: its receiver tells peers the pool's handle and takes only done messages.
 
 State: PrefillMessager: the ring ends, the layer signal, the local pool's mapping, the links
 (`LinkCache`) and, per (peer, remote request) whose transfer failed, why (bounded, for its
@@ -33,11 +36,13 @@ from collections import OrderedDict
 
 import msgspec
 
+from pipeline.cache.cuda_ipc import open_pool
 from pipeline.cache.layout import KVLayout
 from pipeline.cache.link import MODES, KVLink, LinkCache, check_peer_endpoint
 from pipeline.cache.messager import Messager
 from pipeline.cache.tcp import MAX_REQ_ID, MAX_TOKEN, KVReceiver
 from pipeline.cache.transfer import KVTransferError
+from pipeline.ipc.cuda_ipc import decode_handle
 from pipeline.ipc.errors import PeerDied
 from pipeline.ipc.instance import pid_alive
 from pipeline.ipc.layer_signal import LayerSignal
@@ -60,10 +65,14 @@ def model_of(spec: StageSpec) -> ModelInfo:
     if m is None:
         raise ValueError("cache messager: spec.model is missing (it is started after the worker "
                          "reported its KV cache)")
-    if m.kv_segment is None:
-        raise ValueError("cache messager: the KV cache is not in shared memory (ModelInfo.kv_segment "
-                         "is None: the KV cache is on CUDA, whose export by CUDA IPC is not built "
-                         "yet); run prefill/decode instances with --device cpu")
+    if m.kv_segment is None and not m.kv_cuda_ipc:
+        raise ValueError("cache messager: the worker exported no KV cache (ModelInfo.kv_segment is "
+                         "None and ModelInfo.kv_cuda_ipc is empty)")
+    if m.kv_segment is not None and m.kv_cuda_ipc:
+        raise ValueError("cache messager: the worker exported its KV cache twice (both "
+                         "ModelInfo.kv_segment and ModelInfo.kv_cuda_ipc are set)")
+    if m.kv_cuda_ipc:
+        decode_handle(m.kv_cuda_ipc)  # malformed: refused at start, not by the first peer
     return m
 
 
@@ -86,25 +95,35 @@ class PrefillMessager:
         need_rings(spec, "kv_plans", "kv_reports", "layers")  # layers: the worker's LayerSignal
         self.spec, self.layout = spec, layout_of(m)
         self.timeout_s = cfg.kv_transfer_timeout
+        if m.kv_cuda_ipc and cfg.kv_transfer == "tcp":
+            raise ValueError("cache messager: config.kv_transfer='tcp' with the KV cache on CUDA: "
+                             "sending blocks from GPU memory over tcp is not built (use auto or ipc: "
+                             "CUDA IPC to decode instances on CUDA on this host)")
         self.signal = LayerSignal.attach(spec.rings["layers"])
         self.seg = None
+        self.pool: object = None  # what the links read: the segment (CPU) or the CUDA view
         try:
             if self.signal.num_layers != self.layout.num_layers:
                 raise ValueError(f"cache messager: layer signal {self.signal.name} has "
                                  f"{self.signal.num_layers} layers, the KV cache {self.layout.num_layers}")
-            self.seg = attach_segment(m.kv_segment)  # type: ignore[arg-type]  # model_of checked it
-            self.layout.pool(self.seg)  # its size matches the layout, or LayoutMismatch now
+            if m.kv_segment is not None:
+                self.seg = attach_segment(m.kv_segment)
+                self.layout.pool(self.seg)  # its size matches the layout, or LayoutMismatch now
+                self.pool = self.seg
+            else:
+                self.pool = open_pool(m.kv_cuda_ipc, self.layout)  # size checked the same way
             self.plans = rings.attach(spec, "kv_plans")  # engine -> messager
             self.reports = rings.attach(spec, "kv_reports", "writer")  # messager -> engine
         except BaseException:
             self.signal.close()
+            self.pool = None
             if self.seg is not None:
                 self.seg.close()
             raise
-        seg, layout, mode, local = self.seg, self.layout, cfg.kv_transfer, m.kv_segment or ""
+        pool, layout, mode, local = self.pool, self.layout, cfg.kv_transfer, m.kv_segment or ""
         connect_s = min(CONNECT_TIMEOUT_S, self.timeout_s)
         self.links = LinkCache(lambda peer: KVLink(
-            seg, layout, peer, mode, timeout_s=self.timeout_s, connect_timeout_s=connect_s,
+            pool, layout, peer, mode, timeout_s=self.timeout_s, connect_timeout_s=connect_s,
             local_segment=local), MAX_LINKS, RETRY_S)
         self.messager = Messager(self.signal, layer_timeout_s=self.timeout_s,
                                  num_layers=layout.num_layers)
@@ -227,6 +246,7 @@ class PrefillMessager:
         for ch in (self.plans, self.reports):
             ch.close()
         self.signal.close()
+        self.pool = None  # the CUDA view pins the worker's mapping
         if self.seg is not None:
             try:
                 self.seg.close()
@@ -244,13 +264,15 @@ class DecodeMessager:
         self.spec, self.layout = spec, layout_of(m)
         self.rx: KVReceiver | None = None
         self.ready_ch = rings.attach(spec, "kv_ready", "writer")  # messager -> engine
-        self.seg = attach_segment(m.kv_segment)  # type: ignore[arg-type]  # model_of checked it
+        # On CUDA nothing is mapped here: peers copy into the pool by the handle we pass on.
+        self.seg = attach_segment(m.kv_segment) if m.kv_segment is not None else None
         try:
             self.rx = KVReceiver(self.seg, self.layout, spec.config.kv_listen, segment=m.kv_segment or "",
-                                 on_done=self._on_done,
+                                 on_done=self._on_done, cuda_ipc=m.kv_cuda_ipc,
                                  max_token=m.vocab_size - 1 if m.vocab_size > 0 else MAX_TOKEN)
         except BaseException:
-            self.seg.close()
+            if self.seg is not None:
+                self.seg.close()
             self.ready_ch.close()
             raise
         self.endpoint = self.rx.endpoint
@@ -284,7 +306,8 @@ class DecodeMessager:
         if self.rx is not None:
             self.rx.close()
         self.ready_ch.close()
-        self.seg.close()
+        if self.seg is not None:
+            self.seg.close()
 
 
 def _log_to_stderr(spec: StageSpec) -> None:

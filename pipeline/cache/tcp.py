@@ -7,8 +7,8 @@ flushes; and the "done" message of a request) and `KVReceiver` (decode side, a R
 by one thread: handshake, then each run copied from the received frame straight into its
 pool, each done message handed to `on_done`). Wire:
 - `[b"H", KVLayout]` answered `[b"O", PeerInfo]` (the receiver's layout, the name of its KV
-  shared-memory segment and its host identity: what the prefill side needs to choose ipc)
-  or `[b"E", reason]`;
+  shared-memory segment, its host identity and, when its pool is on CUDA, the pool's CUDA IPC
+  handle: what the prefill side needs to choose ipc or cuda_ipc) or `[b"E", reason]`;
 - `[b"D", KVHeader, frames...]`: one layer's runs;
 - `[b"F", seq]` answered `[b"F", FlushAck]` once every earlier message of that peer was
   applied or rejected (ZMQ keeps a peer's messages in order), `[b"E", reason]` to a peer
@@ -19,6 +19,9 @@ A malformed or unexpected message is rejected whole (checked before a byte of it
 logged and counted against its peer's next flush; it never stops the receiver. Every frame
 is bounded in bytes (MAXMSGSIZE: one layer of the pool; headers by the pool's block count,
 done messages by MAX_DONE_FRAME) and every field by the layout or the KVDone limits.
+Sending blocks over the socket from or into GPU memory is not built: a TcpTransfer without a
+local pool (a CUDA one) is control only (flushes, done messages) and a KVReceiver without a
+host pool (its pool is on CUDA: blocks come by CUDA IPC) rejects every data message, saying so.
 State: TcpTransfer: the socket and messages sent since the last flush. KVReceiver: the
 socket, the pool view, per handshaken peer the applied / rejected counts since its last
 flush, and the exception that ended its thread, if one did.
@@ -39,6 +42,7 @@ from msgspec import Meta
 
 from pipeline.cache.layout import KVLayout, runs
 from pipeline.cache.transfer import KVTransfer, KVTransferError
+from pipeline.ipc.cuda_ipc import MAX_CUDA_IPC
 from pipeline.ipc.errors import PeerDied
 
 logger = logging.getLogger(__name__)
@@ -82,6 +86,8 @@ class PeerInfo(msgspec.Struct, array_like=True):
     layout: KVLayout
     segment: Annotated[str, Meta(max_length=255)]  # its KV pool's shared-memory name, "" if none
     host: Annotated[str, Meta(max_length=512)]  # its `host_identity()`
+    # its KV pool's CUDA IPC handle (`ipc.cuda_ipc.export_pool`), b"" if the pool is not on CUDA
+    cuda_ipc: Annotated[bytes, Meta(max_length=MAX_CUDA_IPC)] = b""
 
 
 class KVDone(msgspec.Struct, array_like=True):
@@ -104,12 +110,14 @@ class TcpTransfer(KVTransfer):
     """Prefill side: connects to a `KVReceiver`, handshakes, then streams runs of blocks.
 
     `timeout_s` bounds every send and every reply (flush); `connect_timeout_s` (default: the
-    same) the handshake's reply. `peer` is what the receiver said about itself."""
+    same) the handshake's reply. `peer` is what the receiver said about itself. `local_pool`
+    None: control only (the pool is on CUDA), `send_layer` refuses."""
 
-    def __init__(self, local_pool: object, local: KVLayout, endpoint: str,
+    def __init__(self, local_pool: object | None, local: KVLayout, endpoint: str,
                  timeout_s: float = 10.0, connect_timeout_s: float | None = None) -> None:
         self.local = local
-        self._src: np.ndarray | None = local.pool(local_pool)
+        self._control_only = local_pool is None
+        self._src: np.ndarray | None = None if local_pool is None else local.pool(local_pool)
         self._timeout_ms = int(timeout_s * 1000)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -165,6 +173,9 @@ class TcpTransfer(KVTransfer):
 
     def send_layer(self, layer: int, pairs: object) -> int:
         if self._src is None:
+            if self._control_only and not self._ctx.closed:
+                raise KVTransferError(f"KV send to {self.endpoint}: this KV pool is on CUDA and "
+                                      "sending blocks from GPU memory over tcp is not built")
             raise KVTransferError(f"transfer to {self.endpoint} is closed")
         arr = self.check(layer, pairs)
         src = self._src[layer]
@@ -183,7 +194,7 @@ class TcpTransfer(KVTransfer):
         return 2 * len(arr) * self.local.block_bytes
 
     def flush(self) -> None:
-        if self._src is None:
+        if self._ctx.closed:
             raise KVTransferError(f"transfer to {self.endpoint} is closed")
         self._seq += 1
         sent, self._sent = self._sent, 0
@@ -252,15 +263,20 @@ class KVReceiver:
 
     `segment`: the name of `pool`'s shared-memory segment, told to peers so that one on the
     same `host` (default: this one's `host_identity()`) can copy into it directly ("": none).
+    `pool` None: the pool is on CUDA, `cuda_ipc` its handle (told to peers the same way) and
+    every data message is rejected.
     `on_done(req_id, token, error)`: called on the receiver thread for each valid done
     message; PeerDied from it ends the thread (`error` holds it, `wait` returns True), any
     other exception rejects that message. `max_token`: larger tokens are rejected."""
 
-    def __init__(self, pool: object, layout: KVLayout, endpoint: str = "tcp://127.0.0.1:0", *,
+    def __init__(self, pool: object | None, layout: KVLayout, endpoint: str = "tcp://127.0.0.1:0", *,
                  segment: str = "", host: str | None = None, on_done: DoneFn | None = None,
-                 max_token: int = MAX_TOKEN) -> None:
-        self.layout, self._dst = layout, layout.pool(pool)
-        self.info = PeerInfo(layout, segment, host_identity() if host is None else host)
+                 max_token: int = MAX_TOKEN, cuda_ipc: bytes = b"") -> None:
+        if pool is None and not cuda_ipc:
+            raise ValueError("KVReceiver: no pool and no cuda_ipc handle: nowhere for blocks to go")
+        self.layout = layout
+        self._dst: np.ndarray | None = None if pool is None else layout.pool(pool)
+        self.info = PeerInfo(layout, segment, host_identity() if host is None else host, cuda_ipc)
         self.on_done, self.max_token = on_done, max_token
         self.rejected = 0  # all peers, since start: for tests and metrics
         self.done = 0  # done messages handed to on_done
@@ -333,6 +349,10 @@ class KVReceiver:
             if kind == FLUSH:  # the sender would otherwise wait out its time-out
                 self._sock.send_multipart([peer, ERR, b"no handshake from this peer (receiver restarted?)"])
             raise _Rejected("message before a successful handshake")
+        if kind == DATA and self._dst is None:
+            raise _Rejected("data message, but this receiver's KV pool is on CUDA: blocks come "
+                            "only by CUDA IPC from a CUDA prefill instance on this host (tcp into "
+                            "GPU memory is not built)")
         if kind == DATA and len(frames) >= 4 and len(frames[1]) <= self._max_header:
             self._apply(_header_dec.decode(frames[1].buffer), frames[2:])
             p.applied += 1
@@ -369,6 +389,7 @@ class KVReceiver:
             if len(kv[2 * k]) != want or len(kv[2 * k + 1]) != want:
                 raise _Rejected(f"K/V frames of {len(kv[2 * k])}/{len(kv[2 * k + 1])} bytes, "
                                 f"{n} blocks need {want} each")
+        assert self._dst is not None  # _handle refused data without a host pool
         dst = self._dst[h.layer]
         for k, (start, n) in enumerate(zip(h.starts, h.counts)):
             for j in (0, 1):
@@ -389,4 +410,4 @@ class KVReceiver:
         for s in (self._sock, self._stop_rx, self._stop_tx):
             s.close()
         self._ctx.term()
-        self._dst = None  # type: ignore[assignment]
+        self._dst = None

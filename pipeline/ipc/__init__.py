@@ -9,6 +9,8 @@ Owns nothing itself; re-exports the transport errors. Modules:
 - ring: `Ring` (SPSC), `Doorbell` and `wait_any` (one reader blocking on several rings)
 - broadcast: `BroadcastRing` (engine -> TP workers, the writer waits for the slowest reader)
 - layer_signal: `LayerSignal` (worker -> cache messager, per-layer "KV written")
+- cuda_ipc: a CUDA allocation shared across processes (`export_pool`, `open_flat`; the KV
+  cache of prefill/decode instances on CUDA), torch imported lazily
 - codec: msgspec msgpack encode/decode, token ids as raw little-endian int32 bytes
 - errors: `PeerDied`, `ShmSpaceError`
 Hot paths: pipeline._ext.shmring and pipeline._ext.layer_signal (cython_ext/).

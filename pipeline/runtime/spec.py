@@ -16,7 +16,9 @@ class ModelInfo(msgspec.Struct, kw_only=True):
 
     The KV cache layout is what the cache messager needs to map and ship a layer: one
     allocation ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`` of
-    ``kv_dtype``, in the shared-memory segment ``kv_segment`` on CPU (None on CUDA)."""
+    ``kv_dtype``, in the shared-memory segment ``kv_segment`` on CPU (None on CUDA); on CUDA,
+    rank 0 of a prefill or decode instance exports it as ``kv_cuda_ipc`` (the msgpack
+    `pipeline.ipc.cuda_ipc.CudaIpcHandle` of all its bytes; b"" otherwise)."""
     num_blocks: int
     block_size: int
     max_model_len: int
@@ -28,6 +30,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     head_dim: int = 0
     kv_dtype: str = ""  # torch dtype name, e.g. "float32"
     kv_segment: str | None = None
+    kv_cuda_ipc: bytes = b""
     model_hash: str = ""  # of the checkpoint's config.json: a KV peer must run the same model
 
 

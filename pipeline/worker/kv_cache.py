@@ -10,7 +10,9 @@ created O_EXCL with mode 0600 (space reserved up front, pre-faulted) through
 served, or, in-process (``LLM``, benchmarks), an instance this process owns, so the segment
 always has an owner record. Unlinked on close() or at this process's exit (SIGTERM too), and
 swept by ``unlink_instance``/``sweep_stale`` as soon as its owner is dead if this process dies
-first (SIGKILL).
+first (SIGKILL). On CUDA the one tensor is what the worker stage exports by CUDA IPC
+(``pipeline.ipc.cuda_ipc.export_pool``) on a prefill or decode instance: ``buffer`` must
+stay this allocation (never reallocated) while peers may map it.
 """
 from __future__ import annotations
 

@@ -2,7 +2,9 @@
 
 Owns the ModelRunner (weights, KV cache memory, persistent batch, sampler) of its rank. It
 receives each step's SchedulerOutput from the engine's broadcast ring, runs it and (rank 0
-only) sends the ModelRunnerOutput back to the engine. It never decides what runs.
+only) sends the ModelRunnerOutput back to the engine. It never decides what runs. On CUDA,
+rank 0 of a prefill or decode instance exports its KV cache by CUDA IPC for the cache
+messager (ModelInfo.kv_cuda_ipc); the cache stays allocated, so exported, until it exits.
 """
 from __future__ import annotations
 
@@ -36,11 +38,17 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
         runner.attach_layer_signal(signal)
     steps = rings.attach(spec, "steps")
     results = rings.attach(spec, "results", "writer") if spec.rank == 0 else None
+    kv_cuda_ipc = b""
+    buf = runner.kv_cache.buffer
+    if spec.rank == 0 and cfg.role != "mixed" and buf is not None and buf.is_cuda:
+        from pipeline.ipc.cuda_ipc import export_pool
+        kv_cuda_ipc = export_pool(buf)  # runner.kv_cache keeps buf alive until runner.close()
     info = ModelInfo(num_blocks=kv.num_blocks, block_size=kv.block_size,
                      max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
                      eos_token_ids=list(runner.eos_token_ids), kv_cache_bytes=kv.total_bytes,
                      num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads,
                      head_dim=kv.head_dim, kv_dtype=kv.dtype, kv_segment=kv.shm_name,
+                     kv_cuda_ipc=kv_cuda_ipc,
                      model_hash=model_hash(cfg.model))
     ready(msgspec.structs.asdict(info))
     try:
