@@ -614,18 +614,9 @@ def test_pd_state_strips_what_the_client_has_from_p():
     assert not s.fell_back
 
 
-class FakeTarget:
-    def __init__(self, address: str, load: int, free: float) -> None:
-        self.address, self._load, self._free = address, load, free
-
-    def load(self) -> int:
-        return self._load
-
-    def free_share(self) -> float:
-        return self._free
-
-
 def test_pool_policy():
+    from test_router import FakeTarget  # the policy tests' stand-in for an instance
+
     pol = PoolPolicy()
     a, b, c = FakeTarget("a", 2, 0.5), FakeTarget("b", 1, 0.2), FakeTarget("c", 1, 0.6)
     assert pol.choose_decode([a, b, c]) is c  # least loaded, then most free KV
