@@ -74,15 +74,10 @@ class KVLink(KVTransfer):
         if mode == "tcp":
             return
         peer = self.control.peer
-        mine = host_identity() if host is None else host
-        why = None
-        if not peer.segment:
-            why = "it has no shared-memory KV segment"
-        elif not mine or peer.host != mine:
-            why = f"it runs on host {peer.host!r}, this is {mine!r}"
-        elif peer.segment == local_segment:
+        why = "it has no shared-memory KV segment" if not peer.segment else self._elsewhere(host)
+        if why is None and peer.segment == local_segment:
             why = f"it names this instance's own KV segment {peer.segment}"
-        else:
+        if why is None:
             try:
                 self.data = IpcTransfer(local_pool, local, peer.segment, self.remote)
                 self.kind = "ipc"
@@ -92,15 +87,18 @@ class KVLink(KVTransfer):
             self.control.close()
             raise KVTransferError(f"kv_transfer=ipc to {endpoint} impossible: {why}")
 
+    def _elsewhere(self, host: str | None) -> str | None:
+        """Why the peer is not on this host (None: it is). ``host``: ours, if given."""
+        mine = host_identity() if host is None else host
+        theirs = self.control.peer.host
+        return None if mine and theirs == mine else f"it runs on host {theirs!r}, this is {mine!r}"
+
     def _cuda(self, local_pool: object, endpoint: str, host: str | None) -> None:
         peer = self.control.peer
-        mine = host_identity() if host is None else host
         why = None
         if not peer.cuda_ipc:
             why = "its KV pool is not on CUDA"
-        elif not mine or peer.host != mine:
-            why = f"it runs on host {peer.host!r}, this is {mine!r}"
-        else:
+        elif (why := self._elsewhere(host)) is None:
             try:
                 self.data = CudaIpcTransfer(local_pool, self.local, peer.cuda_ipc, self.remote)
                 self.kind = "cuda_ipc"

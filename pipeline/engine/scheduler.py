@@ -267,6 +267,7 @@ class Scheduler:
         KVFinish tells the decode instance."""
         if req.kv_send is not None:
             self.transfers.finish(req, error=why or "the prefill request ended before its first token")
+            self.send_deadlines.pop(req.req_id, None)
         self.kv.free(req)
         req.finish_time = time.time()
         req.scheduled_step = -1

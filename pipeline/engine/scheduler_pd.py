@@ -68,13 +68,10 @@ def expire_sends(self: Scheduler) -> list[EngineOutput]:
     for rid in [r for r, t in self.send_deadlines.items() if t <= now]:
         del self.send_deadlines[rid]
         req = self.requests.get(rid)
-        if req is None or req.kv_finished:
-            continue
-        for o in self.abort_requests([req.out_id], "error", (
-                "kv_transfer_timeout: the decode instance's reservation for this request ended "
-                "before its prompt's KV was sent (--kv-transfer-timeout there)")):
-            o.error_code = "kv_transfer_timeout"
-            outs.append(o)
+        if req is not None and not req.kv_finished:
+            outs += self._fail(req, "kv_transfer_timeout", (
+                "the decode instance's reservation for this request ended before its prompt's "
+                "KV was sent (--kv-transfer-timeout there)"))
     return outs
 
 
