@@ -13,6 +13,7 @@ import msgspec
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "default_model")
 MAX_BLOCK_SIZE = 256
+MAX_CHAT_TEMPLATE_BYTES = 1 << 20  # --chat-template: the file travels to every stage
 CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16", "float16"),
            "preemption_policy": ("newest", "lowest_priority"), "role": ("mixed", "prefill", "decode"),
            "kv_transfer": ("auto", "ipc", "tcp"), "pd_fallback": ("none", "local")}
@@ -40,6 +41,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     worker_threads: int = 0  # CPU: 0 = PIPELINE_WORKER_THREADS or usable cores - 1
     seed: int = 0
     instance_id: str = ""
+    # The --chat-template file's text (read once, by config_from_args); None: the checkpoint's.
+    chat_template: str | None = None
+    # In-flight requests beyond max_num_seqs the gateway accepts; more get "queue_full". 0: any.
+    max_queued_requests: int = 0
     # Prefill/decode disaggregation (docs/disaggregation.md).
     role: str = "mixed"  # mixed | prefill | decode
     kv_transfer: str = "auto"  # auto (ipc on one host, else tcp) | ipc | tcp
@@ -56,12 +61,17 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                   ("tensor_parallel_size", 1, None), ("num_blocks", 0, None),
                   ("kv_cache_memory", 0, None), ("max_model_len", 0, None),
                   ("long_prefill_token_threshold", 0, None), ("worker_threads", 0, None),
-                  ("seed", 0, 2**64 - 1))
+                  ("seed", 0, 2**64 - 1), ("max_queued_requests", 0, None))
         for name, lo, hi in ranges:
             v = getattr(self, name)
             if v < lo or (hi is not None and v > hi):
                 limit = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
                 raise ValueError(f"{_flag(name)} must be {limit}, got {v}")
+        if self.chat_template is not None:
+            size = len(self.chat_template.encode("utf-8", "surrogatepass"))
+            if size > MAX_CHAT_TEMPLATE_BYTES:
+                raise ValueError(f"--chat-template: {size} bytes, the limit is "
+                                 f"{MAX_CHAT_TEMPLATE_BYTES} bytes")
         bs = self.block_size
         if bs and not (0 < bs <= MAX_BLOCK_SIZE and bs & (bs - 1) == 0):
             raise ValueError(f"{_flag('block_size')} must be 0 (automatic) or a power of two up to "
@@ -119,6 +129,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-threads", type=int, default=d.worker_threads,
                    help="CPU torch threads of the worker (0: PIPELINE_WORKER_THREADS or cores - 1)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="a Jinja chat template file that replaces the checkpoint's (at most "
+                        f"{MAX_CHAT_TEMPLATE_BYTES >> 20} MiB)")
+    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests, metavar="N",
+                   help="refuse a request (error queue_full) when max-num-seqs + N are already in "
+                        "flight (0: no limit)")
 
 
 def add_pd_args(p: argparse.ArgumentParser) -> None:
@@ -141,9 +157,36 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
                         "default) or is decoded here instead (local)")
 
 
+def read_chat_template(path: str | os.PathLike[str]) -> str:
+    """The text of a --chat-template file: readable UTF-8, at most MAX_CHAT_TEMPLATE_BYTES, and
+    a template Jinja can parse (so a broken file fails at start-up, not on the first chat)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CHAT_TEMPLATE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"--chat-template {path}: cannot read it: {exc.strerror or exc}") from None
+    if len(raw) > MAX_CHAT_TEMPLATE_BYTES:
+        raise ValueError(f"--chat-template {path}: larger than the limit of "
+                         f"{MAX_CHAT_TEMPLATE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--chat-template {path}: not UTF-8 (byte offset {exc.start})") from None
+    import jinja2
+    try:  # the extensions the tokenizer's environment has (tokenizer.py _compile)
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template {path}: not a valid Jinja template: line {exc.lineno}: "
+                         f"{exc.message}") from None
+    return text
+
+
 def config_from_args(a: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig of the engine flags; ValueError naming a flag whose value is out of range."""
+    """The EngineConfig of the engine flags; ValueError naming a flag whose value is out of range
+    or a --chat-template file that cannot be used (its text is what the config holds)."""
     fields = {f: getattr(a, f) for f in EngineConfig.__struct_fields__ if hasattr(a, f)}
+    if fields.get("chat_template") is not None:
+        fields["chat_template"] = read_chat_template(fields["chat_template"])
     cfg = EngineConfig(**fields)
     cfg.check()
     if not cfg.instance_id:

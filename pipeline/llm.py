@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
-from pipeline.config import DEFAULT_MODEL, EngineConfig
+from pipeline.config import DEFAULT_MODEL, EngineConfig, read_chat_template
 from pipeline.engine.scheduler import Scheduler
 from pipeline.messages import (
     EngineOutput,
@@ -74,6 +74,8 @@ class LLM:
                             f"{sorted(EngineConfig.__struct_fields__)}")
         from pipeline.ipc.instance import new_instance_id
 
+        if engine_args.get("chat_template") is not None:  # a file, as --chat-template takes
+            engine_args["chat_template"] = read_chat_template(engine_args["chat_template"])
         self.config = EngineConfig(model=model, **engine_args)
         self.config.check()  # a bad value is named before anything loads
         # "<pid>-<hex>": unique across processes (the KV segment is named after it).
@@ -109,7 +111,7 @@ class LLM:
         from pipeline.tokenizer.tokenizer import Tokenizer
 
         try:
-            self.tokenizer = Tokenizer(model_dir)
+            self.tokenizer = Tokenizer(model_dir, chat_template=self.config.chat_template)
         except FileNotFoundError as exc:
             raise ValueError(f"{exc}; pass skip_tokenizer_init=True and token-id prompts") from None
         self.processor = OutputProcessor(DetokenizerTable(self.tokenizer.tok))
@@ -215,8 +217,15 @@ class LLM:
         priority = gen.priority if "priority" in p else priority
         salt = salt if gen.cache_salt is None else gen.cache_salt
         rid = None if gen.id is None else str(gen.id)
+        from pipeline.tokenizer.tokenizer import check_chat_options
+
+        options = check_chat_options(has_messages=gen.messages is not None,
+                                     add_generation_prompt=gen.add_generation_prompt,
+                                     continue_final_message=gen.continue_final_message,
+                                     chat_template_kwargs=gen.chat_template_kwargs)
         if gen.messages is not None:
-            text, ids = self._render(msgspec.to_builtins(gen.messages), True, {})
+            text, ids = self._render(msgspec.to_builtins(gen.messages), gen.add_generation_prompt,
+                                     options)
         elif gen.prompt is not None:
             check_prompt_text(gen.prompt)
             text, ids = gen.prompt, self._encode(gen.prompt)

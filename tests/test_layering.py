@@ -32,12 +32,18 @@ LAYERS: dict[str, set[str]] = {
     "models": {"layers", "config"},
     "client": {"messages", "gateway", "sampling_params", "config"},
     "router": {"messages", "gateway", "sampling_params", "config"},
+    # the OpenAI HTTP front end: a client of the daemon (and its Tokenizer for /tokenize)
+    "http": {"client", "messages", "gateway", "sampling_params", "config", "tokenizer"},
 }
 STAGES = {"tokenizer", "engine", "worker", "output", "cache"}
 CLIENT_MAY_USE = {"pipeline.gateway.protocol", "pipeline.gateway.curve"}
 # The router is a front end over daemons: their wire protocol and systemd, no stage.
 ROUTER_MAY_USE = {"pipeline.gateway.protocol", "pipeline.gateway.systemd", "pipeline.gateway.curve",
                   "pipeline.gateway.front"}
+# The HTTP front end: the wire protocol, the OpenAI models and conversions, its spec; the
+# Tokenizer class, never a stage's loop.
+HTTP_MAY_USE = {"pipeline.gateway.protocol", "pipeline.gateway.openai_api", "pipeline.gateway.openai_convert",
+                "pipeline.gateway.http_front", "pipeline.tokenizer.tokenizer"}
 
 
 def modules() -> dict[str, Path]:
@@ -145,3 +151,12 @@ def test_the_router_uses_only_messages_the_wire_protocol_and_systemd():
     bad = [f"{m} -> {d}" for m, deps in GRAPH.items() if package(m) == "router"
            for d in deps if package(d) == "gateway" and d not in ROUTER_MAY_USE]
     assert not bad, bad
+
+
+def test_the_http_front_end_is_a_client_of_the_daemon():
+    """It reaches the daemon through the client only: no stage loop, no ring, no gateway
+    internals; and the gateway starts it by name, never importing it."""
+    bad = [f"{m} -> {d}" for m, deps in GRAPH.items() if package(m) == "http"
+           for d in deps if package(d) in {"gateway", "tokenizer"} and d not in HTTP_MAY_USE]
+    assert not bad, bad
+    assert not [m for m, deps in GRAPH.items() if package(m) != "http" and any(package(d) == "http" for d in deps)]

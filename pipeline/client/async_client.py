@@ -116,6 +116,11 @@ class AsyncClient:
         wire = self._reqs.new_id()
         return (await self._call(wire, P.Stats(id=wire), timeout)).stats
 
+    async def metrics(self, timeout: float | None | EllipsisType = ...) -> str:
+        """The daemon's Prometheus text (the same as its --metrics-port serves)."""
+        wire = self._reqs.new_id()
+        return (await self._call(wire, P.Metrics(id=wire), timeout)).text
+
     async def close(self) -> None:
         if self._closed:
             return
@@ -143,7 +148,7 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, wire: str, msg: P.Health | P.Stats, timeout: float | None | EllipsisType) -> Any:
+    async def _call(self, wire: str, msg: P.Health | P.Stats | P.Metrics, timeout: float | None | EllipsisType) -> Any:
         t = self.timeout if timeout is ... else timeout
         try:
             async with asyncio.timeout(t):

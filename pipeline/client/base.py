@@ -146,7 +146,7 @@ def route(frame: bytes) -> tuple[str, object, bool] | None:
         return msg.result.id, msg.result, True
     if isinstance(msg, P.Error):
         return None if msg.id is None else (msg.id, RequestError(msg.error), True)
-    if isinstance(msg, (P.HealthReply, P.StatsReply)):
+    if isinstance(msg, (P.HealthReply, P.StatsReply, P.MetricsReply)):
         return msg.id, msg, True
     return None
 

@@ -119,6 +119,11 @@ class Client:
         wire = self._reqs.new_id()
         return self._call(wire, P.Stats(id=wire), timeout).stats
 
+    def metrics(self, timeout: float | None | EllipsisType = ...) -> str:
+        """The daemon's Prometheus text (the same as its --metrics-port serves)."""
+        wire = self._reqs.new_id()
+        return self._call(wire, P.Metrics(id=wire), timeout).text
+
     def close(self) -> None:
         if self._closed:
             return
@@ -147,7 +152,7 @@ class Client:
         frame = generate_frame(call, prompt, wire, stream, fields)
         return wire, self._submit(wire, user_id or uuid.uuid4().hex, frame, True)
 
-    def _call(self, wire: str, msg: P.Health | P.Stats, timeout: float | None | EllipsisType) -> Any:
+    def _call(self, wire: str, msg: P.Health | P.Stats | P.Metrics, timeout: float | None | EllipsisType) -> Any:
         q = self._submit(wire, wire, P.encode(msg), False)
         return self._get(q, wire, self.timeout if timeout is ... else timeout, abort=False)
 

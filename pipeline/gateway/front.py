@@ -29,7 +29,8 @@ def check_front_args(args: argparse.Namespace) -> None:
     lo, hi = FRAME_BYTES_RANGE
     if not lo <= args.max_frame_bytes <= hi:
         raise ValueError(f"--max-frame-bytes must be in [{lo}, {hi}], got {args.max_frame_bytes}")
-    check_endpoint("--listen", args.listen)
+    if args.listen is not None:  # `pipeline serve --http` alone binds no ZMQ endpoint
+        check_endpoint("--listen", args.listen)
 
 
 def check_endpoint(flag: str, addr: str) -> None:

@@ -7,8 +7,9 @@ request), or from the gateway itself when a stage died or a drain ran out of tim
 tokenizes or schedules. `pipeline run` and `pipeline serve` are thin front ends over it.
 
 A request `submit` cannot take (the server is failed or draining, a request over the byte
-limits of ``messages.requests``, measured as it will cross the submit ring) gets an error
-answer through ``on_output`` instead of being accepted; `submit` does not raise for it.
+limits of ``messages.requests``, measured as it will cross the submit ring, or one more than
+max_num_seqs + ``--max-queued-requests`` in flight: "queue_full") gets an error answer through
+``on_output`` instead of being accepted; `submit` does not raise for it.
 The rings are sized from those limits and max_model_len (``runtime.rings``).
 """
 from __future__ import annotations
@@ -61,7 +62,8 @@ def size_problem(req: GatewayRequest, encoded_size: int, limit: int) -> str | No
     if encoded_size <= limit:
         return None
     fields = {f: len(msgspec.msgpack.encode(getattr(req, f))) for f in
-              ("prompt", "prompt_token_ids", "messages", "sampling_params", "cache_salt", "req_id")}
+              ("prompt", "prompt_token_ids", "messages", "chat_template_kwargs", "sampling_params",
+               "cache_salt", "req_id")}
     name = max(fields, key=fields.__getitem__)
     return (f"request: {encoded_size} bytes encoded, the limit is {limit} bytes "
             f"(MAX_REQUEST_BYTES); field `{name}` takes {fields[name]} of them")
@@ -175,6 +177,13 @@ class Gateway:
                 code, refusal = "draining", "the server is draining: it accepts no new requests"
             if refusal is None and problem is not None:
                 code, refusal = "invalid_request", problem
+            queued = self.config.max_queued_requests
+            room = self.config.max_num_seqs + queued
+            if refusal is None and queued and len(self.inflight) >= room:
+                code, refusal = "queue_full", (
+                    f"the server is full: {len(self.inflight)} requests in flight, the limit is "
+                    f"{room} (--max-num-seqs {self.config.max_num_seqs} + --max-queued-requests "
+                    f"{queued}); retry later")
             if req.req_id in self.inflight:
                 raise ValueError(f"request id {req.req_id!r} is already in flight")
             if refusal is None:

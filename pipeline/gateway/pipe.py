@@ -9,6 +9,10 @@ any line):
 - another JSON value (a number, a quoted string, an array, true/false/null): an error, since
   a JSON line must be an object; send such text as ``{"prompt": ...}``;
 - anything else: a plain prompt.
+If the first non-empty line is an OpenAI batch line (``custom_id``, ``method``, ``url``,
+``body``), the input is an OpenAI batch file and every answer is a batch output line
+(``batch``); a plain or JSON request line there, or a batch line in plain mode, gets an error
+answer saying so.
 Every line that is not empty gets exactly one final answer line (a RequestResult): an error
 one (finish_reason "error") for a line that is not valid UTF-8, too long, not a valid
 request, or over the byte limits of README.md "Limits". A request's id is its ``id``, else its
@@ -41,10 +45,11 @@ from typing import BinaryIO
 import msgspec
 
 from pipeline.config import add_engine_args, config_from_args
+from pipeline.gateway.batch import MIXED, BatchLine, BatchLines, Refused, is_batch_line, output_line
 from pipeline.gateway.gateway import Answer, Gateway
 from pipeline.gateway.protocol import Generate, ProtocolError, gateway_request, request_from_json, sampling_params
 from pipeline.gateway.supervisor import StartupError
-from pipeline.messages import GatewayRequest, RequestDelta, error_result
+from pipeline.messages import GatewayRequest, RequestDelta, RequestResult, error_result
 from pipeline.messages.requests import MAX_PROMPT_BYTES
 from pipeline.sampling_params import SamplingParams
 
@@ -119,9 +124,8 @@ def read_lines(stream: BinaryIO) -> Iterator[bytes | int]:
         yield size - line.endswith(b"\n")
 
 
-def parse_line(raw: bytes | int, default_id: str, defaults: dict) -> tuple[GatewayRequest, bool] | None:
-    """The request of one input line and whether it named its id; None for an empty line.
-    RequestError for a line that is no request (its message names what is wrong)."""
+def line_text(raw: bytes | int) -> str:
+    """A line's text, stripped of white space and a BOM; RequestError if it is unreadable."""
     if isinstance(raw, int):
         raise RequestError(f"line: {raw} bytes, the limit is {MAX_LINE_BYTES} bytes")
     try:
@@ -131,8 +135,12 @@ def parse_line(raw: bytes | int, default_id: str, defaults: dict) -> tuple[Gatew
                            f"{exc.start})") from None
     if line.startswith(BOM):
         line = line[len(BOM):].strip()
-    if not line:
-        return None
+    return line
+
+
+def parse_line(line: str, default_id: str, defaults: dict) -> tuple[GatewayRequest, bool]:
+    """The request of one non-empty input line (``line_text``) and whether it named its id.
+    RequestError for a line that is no request (its message names what is wrong)."""
     try:
         if line.startswith("{"):
             gen, sp = request_from_json(line, defaults)
@@ -207,6 +215,7 @@ class AnswerWriter:
         self.lock = threading.Lock()
         self.all_done = threading.Condition(self.lock)
         self.enc = msgspec.json.Encoder()
+        self.batch: BatchLines | None = None  # an OpenAI batch input's lines in flight
 
     def expect(self, index: int, user_id: str) -> str:
         with self.lock:
@@ -214,8 +223,27 @@ class AnswerWriter:
             self.submitted += 1
         return str(index)
 
+    def expect_batch(self, index: int, line: BatchLine) -> None:
+        with self.lock:
+            assert self.batch is not None
+            self.batch.start(index, line)
+            self.submitted += len(line.requests)
+
+    def answer_line(self, index: int, line: bytes, failed: bool) -> None:
+        """An answer line of input line ``index`` that ran no request."""
+        with self.lock:
+            self.submitted += 1
+            self.done += 1
+            self.emit(index, line, failed)
+
     def __call__(self, out: Answer) -> None:
         with self.lock:
+            if self.batch is not None and isinstance(out, RequestResult) and self.batch.owns(out.id):
+                self.done += 1
+                self.tokens += len(out.token_ids)
+                if (done := self.batch.finish(out)) is not None:
+                    self.emit(*done[:2], not done[2])
+                return
             user_id = self.user_ids.get(out.id, out.id)
             if isinstance(out, RequestDelta):  # only requests that asked to stream get them
                 self._write(self.enc.encode(msgspec.structs.replace(out, id=user_id)))
@@ -224,19 +252,23 @@ class AnswerWriter:
             del self.user_ids[out.id]
             self.done += 1
             self.tokens += len(out.token_ids)
-            self.failed += out.finish_reason == "error"
-            line = self.enc.encode(msgspec.structs.replace(out, id=user_id))
-            if not self.ordered:
-                self._write(line)
-            else:
-                self.pending[index] = line
-                self._flush_ordered()
-            if self.progress:
-                rate = self.tokens / max(time.monotonic() - self.t0, 1e-9)
-                sys.stderr.write(f"\r{self.done}/{self.submitted} done, {self.failed} failed, "
-                                 f"{rate:.0f} tok/s ")
-                sys.stderr.flush()
-            self.all_done.notify_all()
+            self.emit(index, self.enc.encode(msgspec.structs.replace(out, id=user_id)),
+                      out.finish_reason == "error")
+
+    def emit(self, index: int, line: bytes, failed: bool) -> None:
+        """Input line ``index``'s one answer line (the lock held)."""
+        self.failed += failed
+        if not self.ordered:
+            self._write(line)
+        else:
+            self.pending[index] = line
+            self._flush_ordered()
+        if self.progress:
+            rate = self.tokens / max(time.monotonic() - self.t0, 1e-9)
+            sys.stderr.write(f"\r{self.done}/{self.submitted} done, {self.failed} failed, "
+                             f"{rate:.0f} tok/s ")
+            sys.stderr.flush()
+        self.all_done.notify_all()
 
     def _write(self, line: bytes) -> None:
         if self.broken:
@@ -276,15 +308,48 @@ def feed(gw: Gateway, writer: AnswerWriter, args, lines: Iterator[bytes | int],
          stop: threading.Event, max_inflight: int) -> None:
     defaults = sampling_defaults(args)
     ids = RunIds()
+    decided = False  # the first non-empty line decides whether this is an OpenAI batch input
+    batch: BatchLines | None = None
 
     def refuse(index: int, rid: str, code: str, message: str) -> None:
-        writer(error_result(writer.expect(index, rid), code, message))
+        if batch is not None:
+            writer.answer_line(index, output_line(None, error={"code": code, "message": message}), True)
+        else:
+            writer(error_result(writer.expect(index, rid), code, message))
+
+    def submit(req: GatewayRequest) -> bool:
+        """False once the gateway refuses every request (a refused one got its answer)."""
+        with writer.lock:
+            while writer.submitted - writer.done > max_inflight and not stop.is_set():
+                writer.all_done.wait(0.2)
+        if not gw.submit(req) and (gw.failure is not None or not gw.accepting):
+            stop.set()
+            return False
+        return True
 
     for index, raw in enumerate(lines):
         if stop.is_set():
             break
         try:
-            parsed = parse_line(raw, str(index), defaults)
+            text = line_text(raw)
+            if not text:
+                writer.skip(index)
+                continue
+            if not decided:
+                decided = True
+                if is_batch_line(text):
+                    assert gw.model is not None  # started
+                    batch = writer.batch = BatchLines(gw.config.model, gw.model, gw.model.max_model_len)
+            if batch is not None:
+                line = batch.parse(index, text, defaults)
+            elif is_batch_line(text):
+                raise RequestError(f"line: an OpenAI batch line in an input of plain or JSON "
+                                   f"request lines; {MIXED}")
+            else:
+                req, named = parse_line(text, str(index), defaults)
+        except Refused as exc:
+            writer.answer_line(index, exc.line, True)
+            continue
         except RequestError as exc:
             refuse(index, exc.req_id or str(index), "invalid_request", str(exc))
             continue
@@ -292,10 +357,15 @@ def feed(gw: Gateway, writer: AnswerWriter, args, lines: Iterator[bytes | int],
             refuse(index, str(index), "invalid_request", f"line: cannot be read as a request: "
                                                          f"{type(exc).__name__}: {exc}")
             continue
-        if parsed is None:
-            writer.skip(index)
+        if batch is not None:
+            writer.expect_batch(index, line)
+            for k, req in enumerate(line.requests):
+                if not submit(req):
+                    for rest in line.requests[k + 1:]:  # so the line still gets its answer
+                        writer(error_result(rest.req_id, "unavailable", "not submitted: the server "
+                                                                        "stopped accepting requests"))
+                    return
             continue
-        req, named = parsed
         first = ids.claim(req.req_id, index, named)
         if first is not None:
             refuse(index, req.req_id, "duplicate_id",
@@ -304,12 +374,7 @@ def feed(gw: Gateway, writer: AnswerWriter, args, lines: Iterator[bytes | int],
             continue
         req.req_id = writer.expect(index, req.req_id)
         req.stream = req.stream or writer.stream
-        with writer.lock:
-            while writer.submitted - writer.done > max_inflight and not stop.is_set():
-                writer.all_done.wait(0.2)
-        # A refused request got its answer; a stopped gateway refuses every later one too.
-        if not gw.submit(req) and (gw.failure is not None or not gw.accepting):
-            stop.set()
+        if not submit(req):
             break
 
 

@@ -9,15 +9,16 @@ msgpack (a DEALER sends ``[frame]``, the ROUTER sees ``[identity, frame]``): a m
 ``op`` field names the message and whose ``v`` field is ``PROTOCOL_VERSION``.
 
 client -> daemon (``ClientMsg``):
-  generate {id, prompt | prompt_token_ids | messages, stream, sampling fields, priority, cache_salt}
-  abort {id}          health {id}          stats {id}
+  generate {id, prompt | prompt_token_ids | messages, stream, sampling fields, priority, cache_salt,
+            add_generation_prompt, continue_final_message, chat_template_kwargs (with messages)}
+  abort {id}          health {id}          stats {id}          metrics {id}
   ping {}             accepted and ignored (older clients send it; liveness is the connection's)
   bye {}              the client closes: abort everything it has in flight
 daemon -> client (``ReplyMsg``):
   delta {delta: RequestDelta}   final {result: RequestResult}   (exactly one final per accepted generate)
   error {id, error: ErrorInfo}  a health or stats op failed (``id`` is that op's), or a frame that
                       answers no request of the client: ``id`` is null, the message says which
-  health_reply {id, status, detail}   stats_reply {id, stats}
+  health_reply {id, status, detail}   stats_reply {id, stats}   metrics_reply {id, text}
   ping {}             every ``HEARTBEAT_INTERVAL_S`` to a client with requests in flight; ignore it
 
 Request ids are the client's; the daemon keys them per client identity, so two clients may
@@ -95,10 +96,26 @@ class _Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, kw_only=T
     v: int = PROTOCOL_VERSION
 
 
+class TextPart(msgspec.Struct, forbid_unknown_fields=True):
+    """One part of OpenAI's list content; the tokenizer joins text parts and refuses any other
+    ``type`` (no multi-modal input), naming the part."""
+    type: Annotated[str, Meta(max_length=64)]
+    text: str
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     role: Annotated[str, Meta(min_length=1, max_length=64)]
-    content: str  # sizes are bytes, checked by the gateway (see "Size limits" above)
+    # A string or OpenAI's text parts (required; null is refused by the tokenizer, naming the
+    # message). Sizes are bytes, checked by the gateway (see "Size limits" above).
+    content: str | list[TextPart] | None
     name: str | None = None
+
+
+# Template variables a chat request may set (vLLM's chat_template_kwargs, e.g.
+# enable_thinking): string keys, at most MAX_TEMPLATE_KWARGS of them; their size counts in the
+# encoded request's (MAX_REQUEST_BYTES).
+MAX_TEMPLATE_KWARGS = 256
+ChatTemplateKwargs = Annotated[dict[str, Any], Meta(max_length=MAX_TEMPLATE_KWARGS)]
 
 
 class Generate(_Msg, tag="generate"):
@@ -108,6 +125,11 @@ class Generate(_Msg, tag="generate"):
     prompt: str | None = None  # at most MAX_PROMPT_BYTES of UTF-8, checked by the gateway
     prompt_token_ids: Annotated[list[int], Meta(max_length=MAX_PROMPT_TOKENS)] | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    # Chat options (with `messages` only; the tokenizer stage refuses them otherwise), as in
+    # vLLM's chat API.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: ChatTemplateKwargs | None = None
     stream: bool = False
     priority: Annotated[int, Meta(ge=-(2**31), lt=2**31)] = 0
     cache_salt: Annotated[str, Meta(max_length=256)] | None = None
@@ -156,6 +178,11 @@ class Stats(_Msg, tag="stats"):
     id: ReqId
 
 
+class Metrics(_Msg, tag="metrics"):
+    """The daemon's Prometheus text (what --metrics-port serves): the HTTP front's /metrics."""
+    id: ReqId
+
+
 class Ping(_Msg, tag="ping"):
     """Both ways: ignored by the daemon; sent by it to probe a client's connection."""
 
@@ -188,8 +215,13 @@ class StatsReply(_Msg, tag="stats_reply"):
     stats: dict[str, Any]
 
 
-ClientMsg = Generate | Abort | Health | Stats | Ping | Bye
-ReplyMsg = Delta | Final | Error | HealthReply | StatsReply | Ping
+class MetricsReply(_Msg, tag="metrics_reply"):
+    id: str
+    text: str  # Prometheus text exposition format
+
+
+ClientMsg = Generate | Abort | Health | Stats | Metrics | Ping | Bye
+ReplyMsg = Delta | Final | Error | HealthReply | StatsReply | MetricsReply | Ping
 
 
 class ProtocolError(ValueError):
@@ -310,4 +342,7 @@ def gateway_request(gen: Generate, sp: SamplingParams, req_id: str) -> GatewayRe
         req_id=req_id, sampling_params=sp, prompt=gen.prompt,
         prompt_token_ids=gen.prompt_token_ids, stream=gen.stream, arrival_time=time.time(),
         messages=None if gen.messages is None else [msgspec.to_builtins(m) for m in gen.messages],
+        add_generation_prompt=gen.add_generation_prompt,
+        continue_final_message=gen.continue_final_message,
+        chat_template_kwargs=gen.chat_template_kwargs,
         priority=gen.priority, cache_salt=gen.cache_salt, kv_transfer=gen.kv_transfer)

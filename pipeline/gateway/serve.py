@@ -31,7 +31,9 @@ from pipeline.config import EngineConfig, add_engine_args, add_pd_args, config_f
 from pipeline.gateway import protocol as P
 from pipeline.gateway.front import add_front_args, cannot_start, check_front_args, is_loopback
 from pipeline.gateway.gateway import Answer, Gateway
+from pipeline.gateway.http_front import HttpFront, parse_http
 from pipeline.gateway.metrics import Metrics
+from pipeline.gateway.openai_convert import fingerprint, served_model_name
 from pipeline.gateway.sessions import ClientSessions, DuplicateRequestId
 from pipeline.gateway.supervisor import StartupError
 from pipeline.gateway.systemd import Notifier
@@ -51,8 +53,16 @@ PING = P.encode(P.Ping())
 def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     add_pd_args(p)
-    p.add_argument("--listen", default=DEFAULT_LISTEN,
-                   help="ZMQ endpoint to bind (loopback by default; tcp://0.0.0.0:PORT to open it)")
+    p.add_argument("--listen", default=None,
+                   help=f"ZMQ endpoint to bind (default {DEFAULT_LISTEN} unless only --http is given; "
+                        "tcp://0.0.0.0:PORT to open it)")
+    p.add_argument("--http", default=None, metavar="[HOST:]PORT",
+                   help="serve the OpenAI API over HTTP too (HOST 127.0.0.1 by default)")
+    p.add_argument("--api-key", default=os.environ.get("PIPELINE_API_KEY"),
+                   help="--http requires `Authorization: Bearer KEY` (default: $PIPELINE_API_KEY)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the `model` HTTP requests name (default: the --model path; \"default\" for "
+                        "the embedded model)")
     p.add_argument("--curve-keys", default=None, metavar="DIR",
                    help="enable ZMQ CURVE: DIR holds server.key_secret and authorized client keys")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
@@ -63,7 +73,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def check_args(args: argparse.Namespace) -> None:
     """The daemon's own flags (``EngineConfig.check`` does the engine's): ValueError naming
     the flag and its limit."""
+    if args.listen is None and args.http is None:
+        args.listen = DEFAULT_LISTEN
     check_front_args(args)
+    if args.http is not None:
+        parse_http(args.http)
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key: must not be empty")
     if not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be in [0, 65535] (0: off), got {args.metrics_port}")
 
@@ -91,6 +107,7 @@ class Server:
         self.sock: zmq.Socket | None = None
         self.mon: zmq.Socket | None = None  # the ROUTER's disconnect events
         self.auth: ThreadAuthenticator | None = None  # the CURVE authenticator thread, when --curve-keys
+        self.http = HttpFront(args.http, config.instance_id) if args.http else None
 
     # Called from the gateway's threads.
     def _on_output(self, out: Answer) -> None:
@@ -202,6 +219,8 @@ class Server:
                                                 detail=self.health_detail()))
         elif isinstance(msg, P.Stats):
             self._reply(identity, P.StatsReply(id=msg.id, stats=self.stats()))
+        elif isinstance(msg, P.Metrics):
+            self._reply(identity, P.MetricsReply(id=msg.id, text=self.metrics.render().decode()))
         # Ping: nothing to do (older clients send it; liveness is the connection's).
 
     def _refuse(self, identity: bytes, exc: P.ProtocolError) -> None:
@@ -213,7 +232,7 @@ class Server:
             self.metrics.requests_received.inc()
         if exc.op == "generate" and rid is not None and self.sessions.internal_id(identity, rid) is None:
             self._final(identity, error_result(rid, exc.error.code, exc.error.message))
-        elif exc.op in ("health", "stats") and rid is not None:
+        elif exc.op in ("health", "stats", "metrics") and rid is not None:
             self._reply(identity, P.Error(id=rid, error=exc.error))
         else:
             about = f"{exc.op or 'frame'} {rid!r}: " if rid is not None else ""
@@ -242,6 +261,14 @@ class Server:
         # A refusal (draining, too large, stage died) comes back as an error answer.
         self.gw.submit(req)
 
+    def _check_http(self) -> None:
+        if self.http is None or self.stop.is_set():
+            return
+        try:
+            self.http.check(lambda m: print(f"[gateway] {m}", file=sys.stderr, flush=True))
+        except RuntimeError as exc:  # tried again at the next heartbeat
+            print(f"[gateway] {exc}", file=sys.stderr, flush=True)
+
     # ---- observability ----
     def status(self) -> str:
         if self.gw.failure is not None:
@@ -252,7 +279,7 @@ class Server:
         c = self.gw.config
         return {"inflight": self.gw.num_inflight(), "client_requests": len(self.sessions),
                 "stages": self.gw.stats_stages(), "failure": self.gw.failure, "role": c.role,
-                "kv_listen": c.kv_listen or None}
+                "kv_listen": c.kv_listen or None, "http": None if self.http is None else self.http.detail()}
 
     def healthy(self) -> bool:
         return self.gw.failure is None and time.monotonic() - self.last_loop < 5.0
@@ -298,6 +325,10 @@ class Server:
         sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, P.KEEPALIVE_INTERVAL_S)
         sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, P.KEEPALIVE_PROBES)
         self.mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if self.http is not None:
+            # Bound before CURVE is set up: an endpoint takes the socket's security options
+            # at bind time, and this one is private to this user (HttpFront's directory).
+            sock.bind(self.http.endpoint)
         if a.curve_keys:
             from pipeline.gateway.curve import server_socket_setup
             try:
@@ -305,10 +336,13 @@ class Server:
             except (OSError, ValueError) as exc:
                 raise ValueError(f"--curve-keys {a.curve_keys}: {exc}") from None
         try:
-            sock.bind(a.listen)
+            if a.listen is not None:
+                sock.bind(a.listen)
         except zmq.ZMQError as exc:
             raise ValueError(f"--listen {a.listen}: {exc.strerror} "
                              "(expected a free tcp://HOST:PORT or ipc://PATH)") from None
+        if self.http is not None:
+            self.http.bind()
         if a.metrics_port:
             try:
                 port = self.metrics.serve(a.metrics_port, a.metrics_host)
@@ -325,9 +359,10 @@ class Server:
         poller.register(mon, zmq.POLLIN)
         poller.register(self.wake_r, zmq.POLLIN)
         next_probe = 0.0
-        self.notify.ready(f"serving on {self.args.listen}")
+        where = " and ".join(x for x in (self.args.listen, self.http and self.http.url) if x)
+        self.notify.ready(f"serving on {where}")
         self.notify.start_watchdog(self.healthy)
-        print(f"[gateway] serving on {self.args.listen}", file=sys.stderr, flush=True)
+        print(f"[gateway] serving on {where}", file=sys.stderr, flush=True)
         while True:
             wait = min(0.1, max(0.0, next_probe - time.monotonic()))
             events = dict(poller.poll(math.ceil(wait * 1000)))
@@ -346,7 +381,8 @@ class Server:
             if now >= next_probe:
                 next_probe = now + P.HEARTBEAT_INTERVAL_S
                 self._probe_clients()
-                self.notify.status(f"serving on {self.args.listen}: "
+                self._check_http()
+                self.notify.status(f"serving on {where}: "
                                    f"{self.gw.num_inflight()} request(s) in flight")
             if self.gw.failed.is_set():
                 self._route_answers()  # every in-flight request gets its error answer
@@ -364,26 +400,43 @@ class Server:
             try:
                 self._open()
                 self.notify.status("loading the model and starting the stages")
-                self.gw.start()
+                model = self.gw.start()
+                if self.http is not None:
+                    self.notify.status("starting the HTTP front end")
+                    name = served_model_name(self.config.model, self.args.served_model_name)
+                    self.http.start(dict(
+                        model_path=self.config.model, model=name,
+                        max_model_len=model.max_model_len, fingerprint=fingerprint(model.model_hash),
+                        chat_template=self.config.chat_template, api_key=self.args.api_key))
+                    print(f"[gateway] OpenAI API on {self.http.url}/v1", file=sys.stderr, flush=True)
                 self.started = True
-            except (StartupError, ValueError, OSError, zmq.ZMQError) as exc:
+            except (StartupError, ValueError, OSError, RuntimeError, zmq.ZMQError) as exc:
                 return cannot_start("serve", self.notify, exc)
             except _StoppedDuringStartup as exc:
                 print(f"pipeline serve: stopped by {exc} during start-up", file=sys.stderr)
                 return 0
-            if not is_loopback(self.args.listen) and not self.args.curve_keys:
+            if self.http is not None and not is_loopback(f"tcp://{self.http.url[7:]}") and not self.args.api_key:
+                print(f"[gateway] WARNING: {self.http.url} is not loopback and --api-key is not set: "
+                      "anyone who can reach it can use the model", file=sys.stderr)
+            if self.args.listen and not is_loopback(self.args.listen) and not self.args.curve_keys:
                 print(f"[gateway] WARNING: {self.args.listen} is not loopback and --curve-keys is "
                       "not set: anyone who can reach it can use the model", file=sys.stderr)
             code = self.serve()
         finally:
+            # A second SIGTERM/Ctrl-C while closing (the HTTP front end stopping, the stages
+            # exiting) must not kill the daemon halfway through its clean-up.
+            for s in old:
+                signal.signal(s, lambda *_: self.request_stop())
+            self.close()
             for s, h in old.items():
                 signal.signal(s, h)
-            self.close()
         if code:
             print(f"pipeline serve: {self.gw.failure}", file=sys.stderr)
         return code
 
     def close(self) -> None:
+        if self.http is not None:
+            self.http.close()  # after the drain: it answered 503 to new requests meanwhile
         self.gw.close()
         if self.sock is not None:
             self.sock.disable_monitor()

@@ -55,6 +55,10 @@ class GatewayRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # role, content, optional name
+    # Chat options, for `messages` only (Tokenizer.apply_chat_template's).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     stream: bool = False
     arrival_time: float = 0.0
     priority: int = 0

@@ -203,6 +203,9 @@ class Router:
             self._reply(identity, P.HealthReply(id=msg.id, status=self.status(), detail=self.detail()))
         elif isinstance(msg, P.Stats):
             self._stats(identity, msg.id)
+        elif isinstance(msg, P.Metrics):
+            self._reply(identity, P.Error(id=msg.id, error=ErrorInfo(
+                "unsupported", "metrics: the router has none of its own; ask each instance")))
         # Ping: nothing to do.
 
     def _refuse(self, identity: bytes, exc: P.ProtocolError) -> None:
@@ -211,7 +214,7 @@ class Router:
         rid = exc.req_id
         if exc.op == "generate" and rid is not None and rid not in self.clients.get(identity, {}):
             self._reply(identity, P.Final(result=error_result(rid, exc.error.code, exc.error.message)))
-        elif exc.op in ("health", "stats") and rid is not None:
+        elif exc.op in ("health", "stats", "metrics") and rid is not None:
             self._reply(identity, P.Error(id=rid, error=exc.error))
         else:
             about = f"{exc.op or 'frame'} {rid!r}: " if rid is not None else ""

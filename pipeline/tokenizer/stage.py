@@ -11,7 +11,8 @@ invalid one is answered straight to the gateway with an error naming the field a
 limit. An abort for a request still being tokenized is answered here (finish_reason "abort")
 and the request is dropped when its tokenization ends; any other abort is forwarded to the
 engine, after the request it cancels (both go out under one lock, the request first). It
-never touches KV blocks.
+never touches KV blocks. The chat template is the checkpoint's, or ``--chat-template``'s
+(``EngineConfig.chat_template``, the file's text).
 
 State: ``pending`` (req_id -> request being tokenized) under ``lock``, which every ring send
 holds too (each ring has one producer: this process).
@@ -36,7 +37,7 @@ from pipeline.messages import (
 from pipeline.runtime import rings
 from pipeline.runtime.process import ReadyFn, log
 from pipeline.runtime.spec import StageSpec
-from pipeline.tokenizer.tokenizer import Tokenizer
+from pipeline.tokenizer.tokenizer import Tokenizer, check_chat_options
 from pipeline.tokenizer.validate import (
     InvalidRequest,
     check_answer_fits,
@@ -85,7 +86,7 @@ class TokenizerLoop:
         self.spec = spec
         self.model = spec.model
         self.role = spec.config.role
-        self.tokenizer = Tokenizer(spec.config.model)
+        self.tokenizer = Tokenizer(spec.config.model, chat_template=spec.config.chat_template)
         self.token_text_bytes = max_token_text_bytes(self.tokenizer.tok)
         # The gateway sized the answers ring for a max_model_len at least this one's.
         self.answer_limit = rings.message_limits(spec.config, spec.model.max_model_len)["answers"]
@@ -104,12 +105,17 @@ class TokenizerLoop:
         """The prompt as token ids, and the field they came from."""
         field = one_prompt_field(prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                                  messages=req.messages)
+        options = check_chat_options(has_messages=req.messages is not None,
+                                     add_generation_prompt=req.add_generation_prompt,
+                                     continue_final_message=req.continue_final_message,
+                                     chat_template_kwargs=req.chat_template_kwargs)
         if req.prompt is not None:  # the gateway checked its size
             return self.tokenizer.encode(req.prompt), field
         if req.messages is not None:
             if not req.messages:
                 raise InvalidRequest("field `messages`: at least one message is required")
-            return self.tokenizer.apply_chat_template(req.messages), field
+            return self.tokenizer.apply_chat_template(req.messages, req.add_generation_prompt,
+                                                      **options), field
         return list(req.prompt_token_ids or []), field
 
     def prepare(self, req: GatewayRequest) -> tuple[bytearray, bytearray] | RequestResult:

@@ -4,9 +4,11 @@ messages -> token ids) and the token processor (eos ids, special tokens).
 Owns the loaded ``tokenizers.Tokenizer`` and the chat template; compiled templates (the
 model's, or one a caller passes) are kept in a small process-wide cache. Reads tokenizer.json,
 tokenizer_config.json (special tokens, add_bos_token, chat_template), chat_template.jinja when
-present, and generation_config.json / config.json for the eos ids. Chat messages are checked
-here, for every way in: roles (system, user, assistant, tool) and content (a string, or a
-list of text parts as OpenAI sends them), each error naming the message and the field.
+present, and generation_config.json / config.json for the eos ids; a template given to the
+constructor (``--chat-template``) replaces the checkpoint's. Chat messages and chat options
+are checked here, for every way in: roles (system, user, assistant, tool), content (a string,
+or a list of text parts as OpenAI sends them), add_generation_prompt / continue_final_message
+/ chat_template_kwargs, each error naming the message and the field.
 """
 from __future__ import annotations
 
@@ -40,6 +42,30 @@ def _raise(message: str) -> None:
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# Template variables that come from the chat itself or pick the template: never a kwarg's.
+RESERVED_TEMPLATE_VARS = ("messages", "add_generation_prompt", "continue_final_message",
+                          "chat_template")
+
+
+def check_chat_options(*, has_messages: bool, add_generation_prompt: bool,
+                       continue_final_message: bool,
+                       chat_template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's chat options (defaults: True, False, None) as apply_chat_template's keyword
+    arguments; ValueError naming the field when they are set without ``messages`` or collide."""
+    if not has_messages:
+        for name, is_set in (("add_generation_prompt", not add_generation_prompt),
+                             ("continue_final_message", continue_final_message),
+                             ("chat_template_kwargs", chat_template_kwargs is not None)):
+            if is_set:
+                raise ValueError(f"field `{name}`: only valid with `messages` (a chat request)")
+    kwargs = dict(chat_template_kwargs or {})
+    for key in kwargs:
+        if not isinstance(key, str):
+            raise ValueError(f"field `chat_template_kwargs`: keys must be strings, got {type(key).__name__}")
+        if key in RESERVED_TEMPLATE_VARS:
+            raise ValueError(f"field `chat_template_kwargs`: `{key}` cannot be set here (it comes "
+                             "from the request itself)")
+    return kwargs | {"continue_final_message": continue_final_message}
 
 
 @lru_cache(maxsize=8)
@@ -92,7 +118,8 @@ def check_messages(messages: list[dict]) -> list[dict]:
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None) -> None:
+        """``chat_template``: template text that replaces the checkpoint's (``--chat-template``)."""
         d = Path(model_dir)
         path = d / "tokenizer.json"
         if not path.is_file():
@@ -109,7 +136,7 @@ class Tokenizer:
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items()
                                      if t.special)
-        self.chat_template = self._template_source(d)
+        self.chat_template = chat_template if chat_template is not None else self._template_source(d)
 
     def _eos_ids(self, d: Path) -> list[int]:
         for name in ("generation_config.json", "config.json"):
@@ -156,16 +183,22 @@ class Tokenizer:
             raise ValueError("field `messages`: this model has no chat template "
                              "(tokenizer_config.json chat_template); send `prompt` instead")
         if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be true: "
-                             "the first starts a new assistant turn, the second continues the last one")
+            raise ValueError("field `continue_final_message`: add_generation_prompt and "
+                             "continue_final_message cannot both be true: the first starts a new "
+                             "assistant turn, the second continues the last one")
         for key in ("messages", "add_generation_prompt"):
             if key in extra:
-                raise ValueError(f"chat template variable `{key}` comes from the chat itself")
+                raise ValueError(f"field `chat_template_kwargs`: chat template variable `{key}` "
+                                 "comes from the chat itself")
         messages = check_messages(messages)
         variables = {k: _token_str(self.config.get(k)) or "" for k in
                      ("bos_token", "eos_token", "pad_token", "unk_token")} | extra
-        text = _compile(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                       **variables)
+        from jinja2 import TemplateError
+        try:
+            text = _compile(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                           **variables)
+        except TemplateError as exc:  # e.g. a chat_template_kwargs value the template cannot use
+            raise ValueError(f"chat template: {type(exc).__name__}: {exc}") from None
         if continue_final_message:
             # As transformers does: cut right after the last occurrence of the final content,
             # keeping its trailing spaces only where the template kept them.

@@ -1,0 +1,127 @@
+"""The OpenAI API's request bodies as pydantic models (validated by FastAPI, and by pipe mode
+for OpenAI batch lines): ``CompletionRequest``, ``ChatCompletionRequest``, ``TokenizeRequest``,
+``DetokenizeRequest``. Owns no state.
+
+Types are checked here (the framework names the field); value limits are the engine's
+(``SamplingParams``, then the tokenizer stage), so every way in refuses the same values with
+the same message. Unknown fields are refused (400 naming them), as the ZMQ protocol does;
+OpenAI fields with no meaning here are accepted and ignored only where ignoring them cannot
+change the answer (``user``, ``store``, ``metadata``, ``service_tier``,
+``parallel_tool_calls``); the others (tools, response_format other than text, echo, suffix,
+audio...) are refused when set, naming the field. docs/openai.md lists them all.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.gateway.protocol import MAX_MESSAGES
+from pipeline.messages import MAX_PROMPT_TOKENS
+
+# OpenAI's `logprobs` / `top_logprobs` (the engine's own limit is checked by SamplingParams).
+MAX_TOP_LOGPROBS = 20
+MAX_PROMPTS = 1024  # prompts in one /v1/completions body
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageParam(_Body):
+    role: Annotated[str, Field(min_length=1, max_length=64)]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"]
+
+
+class _Sampling(_Body):
+    """The fields both routes map onto ``SamplingParams`` (OpenAI's, then vLLM's extras)."""
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    min_tokens: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    cache_salt: Annotated[str, Field(max_length=256)] | None = None
+    # OpenAI's, accepted and ignored (they cannot change an answer)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+
+
+TokenIds = Annotated[list[int], Field(max_length=MAX_PROMPT_TOKENS)]
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds \
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool = False  # refused when true
+    suffix: str | None = None  # refused when set
+    best_of: int | None = None  # refused unless equal to n
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessageParam], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: int | None = None  # None: as many as the context leaves
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None  # refused when non-empty
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's chat extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessageParam], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: TokenIds

@@ -1,0 +1,261 @@
+"""Between the OpenAI API and the daemon's protocol, for the HTTP front end and for pipe
+mode's OpenAI batch lines: request bodies (``api``) -> the ``Generate`` fields of each
+engine request; final answers and deltas -> OpenAI's response bodies and stream chunks;
+error answers -> OpenAI's error object with its HTTP status. Owns no state.
+
+Each prompt of a completion body is one engine request (``n`` completions each, one
+prefill); choice ``i * n + j`` is completion ``j`` of prompt ``i``, as vLLM numbers them.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+from pipeline.gateway import protocol as P
+from pipeline.gateway.openai_api import ChatCompletionRequest, ChatMessageParam, CompletionRequest
+from pipeline.messages import Completion, ErrorInfo, RequestResult
+from pipeline.messages.step import TokenLogprobs
+
+# error.code of an answer -> HTTP status; anything else is the server's fault (500).
+STATUS = {"invalid_request": 400, "duplicate_id": 400, "unsupported_version": 400,
+          "answer_too_large": 400, "draining": 503, "queue_full": 503, "unavailable": 503,
+          "unreachable": 503, "connection_lost": 503, "aborted": 499}
+MIN_LOGPROB = -9999.0  # what OpenAI reports for an impossible token (JSON has no -inf)
+_PASS = ("n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
+         "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
+         "skip_special_tokens", "include_stop_str_in_output", "min_tokens", "bad_words",
+         "allowed_token_ids", "truncate_prompt_tokens", "cache_salt")
+_FIELD = re.compile(r"field `([^`]+)`")
+TokenText = Callable[[int], str]
+
+
+class ApiError(Exception):
+    """An OpenAI error object and its HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.code = code or {400: "invalid_request", 401: "invalid_api_key", 404: "model_not_found",
+                             413: "request_too_large", 503: "unavailable"}.get(status, "internal_error")
+
+    @property
+    def type(self) -> str:
+        return {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable",
+                413: "invalid_request_error"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "internal_server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None) -> ApiError:
+    if param is None and (m := _FIELD.search(message)):
+        param = m.group(1)
+    return ApiError(400, message, param)
+
+
+def from_error(err: ErrorInfo) -> ApiError:
+    status = STATUS.get(err.code, 500)
+    return invalid(err.message) if status == 400 else ApiError(status, err.message, code=err.code)
+
+
+# ---- requests ----------------------------------------------------------------------------
+# Fields whose several accepted types make pydantic's per-member errors unhelpful.
+UNION_FIELDS = {"prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+                "stop": "a string or a list of strings",
+                "messages[].content": 'a string or a list of text parts ({"type": "text", "text": ...}; '
+                                      "no multi-modal input)"}
+
+
+def _path(loc: tuple) -> str:
+    # pydantic names the union member it tried ("str", "list[int]"...): not a field.
+    parts = [str(p) for p in loc if p != "body"]
+    parts = [p for p in parts if not (p[:1].islower() and ("[" in p or p in ("str", "int", "float", "bool")))]
+    return "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in parts).lstrip(".")
+
+
+def body_error(errors: list[Any]) -> ApiError:
+    """A body the models refused (pydantic's errors, FastAPI's or pipe mode's): 400 naming
+    the first failing field by its path (``messages[0].content``) and what it must be."""
+    err: dict[str, Any] = dict(errors[0]) if errors else {"loc": (), "msg": "invalid body", "type": ""}
+    field = _path(tuple(err.get("loc", ())))
+    if err.get("type") == "json_invalid":
+        return invalid(f"body is not valid JSON: {err.get('msg')}")
+    if not field:
+        return invalid(f"body: {err.get('msg')}")
+    if (kind := re.sub(r"\[\d+\]", "[]", field)) in UNION_FIELDS:
+        return invalid(f"field `{field}`: must be {UNION_FIELDS[kind]}", field)
+    what = {"extra_forbidden": "unknown field", "missing": "missing required field"}.get(
+        err.get("type", ""), err.get("msg", "invalid"))
+    return invalid(f"field `{field}`: {what}", field)
+
+
+def messages(msgs: list[ChatMessageParam]) -> list[dict[str, Any]]:
+    """Chat messages for the wire: ``content`` always present (null too: the tokenizer stage
+    names the message that lacks it), ``name`` only when set."""
+    return [m.model_dump(exclude_none=True) | {"content": m.model_dump()["content"]} for m in msgs]
+
+
+def _common(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    fields = {k: v for k in _PASS if (v := getattr(req, k)) is not None}
+    if req.priority:
+        fields["priority"] = req.priority
+    if req.logit_bias:
+        try:
+            fields["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise invalid("field `logit_bias`: keys must be token ids (integers as strings)",
+                          "logit_bias") from None
+    return fields
+
+
+def _checked(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields as the daemon will check them (types, SamplingParams' limits): ApiError
+    now rather than after part of a multi-prompt body ran."""
+    try:
+        P.sampling_params(P.Generate(**{k: v for k, v in fields.items() if k in P.SAMPLING_FIELDS}))
+    except P.ProtocolError as exc:
+        raise invalid(exc.error.message) from None
+    except TypeError as exc:
+        raise invalid(str(exc)) from None
+    return fields
+
+
+def completion_fields(req: CompletionRequest, max_model_len: int) -> list[dict[str, Any]]:
+    """One ``Generate`` field dict per prompt of the body."""
+    if req.echo:
+        raise invalid("field `echo`: not supported (send the prompt's text yourself)", "echo")
+    if req.suffix is not None:
+        raise invalid("field `suffix`: not supported (no fill-in-the-middle)", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise invalid(f"field `best_of`: only best_of == n is supported, got {req.best_of} "
+                      f"with n {req.n}", "best_of")
+    fields = _common(req)
+    fields["max_tokens"] = max_model_len if req.max_tokens is None else req.max_tokens
+    if req.logprobs is not None:
+        fields["logprobs"] = req.logprobs
+    _checked(fields)
+    p = req.prompt
+    if isinstance(p, str):
+        return [fields | {"prompt": p}]
+    if p and isinstance(p[0], str):
+        return [fields | {"prompt": s} for s in p]
+    if p and isinstance(p[0], list):
+        return [fields | {"prompt_token_ids": ids} for ids in p]
+    return [fields | {"prompt_token_ids": p}]
+
+
+def chat_fields(req: ChatCompletionRequest, max_model_len: int) -> dict[str, Any]:
+    if req.tools:
+        raise invalid("field `tools`: tool calling is not supported", "tools")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid("field `top_logprobs`: needs `logprobs` true", "top_logprobs")
+    fields = _common(req)
+    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    fields["max_tokens"] = max_model_len if limit is None else limit
+    if req.logprobs:
+        fields["logprobs"] = req.top_logprobs or 0
+    _checked(fields)
+    fields["messages"] = messages(req.messages)
+    fields["add_generation_prompt"] = req.add_generation_prompt
+    fields["continue_final_message"] = req.continue_final_message
+    if req.chat_template_kwargs:
+        fields["chat_template_kwargs"] = req.chat_template_kwargs
+    return fields
+
+
+# ---- responses ---------------------------------------------------------------------------
+def completions_of(res: RequestResult) -> list[Completion]:
+    return res.outputs or [Completion(index=0, text=res.text, token_ids=res.token_ids,
+                                      finish_reason=res.finish_reason, stop_reason=res.stop_reason,
+                                      logprobs=res.logprobs)]
+
+
+def usage(results: list[RequestResult]) -> dict[str, Any]:
+    prompt = sum(r.usage.prompt_tokens for r in results)
+    completion = sum(r.usage.completion_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.usage.cached_tokens for r in results)}}
+
+
+def _lp(x: float) -> float:
+    return x if x > MIN_LOGPROB else MIN_LOGPROB
+
+
+def completion_logprobs(lps: list[TokenLogprobs] | None, text: TokenText,
+                        offset: int = 0) -> dict[str, Any] | None:
+    """The legacy shape: tokens, token_logprobs, top_logprobs ({token: logprob}, the sampled
+    token among them, as vLLM does), text_offset (from ``offset``)."""
+    if lps is None:
+        return None
+    tokens, offsets, tops = [], [], []
+    for t in lps:
+        s = text(t.token_id)
+        tokens.append(s)
+        offsets.append(offset)
+        offset += len(s)
+        top = {text(i): _lp(lp) for i, lp in zip(t.top_ids, t.top_logprobs)}
+        top.setdefault(s, _lp(t.logprob))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [_lp(t.logprob) for t in lps], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def _entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode())}
+
+
+def chat_logprobs(lps: list[TokenLogprobs] | None, text: TokenText) -> dict[str, Any] | None:
+    if lps is None:
+        return None
+    return {"content": [_entry(text(t.token_id), t.logprob)
+                        | {"top_logprobs": [_entry(text(i), lp) for i, lp in zip(t.top_ids, t.top_logprobs)]}
+                        for t in lps]}
+
+
+def finish_reason(c: Completion) -> str:
+    return "abort" if c.finish_reason == "error" else c.finish_reason
+
+
+def completion_body(rid: str, created: int, model: str, fingerprint: str, n: int,
+                    results: list[RequestResult], text: TokenText) -> dict[str, Any]:
+    choices = [{"index": i * n + c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs, text),
+                "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
+               for i, res in enumerate(results) for c in completions_of(res)]
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": fingerprint, "choices": choices, "usage": usage(results)}
+
+
+def chat_body(rid: str, created: int, model: str, fingerprint: str, res: RequestResult,
+              text: TokenText) -> dict[str, Any]:
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.logprobs, text), "finish_reason": finish_reason(c),
+                "stop_reason": c.stop_reason} for c in completions_of(res)]
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": fingerprint, "choices": choices, "usage": usage([res])}
+
+
+def failure(results: list[RequestResult]) -> ApiError | None:
+    """The error a non-streamed answer is replaced by: the first failed request's."""
+    for r in results:
+        if r.error is not None and r.finish_reason == "error":
+            return from_error(r.error)
+    return None
+
+
+def served_model_name(model: str, override: str | None = None) -> str:
+    """What ``model`` must name (``--served-model-name``, else the ``--model`` path as given,
+    as vLLM does; the embedded default model is "default")."""
+    from pipeline.config import DEFAULT_MODEL
+    if override:
+        return override
+    return "default" if os.path.realpath(model) == os.path.realpath(DEFAULT_MODEL) else model
+
+
+def fingerprint(model_hash: str) -> str:
+    """``system_fingerprint``: this build and this checkpoint's config."""
+    return f"pipeline-{model_hash[:12]}" if model_hash else "pipeline"

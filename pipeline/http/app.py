@@ -1,0 +1,183 @@
+"""The OpenAI API as a FastAPI app: routes, authentication, body limit, error shapes.
+
+Owns the HTTP side of each request only: its engine requests go to the daemon through one
+``AsyncClient`` (``HttpState.client``), whose answers it turns into OpenAI bodies or
+server-sent events (``convert``, ``stream``). A client that disconnects, mid-stream or while
+waiting for a whole answer, has its engine requests aborted (the daemon frees their blocks).
+Errors are OpenAI's error object: 400 invalid parameter (naming the field), 401 bad key, 404
+unknown model or route, 413 body over ``max_body_bytes``, 503 draining / queue full / daemon
+unreachable, 500 anything else.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, TypeVar
+
+import msgspec
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+
+from pipeline.client import AsyncClient
+from pipeline.client.base import RequestError
+from pipeline.gateway import openai_convert as C
+from pipeline.gateway.openai_api import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pipeline.http.limit import BodyLimit
+from pipeline.http.stream import disconnected, sse_response
+from pipeline.tokenizer.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
+
+@dataclass
+class HttpState:
+    client: AsyncClient
+    tokenizer: Tokenizer
+    model: str  # the served model name
+    model_path: str
+    max_model_len: int
+    fingerprint: str
+    api_key: str | None = None
+    created: int = 0
+
+
+def _json(body: dict[str, Any], status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+def build_app(state: HttpState) -> FastAPI:
+    app = FastAPI(title="pipeline", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit)
+
+    @app.exception_handler(C.ApiError)
+    async def _api_error(_: Request, exc: C.ApiError) -> Response:
+        return _json(exc.body(), exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
+        e = C.body_error(list(exc.errors()))
+        return _json(e.body(), e.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> Response:
+        e = C.ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        return _json(e.body(), e.status)
+
+    def auth(request: Request) -> None:
+        if state.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), state.api_key.encode()):
+            raise C.ApiError(401, "invalid API key: send `Authorization: Bearer KEY` "
+                             "with the server's --api-key")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != state.model:
+            raise C.ApiError(404, f"the model `{name}` does not exist; this server serves `{state.model}`",
+                             "model", "model_not_found")
+
+    @lru_cache(maxsize=1 << 16)
+    def token_text(token_id: int) -> str:
+        return state.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def until_done(request: Request, work: Awaitable[T]) -> T:
+        """``work``, cancelled (so its engine requests are aborted) if the client goes away."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise C.ApiError(499, "the client disconnected", code="client_disconnected")
+        try:
+            return task.result()
+        except RequestError as exc:
+            raise C.from_error(exc.error) from None
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            reply = await state.client.health(timeout=5.0)
+        except (RequestError, TimeoutError) as exc:
+            return _json({"status": "unreachable", "detail": str(exc)}, 503)
+        return _json({"status": reply.status}, 200 if reply.status == "ok" else 503)
+
+    @app.get("/metrics", dependencies=[Depends(auth)])
+    async def metrics() -> Response:
+        try:
+            text = await state.client.metrics(timeout=10.0)
+        except RequestError as exc:
+            raise C.from_error(exc.error) from None
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=[Depends(auth)])
+    async def models() -> Response:
+        return _json({"object": "list", "data": [{
+            "id": state.model, "object": "model", "created": state.created, "owned_by": "pipeline",
+            "root": state.model_path, "parent": None, "max_model_len": state.max_model_len}]})
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        reqs = C.completion_fields(body, state.max_model_len)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return sse_response(request, state, reqs, body, rid, created, token_text)
+        results = await until_done(request, asyncio.gather(
+            *(state.client.generate(timeout=None, **f) for f in reqs)))
+        if (err := C.failure(results)) is not None:
+            raise err
+        return _json(C.completion_body(rid, created, state.model, state.fingerprint, body.n, results, token_text))
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        fields = C.chat_fields(body, state.max_model_len)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return sse_response(request, state, [fields], body, rid, created, token_text)
+        res = await until_done(request, state.client.generate(timeout=None, **fields))
+        if (err := C.failure([res])) is not None:
+            raise err
+        return _json(C.chat_body(rid, created, state.model, state.fingerprint, res, token_text))
+
+    @app.post("/tokenize", dependencies=[Depends(auth)])
+    async def tokenize(body: TokenizeRequest) -> Response:
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise C.invalid("exactly one of `prompt` and `messages` is required", "prompt")
+        try:
+            if body.messages is not None:
+                ids = state.tokenizer.apply_chat_template(
+                    C.messages(body.messages), body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message, **(body.chat_template_kwargs or {}))
+            else:
+                ids = state.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        except ValueError as exc:
+            raise C.invalid(str(exc)) from None
+        return _json({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                      "token_strs": [token_text(i) for i in ids] if body.return_token_strs else None})
+
+    @app.post("/detokenize", dependencies=[Depends(auth)])
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        check_model(body.model)
+        vocab = state.tokenizer.vocab_size
+        bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise C.invalid(f"field `tokens[{bad}]`: token id {body.tokens[bad]} is outside the "
+                            f"vocabulary [0, {vocab})", f"tokens[{bad}]")
+        return _json({"prompt": state.tokenizer.decode(body.tokens)})
+
+    return app
+

@@ -1,0 +1,148 @@
+"""Server-sent events for ``stream: true``: the deltas of a body's engine requests (one per
+prompt) as OpenAI chunks, each as soon as the daemon sends it, then a finish chunk per
+choice, the usage chunk when ``stream_options.include_usage``, and ``data: [DONE]``.
+
+Owns one streamed response: a pump task per engine request feeds one queue the response
+reads; when the client disconnects (or the response ends early) the pumps are cancelled,
+which aborts their engine requests on the daemon. An engine request that fails mid-stream
+ends the stream with an ``error`` event (OpenAI's error object), then ``[DONE]``: the status
+line went out with the first chunk.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pipeline.gateway import openai_convert as C
+from pipeline.gateway.openai_api import ChatCompletionRequest, CompletionRequest
+from pipeline.messages import RequestDelta, RequestResult
+
+if TYPE_CHECKING:
+    from pipeline.http.app import HttpState
+
+DONE = b"data: [DONE]\n\n"
+_encode = msgspec.json.Encoder().encode
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+class _Chunks:
+    """Builds the chunks of one response (chat or text completion)."""
+
+    def __init__(self, body: CompletionRequest | ChatCompletionRequest, rid: str, created: int,
+                 state: HttpState, text: C.TokenText) -> None:
+        self.chat = isinstance(body, ChatCompletionRequest)
+        self.n = body.n
+        self.text = text
+        self.usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.head: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                     "created": created, "model": state.model, "system_fingerprint": state.fingerprint}
+
+    def chunk(self, choices: list[dict[str, Any]]) -> bytes:
+        obj: dict[str, Any] = self.head | {"choices": choices}
+        if self.usage:
+            obj["usage"] = None
+        return _event(obj)
+
+    def opening(self) -> bytes | None:
+        if not self.chat:
+            return None
+        return self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None} for i in range(self.n)])
+
+    def delta(self, prompt: int, d: RequestDelta) -> bytes | None:
+        if not d.text and not d.logprobs:
+            return None
+        index = prompt * self.n + d.index
+        if self.chat:
+            return self.chunk([{"index": index, "delta": {"content": d.text},
+                                "logprobs": C.chat_logprobs(d.logprobs, self.text), "finish_reason": None}])
+        return self.chunk([{"index": index, "text": d.text,
+                            "logprobs": C.completion_logprobs(d.logprobs, self.text), "finish_reason": None}])
+
+    def finish(self, prompt: int, res: RequestResult) -> bytes:
+        choices = []
+        for c in C.completions_of(res):
+            choice: dict[str, Any] = {"index": prompt * self.n + c.index, "logprobs": None,
+                                      "finish_reason": C.finish_reason(c), "stop_reason": c.stop_reason}
+            if self.chat:
+                choice["delta"] = {}
+            else:
+                choice["text"] = ""
+            choices.append(choice)
+        return self.chunk(choices)
+
+    def usage_chunk(self, results: list[RequestResult]) -> bytes:
+        return _event(self.head | {"choices": [], "usage": C.usage(results)})
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client has gone (its body was read: the next message the server
+    hands the app is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _pump(i: int, it: AsyncIterator[RequestDelta | RequestResult], q: asyncio.Queue) -> None:
+    try:
+        async for item in it:
+            q.put_nowait((i, item))
+    except Exception as exc:  # noqa: BLE001 -- the response reports it; the others go on
+        q.put_nowait((i, exc))
+
+
+async def _events(request: Request, state: HttpState, reqs: list[dict[str, Any]],
+                  chunks: _Chunks) -> AsyncIterator[bytes]:
+    q: asyncio.Queue = asyncio.Queue()
+    pumps = [asyncio.ensure_future(_pump(i, state.client.stream(timeout=None, **f), q))
+             for i, f in enumerate(reqs)]
+    gone = asyncio.ensure_future(disconnected(request))
+    gone.add_done_callback(lambda _: q.put_nowait(None))
+    results: list[RequestResult | None] = [None] * len(reqs)
+    try:
+        if (first := chunks.opening()) is not None:
+            yield first
+        left = len(reqs)
+        while left:
+            got = await q.get()
+            if got is None:
+                return  # the client is gone: the finally aborts what still runs
+            i, item = got
+            if isinstance(item, RequestDelta):
+                if (ev := chunks.delta(i, item)) is not None:
+                    yield ev
+                continue
+            left -= 1
+            if isinstance(item, Exception):
+                err = C.from_error(item.error) if hasattr(item, "error") else C.ApiError(500, str(item))
+                yield _event(err.body())
+                break
+            results[i] = item
+            if item.finish_reason == "error" and item.error is not None:
+                yield _event(C.from_error(item.error).body())
+                break
+            yield chunks.finish(i, item)
+        else:
+            if chunks.usage:
+                yield chunks.usage_chunk([r for r in results if r is not None])
+        yield DONE
+    finally:
+        gone.cancel()
+        for p in pumps:
+            p.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+def sse_response(request: Request, state: HttpState, reqs: list[dict[str, Any]],
+                 body: CompletionRequest | ChatCompletionRequest, rid: str, created: int,
+                 text: C.TokenText) -> StreamingResponse:
+    chunks = _Chunks(body, rid, created, state, text)
+    return StreamingResponse(_events(request, state, reqs, chunks), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
