@@ -159,3 +159,21 @@ def test_http_alone_binds_no_zmq_endpoint(model):
             assert proc.wait(60) == 0
     iid = f"{proc.pid:x}"
     assert not shm_entries(iid) and not http_dir(iid).exists()
+
+
+def test_curve_keys_still_guard_listen_while_http_serves(model, tmp_path):
+    from pipeline.client import Client
+    from pipeline.gateway.curve import generate_keys
+
+    keys = generate_keys(tmp_path / "curve")
+    port = free_port()
+    d = Daemon(model, "--http", f"127.0.0.1:{port}", curve_keys=keys)
+    try:
+        d.wait_ready()
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"prompt": "x", "max_tokens": 2, "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        with Client(d.address, timeout=10, connect_timeout=5) as c:  # no client keys
+            assert c.generate("x", max_tokens=2).error.code == "handshake_failed"
+    finally:
+        assert d.stop() == 0
