@@ -75,9 +75,15 @@ class Daemon:
     """`pipeline serve` in a subprocess; `address` is where clients connect."""
 
     def __init__(self, model: Path, *flags: str, curve_keys: Path | None = None,
-                 extra_env: dict | None = None) -> None:
+                 extra_env: dict | None = None, http: bool = False) -> None:
         self.port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
+        # http=True: the OpenAI API too, on a free loopback port (`http_url`, e.g. for openai).
+        self.http_url: str | None = None
+        if http:
+            http_port = free_port()
+            self.http_url = f"http://127.0.0.1:{http_port}"
+            flags = (*flags, "--http", f"127.0.0.1:{http_port}")
         # What a client needs to get in (CURVE daemons admit only known client keys).
         self.client_kw = {"curve_keys_dir": curve_keys} if curve_keys else {}
         if curve_keys:

@@ -67,7 +67,8 @@ def build_app(state: HttpState) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> Response:
-        e = C.ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        e = C.ApiError(exc.status_code, str(exc.detail), code=code)
         return _json(e.body(), e.status)
 
     def auth(request: Request) -> None:
@@ -133,7 +134,7 @@ def build_app(state: HttpState) -> FastAPI:
         reqs = C.completion_fields(body, state.max_model_len)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return sse_response(request, state, reqs, body, rid, created, token_text)
+            return await sse_response(request, state, reqs, body, rid, created, token_text)
         results = await until_done(request, asyncio.gather(
             *(state.client.generate(timeout=None, **f) for f in reqs)))
         if (err := C.failure(results)) is not None:
@@ -146,7 +147,7 @@ def build_app(state: HttpState) -> FastAPI:
         fields = C.chat_fields(body, state.max_model_len)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return sse_response(request, state, [fields], body, rid, created, token_text)
+            return await sse_response(request, state, [fields], body, rid, created, token_text)
         res = await until_done(request, state.client.generate(timeout=None, **fields))
         if (err := C.failure([res])) is not None:
             raise err

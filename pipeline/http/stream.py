@@ -4,9 +4,10 @@ choice, the usage chunk when ``stream_options.include_usage``, and ``data: [DONE
 
 Owns one streamed response: a pump task per engine request feeds one queue the response
 reads; when the client disconnects (or the response ends early) the pumps are cancelled,
-which aborts their engine requests on the daemon. An engine request that fails mid-stream
-ends the stream with an ``error`` event (OpenAI's error object), then ``[DONE]``: the status
-line went out with the first chunk.
+which aborts their engine requests on the daemon. The status line waits for each engine
+request's first answer, so a refused one (a prompt over max_model_len...) is a 400 as
+without streaming; one that fails later ends the stream with an ``error`` event (OpenAI's
+error object), then ``[DONE]``: the status line went out with the first chunk.
 """
 from __future__ import annotations
 
@@ -98,20 +99,51 @@ async def _pump(i: int, it: AsyncIterator[RequestDelta | RequestResult], q: asyn
         q.put_nowait((i, exc))
 
 
-async def _events(request: Request, state: HttpState, reqs: list[dict[str, Any]],
-                  chunks: _Chunks) -> AsyncIterator[bytes]:
-    q: asyncio.Queue = asyncio.Queue()
-    pumps = [asyncio.ensure_future(_pump(i, state.client.stream(timeout=None, **f), q))
-             for i, f in enumerate(reqs)]
-    gone = asyncio.ensure_future(disconnected(request))
-    gone.add_done_callback(lambda _: q.put_nowait(None))
-    results: list[RequestResult | None] = [None] * len(reqs)
+class _Streams:
+    """The engine requests of one streamed response: their pumps, the disconnect watcher and
+    the queue they all feed (None: the client is gone)."""
+
+    def __init__(self, request: Request, state: HttpState, reqs: list[dict[str, Any]]) -> None:
+        self.q: asyncio.Queue = asyncio.Queue()
+        self.pumps = [asyncio.ensure_future(_pump(i, state.client.stream(timeout=None, **f), self.q))
+                      for i, f in enumerate(reqs)]
+        self.gone = asyncio.ensure_future(disconnected(request))
+        self.gone.add_done_callback(lambda _: self.q.put_nowait(None))
+
+    async def first_items(self) -> list[tuple[int, Any]]:
+        """Everything up to each request's first answer (its first token, or its refusal):
+        an ApiError if one was refused (so the status says so, as without streaming) or the
+        client left meanwhile."""
+        early: list[tuple[int, Any]] = []
+        waiting = set(range(len(self.pumps)))
+        while waiting:
+            got = await self.q.get()
+            if got is None:
+                raise C.ApiError(499, "the client disconnected", code="client_disconnected")
+            i, item = got
+            if isinstance(item, Exception):
+                raise C.from_error(item.error) if hasattr(item, "error") else C.ApiError(500, str(item))
+            if isinstance(item, RequestResult) and item.finish_reason == "error" and item.error is not None:
+                raise C.from_error(item.error)
+            early.append(got)
+            waiting.discard(i)
+        return early
+
+    async def close(self) -> None:
+        self.gone.cancel()
+        for p in self.pumps:
+            p.cancel()  # aborts the engine requests still running
+        await asyncio.gather(*self.pumps, return_exceptions=True)
+
+
+async def _events(streams: _Streams, early: list[tuple[int, Any]], chunks: _Chunks) -> AsyncIterator[bytes]:
+    results: list[RequestResult | None] = [None] * len(streams.pumps)
     try:
         if (first := chunks.opening()) is not None:
             yield first
-        left = len(reqs)
+        left = len(streams.pumps)
         while left:
-            got = await q.get()
+            got = early.pop(0) if early else await streams.q.get()
             if got is None:
                 return  # the client is gone: the finally aborts what still runs
             i, item = got
@@ -134,15 +166,20 @@ async def _events(request: Request, state: HttpState, reqs: list[dict[str, Any]]
                 yield chunks.usage_chunk([r for r in results if r is not None])
         yield DONE
     finally:
-        gone.cancel()
-        for p in pumps:
-            p.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
+        await streams.close()
 
 
-def sse_response(request: Request, state: HttpState, reqs: list[dict[str, Any]],
-                 body: CompletionRequest | ChatCompletionRequest, rid: str, created: int,
-                 text: C.TokenText) -> StreamingResponse:
+async def sse_response(request: Request, state: HttpState, reqs: list[dict[str, Any]],
+                       body: CompletionRequest | ChatCompletionRequest, rid: str, created: int,
+                       text: C.TokenText) -> StreamingResponse:
+    """The stream, once every engine request has answered once: a refused one makes the
+    whole response its error status (the status line has not gone out yet)."""
+    streams = _Streams(request, state, reqs)
+    try:
+        early = await streams.first_items()
+    except BaseException:
+        await streams.close()
+        raise
     chunks = _Chunks(body, rid, created, state, text)
-    return StreamingResponse(_events(request, state, reqs, chunks), media_type="text/event-stream",
+    return StreamingResponse(_events(streams, early, chunks), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
