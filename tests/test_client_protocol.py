@@ -47,14 +47,18 @@ def result(cid: str, text: str, reason: str, error: ErrorInfo | None = None) -> 
 class EchoServer(threading.Thread):
     """Generates the prompt's characters back, one per tick; prompt "hang" never produces."""
 
-    def __init__(self, curve_dir=None) -> None:
+    def __init__(self, curve_dir=None, address: str | None = None) -> None:
         super().__init__(daemon=True)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.auth = server_socket_setup(self.sock, curve_dir) if curve_dir else None
-        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        if address is None:
+            address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        else:
+            self.sock.bind(address)
+        self.address = address
         self.sessions = ClientSessions()
         self.running: dict[str, Running] = {}
         self.gone: list[tuple[str, str]] = []  # (client id, why) aborted without an answer
@@ -310,6 +314,57 @@ def test_async_client_many_tasks(server):
             assert "field `top_p`" in r.error.message
             assert (await c.health()).status == "ok"
             assert (await c.stats())["running"] == 0
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_async_client_many_streams_each_token_once(loop):
+    """Hundreds of streams on one client, the first half sent before any daemon listens
+    (they wait unsent until it connects), the rest while answers pour in: every stream gets
+    each of its tokens exactly once, in order, then one final answer. A wake-up lost on the
+    socket's edge-triggered FD shows as a time-out, not a hang."""
+    address = free_address()
+    srv: EchoServer | None = None
+
+    async def one(c: AsyncClient, i: int) -> None:
+        *deltas, final = [x async for x in c.stream(f"<{i}>", id=f"s{i}", max_tokens=30, timeout=20)]
+        want = (f"<{i}>" * 30)[:30]
+        assert all(isinstance(d, RequestDelta) and d.id == f"s{i}" for d in deltas)
+        assert [d.text for d in deltas] == list(want)
+        assert isinstance(final, RequestResult) and (final.id, final.text) == (f"s{i}", want)
+
+    async def main() -> None:
+        nonlocal srv
+        async with AsyncClient(address, timeout=30, connect_timeout=30) as c:
+            early = [asyncio.create_task(one(c, i)) for i in range(128)]
+            await asyncio.sleep(0)  # one turn: each task submits (nothing listens yet)
+            srv = EchoServer(address=address)
+            srv.start()
+            late = [asyncio.create_task(one(c, i)) for i in range(128, 256)]
+            await asyncio.gather(*early, *late)
+            assert (await c.stats())["running"] == 0
+
+    factory = pytest.importorskip("uvloop").new_event_loop if loop == "uvloop" else None
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(main())
+    finally:
+        if srv is not None:
+            srv.close()
+
+
+def test_async_client_send_does_not_lose_the_fd_signal(server):
+    """libzmq's FD signals once when answers arrive, and a send may consume that signal
+    before the loop polls: the client must still read the answers waiting."""
+    async def main() -> None:
+        async with AsyncClient(server.address, timeout=5) as c:
+            assert (await c.health()).status == "ok"  # connected, every answer read
+            first = asyncio.create_task(c.health())
+            await asyncio.sleep(0)  # one turn: its request goes out
+            time.sleep(0.3)  # a stalled loop (no await): the answer comes and signals the FD
+            assert (await c.health()).status == "ok"  # sends before the loop polls again
+            assert (await first).status == "ok"
 
     asyncio.run(main())
 

@@ -1,5 +1,5 @@
 """`pipeline bench serve --http`: the same streamed workload over the OpenAI HTTP front end
-(``POST /v1/completions``, SSE) and over ZMQ (``AsyncClient``), against one daemon, and the
+(``POST /v1/completions``, SSE, read by ``sse_client``) and over ZMQ (``AsyncClient``), against one daemon, and the
 ratios HTTP/ZMQ of issue 11: TTFT p50 (goal <= 1.10) and output tok/s (goal >= 0.95, i.e.
 no more than 5 % throughput lost) at --max-concurrency streams (64 by default).
 
@@ -31,9 +31,13 @@ import sys
 import time
 from typing import Any
 
+import httptools
+import msgspec
+
 from pipeline.bench.offline import make_prompts
 from pipeline.bench.report import Report, format_table
 from pipeline.bench.serve import Sample, _one, pct, run_arrivals, start_daemon
+from pipeline.bench.sse_client import SSEClient
 
 WARMUP_TOKENS = 4
 
@@ -57,51 +61,62 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--http-url must start with http:// or https://, got {args.http_url!r}")
 
 
-async def _one_http(client, prompt: list[int], out_len: int, s: Sample, sem, salt: str,
-                    errors: list[str]) -> None:
-    """One streamed /v1/completions request."""
-    import httpx
+class _Choice(msgspec.Struct):
+    text: str = ""
+    finish_reason: str | None = None
 
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int = 0
+
+
+class _Chunk(msgspec.Struct):
+    """What the bench reads of a completion chunk (other fields are skipped)."""
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+    error: dict[str, Any] | None = None
+
+
+_chunk = msgspec.json.Decoder(_Chunk)
+
+
+async def _one_http(client: SSEClient, prompt: list[int], out_len: int, s: Sample, sem, salt: str,
+                    errors: list[str]) -> None:
+    """One streamed /v1/completions request. A token arrives with each chunk whose
+    choices[0].text is non-empty; the count is the usage chunk's; ok once a finish_reason,
+    the usage and ``data: [DONE]`` came."""
     body = {"prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
+    state = {"finished": False, "done": False}
+
+    def on_event(data: bytes) -> None:
+        now = time.perf_counter()
+        if data == b"[DONE]":
+            state["done"] = True
+            return
+        ev = _chunk.decode(data)
+        if ev.error is not None:
+            errors.append(str(ev.error.get("message")))
+        for c in ev.choices:
+            if c.text:
+                s.token_times.append(now)
+            state["finished"] = state["finished"] or c.finish_reason is not None
+        if ev.usage is not None:
+            s.tokens = ev.usage.completion_tokens
+
     async with sem:
         s.sent = time.perf_counter()
         try:
-            await _read_sse(client, body, s, errors)
-        except httpx.HTTPError as exc:  # counted as failed; the run goes on
+            status, text = await client.post("/v1/completions", body, on_event)
+        except (OSError, httptools.HttpParserError) as exc:  # counted as failed; the run goes on
             errors.append(f"{type(exc).__name__}: {exc}")
-
-
-async def _read_sse(client, body: dict[str, Any], s: Sample, errors: list[str]) -> None:
-    """A token arrives with each chunk whose choices[0].text is non-empty; the count is the
-    usage chunk's; ok once a finish_reason, the usage and ``data: [DONE]`` came."""
-    import msgspec
-
-    finished = done = False
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            errors.append(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
             return
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            now = time.perf_counter()
-            if line == "data: [DONE]":
-                done = True
-                break
-            ev = msgspec.json.decode(line[6:])
-            if "error" in ev:
-                errors.append(str(ev["error"].get("message")))
-                return
-            for c in ev.get("choices") or ():
-                if c.get("text"):
-                    s.token_times.append(now)
-                finished = finished or c.get("finish_reason") is not None
-            if ev.get("usage"):
-                s.tokens = ev["usage"]["completion_tokens"]
     s.done = time.perf_counter()
+    if status != 200:
+        errors.append(f"HTTP {status}: {text[:200]!r}")
+        return
     s.tokens = s.tokens or len(s.token_times)  # no usage chunk: count the chunks
-    s.ok = done and finished and bool(s.token_times)
+    s.ok = state["done"] and state["finished"] and bool(s.token_times)
 
 
 def figures(samples: list[Sample], duration: float) -> dict[str, Any]:
@@ -149,8 +164,6 @@ class CpuMeter:
 
 
 async def _compare(args, address: str, url: str, prompts: list[list[int]]) -> dict[str, Any]:
-    import httpx
-
     from pipeline.client.async_client import AsyncClient
 
     conc = args.max_concurrency or len(prompts)
@@ -158,8 +171,7 @@ async def _compare(args, address: str, url: str, prompts: list[list[int]]) -> di
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     zc = AsyncClient(address, timeout=1800,
                      **({"curve_keys_dir": args.curve_keys} if args.curve_keys else {}))
-    hc = httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(1800, connect=60),
-                           limits=httpx.Limits(max_connections=conc, max_keepalive_connections=conc))
+    hc = SSEClient(url, headers)  # at most `conc` connections: the semaphore bounds the requests
     errors: dict[str, list[str]] = {"zmq": [], "http": []}
 
     def runner(transport: str, salt: str, out_len: int):

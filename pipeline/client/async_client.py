@@ -1,9 +1,11 @@
 """asyncio client of ``pipeline serve``: ``AsyncClient`` (also importable from pipeline.client).
 
-Not a stage: client-side state only. One DEALER socket (zmq.asyncio) multiplexes all
-requests; an I/O task routes replies by wire id (``base.Inflight``) to per-request asyncio
-queues and watches the socket monitor (ending the requests of a lost connection), so any
-number of tasks of one event loop may share it. It belongs to the event loop that uses it
+Not a stage: client-side state only. One DEALER socket multiplexes all requests; its FD is
+an event-loop reader (``_pump``) that routes replies by wire id (``base.Inflight``) to
+per-request asyncio queues with plain non-blocking reads (no future or epoll_ctl per message:
+that machinery was most of a streamed token's cost in a busy client), and an I/O task watches
+the socket monitor (ending the requests of a lost connection), so any number of tasks of one
+event loop may share it. It belongs to the event loop that uses it
 first; once that loop has ended (``asyncio.run`` returned) the next loop that uses it takes
 it over, while a loop still running elsewhere keeps it (RuntimeError). Same protocol,
 time-out, error and connection-loss rules as ``Client`` (see the package docstring).
@@ -20,7 +22,6 @@ from typing import Any, cast
 
 import msgspec
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from pipeline.client.base import (
@@ -53,14 +54,17 @@ class AsyncClient:
                  curve_keys_dir: str | Path | None = None) -> None:
         self.timeout = timeout
         self._conn = Connection(address, connect_timeout)
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         try:
             self._sock, self._mon = new_socket(self._ctx, address, curve_keys_dir, curve_server_key)
         except BaseException:
             self._ctx.term()
             raise
+        self._fds = (self._sock.FD, self._mon.FD)  # readers of the loop it belongs to
         self._reqs = Inflight()
-        self._sending: dict[str, asyncio.Future] = {}  # sends still waiting for a peer
+        # Frames by wire id, oldest first, that wait for a daemon to connect (a DEALER cannot
+        # send before); _pump sends them. Forgetting one that is here needs no abort.
+        self._sending: dict[str, bytes] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop it belongs to
         self._io_task: asyncio.Task | None = None
         self._closed = False
@@ -76,10 +80,10 @@ class AsyncClient:
                     pass
                 return item
         except TimeoutError:
-            user_id = await self._forget(wire, abort=True)
+            user_id = self._forget(wire, abort=True)
             raise TimeoutError(f"request {user_id!r}: no answer within {t:.3g}s") from None
         except asyncio.CancelledError:
-            await self._forget(wire, abort=True)
+            self._forget(wire, abort=True)
             raise
 
     async def stream(self, prompt: str | None = None, *, id: str | None = None,
@@ -94,19 +98,20 @@ class AsyncClient:
                 try:
                     item = await asyncio.wait_for(self._get(q), t)
                 except TimeoutError:
-                    user_id = await self._forget(wire, abort=True)
+                    user_id = self._forget(wire, abort=True)
                     raise TimeoutError(f"request {user_id!r}: no answer within {t:.3g}s") from None
                 done = isinstance(item, RequestResult)
                 yield cast("RequestDelta | RequestResult", item)  # all a generate's queue gets
         finally:
             if not done:
-                await self._forget(wire, abort=True)
+                self._forget(wire, abort=True)
 
     async def abort(self, id: str) -> None:
         """Ask the daemon to abort the request with this id (see ``Client.abort``)."""
         wire = self._reqs.wire_id(id)
         if wire is not None:
-            await self._send_nowait(P.encode(P.Abort(id=wire)))
+            self._take_loop()  # _send_nowait may schedule a _pump
+            self._send_nowait(P.encode(P.Abort(id=wire)))
 
     async def health(self, timeout: float | None | EllipsisType = ...) -> P.HealthReply:
         wire = self._reqs.new_id()
@@ -126,13 +131,13 @@ class AsyncClient:
             return
         self._closed = True
         mine = self._loop is asyncio.get_running_loop()  # else its loop ended with its tasks
-        if mine:
-            tasks = [t for t in (self._io_task,) if t is not None]
-            for task in [*tasks, *self._sending.values()]:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        if mine and self._io_task is not None:
+            self._io_task.cancel()
+            await asyncio.gather(self._io_task, return_exceptions=True)
+        self._unwatch()
+        self._sending.clear()  # never sent: the daemon knows nothing of them
         try:
-            await self._send_nowait(P.encode(P.Bye()))
+            self._send_nowait(P.encode(P.Bye()))
         finally:
             self._sock.disable_monitor()
             self._mon.close(linger=0)
@@ -175,8 +180,22 @@ class AsyncClient:
         # answers are dropped (their queues belong to the dead loop).
         self._reqs.pop_all()
         self._sending.clear()
+        self._unwatch()
         self._loop = loop
-        self._io_task = loop.create_task(self._io())
+        # Registered once per loop: the reader costs nothing per message but its callback.
+        monitor_ready = asyncio.Event()
+        loop.add_reader(self._fds[0], self._pump)
+        loop.add_reader(self._fds[1], monitor_ready.set)
+        # A first look: replies or monitor events may wait that signalled no FD on this loop
+        # (an unread reply keeps its pipe active, so the next one signals nothing).
+        monitor_ready.set()
+        self._io_task = loop.create_task(self._io(monitor_ready))
+
+    def _unwatch(self) -> None:
+        """Take the FDs off the loop the client belonged to (a closed loop's selector is gone)."""
+        if self._loop is not None and not self._loop.is_closed():
+            for fd in self._fds:
+                self._loop.remove_reader(fd)
 
     def _submit(self, wire: str, user_id: str, frame: bytes, is_generate: bool) -> asyncio.Queue:
         if self._closed:
@@ -189,14 +208,11 @@ class AsyncClient:
                          else RequestError(refused))
             return q
         self._reqs.add(wire, user_id, q, is_generate, time.monotonic())
-        # Not awaited: a DEALER send waits while no daemon is connected, and the caller
-        # must keep waiting on its queue (answer, time-out or lost connection) meanwhile.
-        # zmq.asyncio's send returns an asyncio.Future (its stub says only Awaitable).
-        fut = cast("asyncio.Future[zmq.MessageTracker | None]", self._sock.send(frame))
-        if not fut.done():
-            self._sending[wire] = fut
-            fut.add_done_callback(lambda f: (self._sending.pop(wire, None),
-                                             f.cancelled() or f.exception()))
+        # A DEALER cannot send while no daemon is connected: the frame then waits its turn
+        # in _sending, and the caller keeps waiting on its queue (answer, time-out or lost
+        # connection) meanwhile.
+        if self._sending or not self._send_nowait(frame):
+            self._sending[wire] = frame
         return q
 
     @staticmethod
@@ -206,49 +222,77 @@ class AsyncClient:
             raise item
         return item
 
-    async def _forget(self, wire: str, abort: bool) -> str:
+    def _forget(self, wire: str, abort: bool) -> str:
         """Stop waiting for a request (its late answers are dropped); returns the caller's id."""
         w = self._reqs.pop(wire)
         unsent = self._sending.pop(wire, None)
-        if unsent is not None:
-            unsent.cancel()
-        elif abort and w is not None and not self._closed:
-            await self._send_nowait(P.encode(P.Abort(id=wire)))
+        if unsent is None and abort and w is not None and not self._closed:
+            self._send_nowait(P.encode(P.Abort(id=wire)))
         return wire if w is None else w.user_id
 
-    async def _send_nowait(self, frame: bytes) -> bool:
-        """Fire-and-forget frames (abort, bye) never wait for a peer to appear."""
+    def _send_nowait(self, frame: bytes) -> bool:
+        """Send now, or False while no daemon is connected (abort and bye are then dropped)."""
         try:
-            await self._sock.send(frame, zmq.NOBLOCK)
+            self._sock.send(frame, zmq.NOBLOCK)
             return True
         except zmq.Again:
             return False
+        finally:
+            # A send may take the FD's signal for replies that came meanwhile (see _pump).
+            if not self._closed and cast(int, self._sock.get(zmq.EVENTS)) & zmq.POLLIN:
+                cast("asyncio.AbstractEventLoop", self._loop).call_soon(self._pump)
 
-    async def _io(self) -> None:
-        poller = zmq.asyncio.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._mon, zmq.POLLIN)
+    def _pump(self) -> None:
+        """The DEALER's reader: deliver every reply that came, send what waited for a daemon.
+        libzmq's FD is edge-triggered: it signals when the socket gets work to do, and any
+        recv, send or EVENTS read may consume that signal, after which replies left unread
+        never signal again. A recv that says zmq.Again has looked at everything; after a
+        send, EVENTS says whether there is more to do."""
+        if self._closed:
+            return
+        sock = self._sock
         while True:
-            events = dict(await poller.poll(None if self._conn.up else UNCONNECTED_CHECK_MS))
-            # Answers first: a daemon's last answers precede the disconnect they cause.
             while True:
                 try:
-                    frame = await self._sock.recv(zmq.NOBLOCK)
+                    frame = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 self._deliver(frame)
-            if self._mon in events:
-                while True:
-                    try:
-                        event = parse_monitor_message(await self._mon.recv_multipart(zmq.NOBLOCK))["event"]
-                    except zmq.Again:
-                        break
-                    if (err := self._conn.on_event(event)) is not None:
-                        await self._connection_lost(err, list(self._reqs.waiting))
+            if not self._sending:
+                return
+            for wire, frame in list(self._sending.items()):
+                try:
+                    sock.send(frame, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                del self._sending[wire]
+            events = cast(int, sock.get(zmq.EVENTS))
+            if not (events & zmq.POLLIN or (self._sending and events & zmq.POLLOUT)):
+                return
+
+    async def _io(self, monitor_ready: asyncio.Event) -> None:
+        """Watches the monitor (set by its FD's reader) and, while no daemon is connected,
+        the requests past connect_timeout."""
+        while True:
+            try:
+                async with asyncio.timeout(None if self._conn.up else UNCONNECTED_CHECK_MS / 1000):
+                    await monitor_ready.wait()
+            except TimeoutError:
+                pass
+            monitor_ready.clear()
+            # Answers first: a daemon's last answers precede the disconnect they cause.
+            self._pump()
+            while True:
+                try:
+                    event = parse_monitor_message(self._mon.recv_multipart(zmq.NOBLOCK))["event"]
+                except zmq.Again:
+                    break
+                if (err := self._conn.on_event(event)) is not None:
+                    self._connection_lost(err, list(self._reqs.waiting))
             if not self._conn.up:
                 late = self._reqs.unconnected(time.monotonic(), self._conn.connect_timeout)
                 if late:
-                    await self._connection_lost(self._conn.unreachable(), late)
+                    self._connection_lost(self._conn.unreachable(), late)
 
     def _deliver(self, frame: bytes) -> None:
         try:
@@ -262,7 +306,7 @@ class AsyncClient:
         if w is not None:
             w.queue.put_nowait(for_caller(item, w))
 
-    async def _connection_lost(self, err: ErrorInfo, wires: list[str]) -> None:
+    def _connection_lost(self, err: ErrorInfo, wires: list[str]) -> None:
         """See Client._connection_lost."""
         for wire in wires:
             w = self._reqs.pop(wire)
@@ -270,8 +314,5 @@ class AsyncClient:
                 continue
             w.queue.put_nowait(error_result(w.user_id, err.code, err.message) if w.is_generate
                                else RequestError(err))
-            unsent = self._sending.pop(wire, None)
-            if unsent is not None:
-                unsent.cancel()
-            elif w.is_generate:
-                await self._send_nowait(P.encode(P.Abort(id=wire)))
+            if self._sending.pop(wire, None) is None and w.is_generate:
+                self._send_nowait(P.encode(P.Abort(id=wire)))

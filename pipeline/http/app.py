@@ -71,7 +71,7 @@ def build_app(state: HttpState) -> FastAPI:
         e = C.ApiError(exc.status_code, str(exc.detail), code=code)
         return _json(e.body(), e.status)
 
-    def auth(request: Request) -> None:
+    async def auth(request: Request) -> None:  # async: a sync dependency costs a thread hop
         if state.api_key is None:
             return
         given = request.headers.get("authorization", "")

@@ -181,5 +181,14 @@ async def sse_response(request: Request, state: HttpState, reqs: list[dict[str, 
         await streams.close()
         raise
     chunks = _Chunks(body, rid, created, state, text)
-    return StreamingResponse(_events(streams, early, chunks), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return EventStream(_events(streams, early, chunks), media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class EventStream(StreamingResponse):
+    """Starlette's StreamingResponse without its per-response task group and disconnect
+    listener: the events end by themselves when the client goes (``_Streams`` watches the
+    disconnect from the start, before the response exists), and a send after it is a no-op."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.stream_response(send)
