@@ -14,7 +14,7 @@ import asyncio
 import hmac
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, TypeVar
@@ -31,6 +31,7 @@ from pipeline.gateway import openai_convert as C
 from pipeline.gateway.openai_api import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pipeline.http.limit import BodyLimit
 from pipeline.http.stream import disconnected, sse_response
+from pipeline.messages import RequestResult
 from pipeline.tokenizer.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -128,30 +129,32 @@ def build_app(state: HttpState) -> FastAPI:
             "id": state.model, "object": "model", "created": state.created, "owned_by": "pipeline",
             "root": state.model_path, "parent": None, "max_model_len": state.max_model_len}]})
 
-    @app.post("/v1/completions", dependencies=[Depends(auth)])
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        reqs = C.completion_fields(body, state.max_model_len)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    async def answer(request: Request, body: CompletionRequest | ChatCompletionRequest,
+                     reqs: list[dict[str, Any]], prefix: str,
+                     build: Callable[[str, int, list[RequestResult]], dict[str, Any]]) -> Response:
+        """A body's engine requests, streamed or as one answer built by ``build``."""
+        rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return await sse_response(request, state, reqs, body, rid, created, token_text)
         results = await until_done(request, asyncio.gather(
             *(state.client.generate(timeout=None, **f) for f in reqs)))
         if (err := C.failure(results)) is not None:
             raise err
-        return _json(C.completion_body(rid, created, state.model, state.fingerprint, body.n, results, token_text))
+        return _json(build(rid, created, results))
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        return await answer(request, body, C.completion_fields(body, state.max_model_len), "cmpl",
+                            lambda rid, created, results: C.completion_body(
+                                rid, created, state.model, state.fingerprint, body.n, results, token_text))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        fields = C.chat_fields(body, state.max_model_len)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        if body.stream:
-            return await sse_response(request, state, [fields], body, rid, created, token_text)
-        res = await until_done(request, state.client.generate(timeout=None, **fields))
-        if (err := C.failure([res])) is not None:
-            raise err
-        return _json(C.chat_body(rid, created, state.model, state.fingerprint, res, token_text))
+        return await answer(request, body, [C.chat_fields(body, state.max_model_len)], "chatcmpl",
+                            lambda rid, created, results: C.chat_body(
+                                rid, created, state.model, state.fingerprint, results[0], token_text))
 
     @app.post("/tokenize", dependencies=[Depends(auth)])
     async def tokenize(body: TokenizeRequest) -> Response:
