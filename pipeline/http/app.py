@@ -66,6 +66,11 @@ def build_app(state: HttpState) -> FastAPI:
         e = C.body_error(list(exc.errors()))
         return _json(e.body(), e.status)
 
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> Response:  # uvicorn logs the traceback
+        e = C.ApiError(500, f"internal error in the HTTP front end: {type(exc).__name__}: {exc}")
+        return _json(e.body(), e.status)
+
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
