@@ -38,6 +38,9 @@ cdef extern from "cpu_ops_attn.h":
         int dtype
     int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) nogil
 
+cdef extern from "cpu_ops_bw.h":
+    double pipe_read_sum(const float *x, int64_t n, int threads) nogil
+
 cdef extern from "cpu_ops_gemv.h":
     int PIPE_GEMV_MAX_M
     void pipeline_cpu_gemv(float *y, int64_t ldy, const float *x, int64_t ldx, const float *W,
@@ -166,3 +169,12 @@ def gemv(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t weight, u
     with nogil:
         pipeline_cpu_gemv(<float *>y, ldy, <const float *>x, ldx, <const float *>weight,
                           <const float *>bias, m, k, n, kn)
+
+
+def read_sum(uintptr_t x, int64_t n, int threads) -> float:
+    """The sum of n float32 at x, read by ``threads`` threads at the memory system's pace:
+    ``pipeline bench worker``'s read-bandwidth probe (the sum keeps the reads alive)."""
+    cdef double total
+    with nogil:
+        total = pipe_read_sum(<const float *>x, n, threads)
+    return total

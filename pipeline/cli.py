@@ -22,6 +22,7 @@ BENCHES = {
     "serve": "pipeline.bench.serve",
     "offline": "pipeline.bench.offline",
     "pd": "pipeline.bench.pd",
+    "startup": "pipeline.bench.startup",
 }
 
 

@@ -234,3 +234,15 @@ def test_missing_extension_falls_back_to_reference_with_one_warning(monkeypatch)
         warnings.simplefilter("error")  # the second call must not warn again
         ops.paged_attention(bt.q, bt.k_cache, bt.v_cache, bt.cu_seqlens_q, bt.seq_lens,
                             bt.block_tables, 0.25)
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 1000, 4099])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_read_sum_is_the_sum_whatever_the_split(n, threads):
+    """`bench worker`'s read-bandwidth probe must read every element once (a slice lost or
+    read twice would make the bandwidth figure wrong)."""
+    import numpy as np
+
+    from pipeline._ext import cpu_ops
+    x = np.random.default_rng(n).integers(0, 8, n).astype(np.float32)  # exact in float32
+    assert cpu_ops.read_sum(x.ctypes.data, n, threads) == float(x.sum(dtype=np.float64))

@@ -1,6 +1,8 @@
 """`pipeline bench worker`: decode tokens/s at batch 1, 8, 32 and prefill tokens/s of the model
 worker against transformers' `generate` on the same checkpoint, in the same run, plus batch-1
-decode as a fraction of the memory-bandwidth limit (weight bytes per token / memcpy bandwidth).
+decode as a fraction of the memory-bandwidth limit: the machine's read bandwidth (a parallel
+read of a buffer far larger than the caches, every core) over the weight bytes one decode
+step reads.
 
 Owns nothing; drives a ModelRunner directly with hand-built SchedulerOutputs (no engine), so
 the figures are the worker's alone. transformers is imported here only (a bench dependency).
@@ -61,6 +63,24 @@ def memcpy_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
         dst.copy_(src)
         best = min(best, _clock() - t)
     return 2 * nbytes / best
+
+
+def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Bytes read per second by every usable core summing a buffer far larger than the
+    caches (``cpu_ops.read_sum``: eight vector accumulators per thread, so loads bound it),
+    best of ``reps``: the most a decode step that streams its weights once can read."""
+    from pipeline._ext.cpu_ops import read_sum
+    buf = np.ones(nbytes // 4, dtype=np.float32)
+    threads = len(os.sched_getaffinity(0))
+    ptr = buf.ctypes.data
+    read_sum(ptr, buf.size, threads)  # pages faulted in, threads started
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        total = read_sum(ptr, buf.size, threads)
+        best = min(best, time.perf_counter() - t)
+    assert total == buf.size  # the reads happened
+    return nbytes / best
 
 
 class _Steps:
@@ -185,8 +205,8 @@ def main(args: argparse.Namespace) -> int:
         os.environ["PIPELINE_WORKER_THREADS"] = str(args.threads)
     batches = [int(x) for x in args.batch_sizes.split(",") if x]
     from pipeline.worker.device import worker_threads
-    torch.set_num_threads(worker_threads())  # transformers and memcpy get the worker's threads
-    bw = memcpy_bandwidth()
+    torch.set_num_threads(worker_threads())  # transformers gets the worker's threads
+    bw = read_bandwidth()
     with tempfile.TemporaryDirectory(prefix="pipeline-bench-worker-") as tmp:
         model_dir = args.model
         if not model_dir:
@@ -198,13 +218,14 @@ def main(args: argparse.Namespace) -> int:
                                                       args.prefill_tokens, vocab, args.repeats)
         hf, hf_prefill = ({}, 0.0) if args.skip_hf else bench_hf(
             model_dir, batches, args.decode_steps, args.prefill_tokens, vocab, args.repeats)
-    bw = max(bw, memcpy_bandwidth())  # best of two, apart in time: the cores are shared
+    bw = max(bw, read_bandwidth())  # best of two, apart in time: the cores are shared
     limit = bw / weight_bytes
     rep = Report("worker")
     rep.machine["torch_threads"] = torch.get_num_threads()
     rep.machine["clock"] = args.clock
     rep.machine["weight_mib"] = round(weight_bytes / 2**20, 1)
-    rep.machine["memcpy_gb_s"] = round(bw / 1e9, 2)
+    rep.machine["read_gb_s"] = round(bw / 1e9, 2)
+    rep.machine["read_threads"] = len(os.sched_getaffinity(0))
     rep.machine["loadavg_1m"] = round(os.getloadavg()[0], 2)  # other work sharing the cores
     for b in batches:
         row = {"pipeline_tok_s": ours[b]}
@@ -219,7 +240,7 @@ def main(args: argparse.Namespace) -> int:
         frac = ours[1] / limit
         rep.add("decode batch 1 vs bandwidth limit", pipeline_tok_s=ours[1], limit_tok_s=limit,
                 fraction=frac)
-        rep.target("batch-1 decode / bandwidth limit", round(frac, 3), ">= 0.5", frac >= 0.5)
+        rep.target("batch-1 decode / read-bandwidth limit", round(frac, 3), ">= 0.8", frac >= 0.8)
     if hf and 32 in ours:
         r = ours[32] / hf[32]
         rep.target("batch-32 decode vs transformers", round(r, 2), ">= 4x", r >= 4)

@@ -1,0 +1,178 @@
+"""`pipeline bench startup`: time to first token of a one-line `pipeline run` against
+`python -c "import torch"` (the same interpreter), both measured in the same run.
+
+The two alternate --repeats times, so a machine that slows down or a cold page cache
+weighs on both. Each is timed from just before its process is started: `import torch` to its
+exit; the one-line run (the prompt on stdin, `--max-tokens 1`) to its first stdout line (the
+answer, with its one token) and to its exit. The target compares the medians.
+
+Where the run's time goes comes from what it already prints, stamped as each stderr line
+reaches this process (the stages write their log lines flushed, so the stamp is when the
+line was written, give or take a pipe hop): the worker's "loading weights" (its process has
+started and imported torch and the model code), weights loaded, the worker ready (KV cache
+allocated), the other stages ready, and the gateway's "ready" (all stages up). The
+gateway's own imports are timed apart as `pipeline run --help`, a process of its own in the
+same alternation, since the run prints nothing when they end. Owns nothing beyond the run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO
+
+from pipeline.bench.report import Report
+from pipeline.config import DEFAULT_MODEL
+
+GOAL_RATIO = 1.5
+# (breakdown row, the stderr line that marks it), in the order a one-line run reaches them.
+# The lines are the stages' own start-up log; a row whose line never came is reported unseen.
+MILESTONES = (
+    ("worker imported torch + model code", re.compile(r"^\[worker0\] loading weights")),
+    ("weights loaded", re.compile(r"^model: .* loaded in")),
+    ("worker ready (KV cache allocated)", re.compile(r"^\[worker0\] loaded in")),
+    ("tokenizer ready", re.compile(r"^\[tokenizer\] tokenizer loaded")),
+    ("detokenizer ready", re.compile(r"^\[output\] detokenizer ready")),
+    ("engine ready", re.compile(r"^\[engine\] scheduler ready")),
+    ("all stages ready", re.compile(r"^\[gateway\] ready")),
+)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--repeats", type=int, default=5, help="alternations of the two processes")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--prompt", default="The for statement", help="the one line on stdin")
+    p.add_argument("--engine-args", default="", help="extra `pipeline run` flags, one string")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per process")
+
+
+@dataclass(slots=True)
+class RunTimes:
+    """One one-line run, in seconds since just before its process was started."""
+    first_line: float
+    exit: float
+    stderr: list[tuple[float, str]] = field(default_factory=list)
+    engine_ttft: float = 0.0  # the answer's own timings.ttft (arrival to first token)
+
+
+def _stamp(stream: IO[bytes], t0: float, out: list[tuple[float, str]]) -> None:
+    for raw in stream:
+        out.append((time.perf_counter() - t0, raw.decode(errors="replace").rstrip("\n")))
+
+
+def time_to_exit(cmd: list[str], timeout: float) -> float:
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
+                       check=False)
+    took = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}:\n"
+                           f"{p.stderr.decode(errors='replace')[-2000:]}")
+    return took
+
+
+def one_line_run(args: argparse.Namespace) -> RunTimes:
+    cmd = [sys.executable, "-m", "pipeline", "run", "--model", args.model, "--max-tokens", "1",
+           *args.engine_args.split()]
+    out: list[tuple[float, str]] = []
+    err: list[tuple[float, str]] = []
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    assert p.stdin is not None and p.stdout is not None and p.stderr is not None  # all PIPE
+    readers = [threading.Thread(target=_stamp, args=(s, t0, sink), daemon=True)
+               for s, sink in ((p.stdout, out), (p.stderr, err))]
+    for r in readers:
+        r.start()
+    p.stdin.write(args.prompt.encode() + b"\n")  # as `echo PROMPT | pipeline run` does
+    p.stdin.close()
+    try:
+        p.wait(args.timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise RuntimeError(f"pipeline run took over --timeout {args.timeout:g}s") from None
+    exited = time.perf_counter() - t0
+    for r in readers:
+        r.join()
+    log = "\n".join(line for _, line in err)[-2000:]
+    answers = [json.loads(line) for _, line in out if line.strip()]
+    if p.returncode != 0 or len(answers) != 1 or answers[0].get("error"):
+        raise RuntimeError(f"pipeline run exited {p.returncode} with {len(answers)} answer(s) "
+                           f"(want 1 without error): {out[-1:]}\n{log}")
+    return RunTimes(out[0][0], exited, err, float(answers[0]["timings"]["ttft"]))
+
+
+def milestone_at(run: RunTimes, pattern: re.Pattern[str]) -> float | None:
+    return next((t for t, line in run.stderr if pattern.search(line)), None)
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    return {"median_s": statistics.median(xs), "min_s": min(xs)}
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the flag and its limit."""
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+
+
+def measure(args: argparse.Namespace) -> Report:
+    torch_cmd = [sys.executable, "-c", "import torch"]
+    help_cmd = [sys.executable, "-m", "pipeline", "run", "--help"]
+    torch_s: list[float] = []
+    help_s: list[float] = []
+    runs: list[RunTimes] = []
+    for _ in range(args.repeats):
+        torch_s.append(time_to_exit(torch_cmd, args.timeout))
+        runs.append(one_line_run(args))
+        help_s.append(time_to_exit(help_cmd, args.timeout))
+    first = [r.first_line for r in runs]
+    ratio = statistics.median(first) / statistics.median(torch_s)
+    rep = Report("startup")
+    rep.add('python -c "import torch"', runs=len(torch_s), **spread(torch_s))
+    rep.add("pipeline run: first token", runs=len(runs), **spread(first),
+            x_import_torch=round(ratio, 2))
+    rep.add("pipeline run: exit", runs=len(runs), **spread([r.exit for r in runs]))
+    # The breakdown: when each milestone was reached, in seconds since the run's start.
+    rep.add("  gateway imports (pipeline run --help, own process)", runs=len(help_s),
+            **spread(help_s))
+    ready: list[float] = []
+    for name, pattern in MILESTONES:
+        seen = [t for t in (milestone_at(r, pattern) for r in runs) if t is not None]
+        if not seen:
+            rep.add(f"  {name}", runs=0)
+            continue
+        rep.add(f"  {name}", runs=len(seen), **spread(seen))
+        if name == "all stages ready":
+            ready = seen
+    if len(ready) == len(runs):
+        rep.add("  first token after all stages ready", runs=len(runs),
+                **spread([r.first_line - t for r, t in zip(runs, ready)]))
+    rep.add("  engine ttft (answer's timings.ttft)", runs=len(runs),
+            **spread([r.engine_ttft for r in runs]))
+    rep.target("first token / import torch (medians)", round(ratio, 2), f"<= {GOAL_RATIO}x",
+               ratio <= GOAL_RATIO)
+    return rep
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        check_args(args)
+    except ValueError as exc:
+        print(f"pipeline bench startup: {exc}", file=sys.stderr)
+        return 2
+    try:
+        rep = measure(args)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"pipeline bench startup: {exc}", file=sys.stderr)
+        return 1
+    return rep.emit(args.json)
