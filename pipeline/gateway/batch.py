@@ -27,7 +27,6 @@ from pydantic import ValidationError
 from pipeline.gateway.openai_api import ChatCompletionRequest, CompletionRequest
 from pipeline.gateway.openai_convert import (
     ApiError,
-    TokenText,
     body_error,
     chat_body,
     chat_fields,
@@ -37,6 +36,7 @@ from pipeline.gateway.openai_convert import (
     fingerprint,
     invalid,
     served_model_name,
+    token_texts,
 )
 from pipeline.gateway.protocol import MAX_ID_LEN, ProtocolError, gateway_request, request_from_json
 from pipeline.messages import GatewayRequest, RequestResult
@@ -73,14 +73,6 @@ def is_batch_line(text: str) -> bool:
 @lru_cache(maxsize=4)
 def _tokenizer(model_dir: str) -> Tokenizer:
     return Tokenizer(model_dir)
-
-
-def token_text(model_dir: str) -> TokenText:
-    """Token id -> its text, for logprobs (the tokenizer loads on the first use)."""
-    @lru_cache(maxsize=1 << 16)
-    def text(token_id: int) -> str:
-        return _tokenizer(model_dir).decode([token_id], skip_special_tokens=False)
-    return text
 
 
 def _hex() -> str:
@@ -120,7 +112,7 @@ class BatchLines:
         self.served = served_model_name(model_dir)
         self.fingerprint = fingerprint(model.model_hash if model is not None else "")
         self.max_model_len = max_model_len
-        self.text = token_text(model_dir)
+        self.text = token_texts(lambda: _tokenizer(model_dir))
         self.seen: dict[str, int] = {}  # custom_id -> index of the line that has it
         self.inflight: dict[str, tuple[int, int, BatchLine]] = {}  # engine request id -> (line, k, its line)
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
+from functools import lru_cache
 from typing import Any
 
 from pipeline.gateway import protocol as P
 from pipeline.gateway.openai_api import ChatCompletionRequest, ChatMessageParam, CompletionRequest
 from pipeline.messages import Completion, ErrorInfo, RequestResult
 from pipeline.messages.step import TokenLogprobs
+from pipeline.tokenizer.tokenizer import Tokenizer
 
 # error.code of an answer -> HTTP status; anything else is the server's fault (500).
 STATUS = {"invalid_request": 400, "duplicate_id": 400, "unsupported_version": 400,
@@ -180,6 +182,15 @@ def usage(results: list[RequestResult]) -> dict[str, Any]:
     completion = sum(r.usage.completion_tokens for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(r.usage.cached_tokens for r in results)}}
+
+
+def token_texts(tokenizer: Callable[[], Tokenizer]) -> TokenText:
+    """Token id -> its own text, for logprobs: a cached decode (``tokenizer`` is called on
+    the first use, so a path that never asks for logprobs never loads it)."""
+    @lru_cache(maxsize=1 << 16)
+    def text(token_id: int) -> str:
+        return tokenizer().decode([token_id], skip_special_tokens=False)
+    return text
 
 
 def _lp(x: float) -> float:

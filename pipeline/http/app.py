@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, TypeVar
 
 import msgspec
@@ -91,9 +90,7 @@ def build_app(state: HttpState) -> FastAPI:
             raise C.ApiError(404, f"the model `{name}` does not exist; this server serves `{state.model}`",
                              "model", "model_not_found")
 
-    @lru_cache(maxsize=1 << 16)
-    def token_text(token_id: int) -> str:
-        return state.tokenizer.decode([token_id], skip_special_tokens=False)
+    token_text = C.token_texts(lambda: state.tokenizer)
 
     async def until_done(request: Request, work: Awaitable[T]) -> T:
         """``work``, cancelled (so its engine requests are aborted) if the client goes away."""
