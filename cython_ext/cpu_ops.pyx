@@ -7,7 +7,7 @@ block ids, sequence lengths) in C and return the first bad index or -1. Every ke
 with the GIL released, on OpenMP threads. The ``stream`` arguments exist so the signature
 matches ``cuda_ops``; they are ignored on CPU. Owns no state.
 """
-from libc.stdint cimport int32_t, int64_t, uintptr_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uintptr_t
 from libc.stdlib cimport malloc, free
 
 
@@ -36,6 +36,7 @@ cdef extern from "cpu_ops_attn.h":
         int64_t num_blocks, block_size, max_blocks
         float scale
         int dtype
+        int q_dtype
     int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) nogil
 
 cdef extern from "cpu_ops_bw.h":
@@ -45,6 +46,19 @@ cdef extern from "cpu_ops_gemv.h":
     int PIPE_GEMV_MAX_M
     void pipeline_cpu_gemv(float *y, int64_t ldy, const float *x, int64_t ldx, const float *W,
                            const float *bias, int64_t M, int64_t K, int64_t N, int kn) nogil
+
+cdef extern from "cpu_ops_gemv_lp.h":
+    int pipe_bf16_level(int64_t K) nogil
+    int pipe_i8_level(int64_t K) nogil
+    void pipeline_cpu_set_isa(int cap) nogil
+    void pipeline_cpu_gemv_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                const uint16_t *W, const float *bias, int64_t M, int64_t K,
+                                int64_t N) nogil
+    int pipeline_cpu_gemv_i8(float *y, int64_t ldy, const float *x, int64_t ldx,
+                             const int8_t *Q, const float *scale, const int32_t *qsum,
+                             const float *bias, int64_t M, int64_t K, int64_t N) nogil
+    void pipeline_cpu_dequant_i8(void *D, int dtype, const int8_t *Q, const float *scale,
+                                 int64_t N, int64_t K) nogil
 
 cdef extern from "cpu_ops_fused.h":
     void pipeline_cpu_rms_norm(float *out, const float *x, float *residual, const float *weight,
@@ -80,8 +94,9 @@ def paged_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_c
                     int64_t num_seqs, int64_t num_tokens, int64_t q_stride,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-                    float scale, int dtype, uintptr_t stream=0) -> int:
-    """Causal paged attention; returns the first malformed sequence or -1."""
+                    float scale, int dtype, uintptr_t stream=0, int q_dtype=-1) -> int:
+    """Causal paged attention; returns the first malformed sequence or -1. q and out are in
+    the cache dtype, or in ``q_dtype`` when given (float32 over a half cache)."""
     cdef pipe_attn_args a
     cdef int64_t bad
     a.q = <const char *>q
@@ -101,6 +116,7 @@ def paged_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_c
     a.max_blocks = max_blocks
     a.scale = scale
     a.dtype = dtype
+    a.q_dtype = dtype if q_dtype < 0 else q_dtype
     with nogil:
         bad = pipeline_cpu_paged_attention(<char *>out, &a)
     return bad
@@ -178,3 +194,48 @@ def read_sum(uintptr_t x, int64_t n, int threads) -> float:
     with nogil:
         total = pipe_read_sum(<const float *>x, n, threads)
     return total
+
+
+ISA_NAMES = ("portable", "avx2", "avx512")
+
+
+def set_isa(str cap) -> None:
+    """Cap the instruction set of the bf16/int8 kernels ("avx512", "avx2" or "portable");
+    each still uses the best level below the cap that the CPU has."""
+    if cap not in ISA_NAMES:
+        raise ValueError(f"isa must be one of {', '.join(ISA_NAMES)}, got {cap!r}")
+    pipeline_cpu_set_isa(ISA_NAMES.index(cap))
+
+
+def lp_isa(str kind, int64_t k) -> str:
+    """The instruction set the "bf16" or "int8" kernel runs with for rows of k values."""
+    if kind not in ("bf16", "int8"):
+        raise ValueError(f"kind must be bf16 or int8, got {kind!r}")
+    return ISA_NAMES[pipe_bf16_level(k) if kind == "bf16" else pipe_i8_level(k)]
+
+
+def gemv_bf16(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t weight,
+              uintptr_t bias, int64_t m, int64_t k, int64_t n) -> None:
+    """float32 y [m, n] = x [m, k] @ W^T (+ bias), W bfloat16 [n, k], m <= GEMV_MAX_M."""
+    with nogil:
+        pipeline_cpu_gemv_bf16(<float *>y, ldy, <const float *>x, ldx, <const uint16_t *>weight,
+                               <const float *>bias, m, k, n)
+
+
+def gemv_i8(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t q, uintptr_t scale,
+            uintptr_t qsum, uintptr_t bias, int64_t m, int64_t k, int64_t n) -> None:
+    """float32 y [m, n] = x [m, k] @ (scale * Q)^T (+ bias), Q int8 [n, k] in [-127, 127],
+    scale float32 [n], qsum int32 [n] (row sums of Q); x quantised per row to int8."""
+    cdef int rc
+    with nogil:
+        rc = pipeline_cpu_gemv_i8(<float *>y, ldy, <const float *>x, ldx, <const int8_t *>q,
+                                  <const float *>scale, <const int32_t *>qsum,
+                                  <const float *>bias, m, k, n)
+    if rc != 0:
+        raise MemoryError(f"gemv_i8: no scratch for {m} rows of {k} values")
+
+
+def dequant_i8(uintptr_t out, int dtype, uintptr_t q, uintptr_t scale, int64_t n, int64_t k) -> None:
+    """out [n, k] = scale[:, None] * Q as float32 (dtype 0) or bfloat16 (dtype 1)."""
+    with nogil:
+        pipeline_cpu_dequant_i8(<void *>out, dtype, <const int8_t *>q, <const float *>scale, n, k)

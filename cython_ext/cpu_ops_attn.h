@@ -31,7 +31,8 @@ typedef struct {
     int64_t num_seqs, num_tokens, q_stride, num_heads, num_kv_heads, head_dim;
     int64_t num_blocks, block_size, max_blocks;
     float scale;
-    int dtype;
+    int dtype;   /* of the caches */
+    int q_dtype; /* of q and out: the cache's, or float32 over a half cache (CPU bf16/int8 weights) */
 } pipe_attn_args;
 
 /* Index of the first malformed sequence, or -1. */
@@ -64,7 +65,7 @@ static void pipe_attn_item(const pipe_attn_args *a, int64_t b, int64_t tile, int
     if (k_hi > last_pos + 1) k_hi = last_pos + 1;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t tok = start + t0 + r / group, head = kvh * group + r % group;
-        pipe_load_row(qf + r * D, a->q + (tok * a->q_stride + head * D) * esz, D, a->dtype,
+        pipe_load_row(qf + r * D, a->q + (tok * a->q_stride + head * D) * pipe_dtype_size(a->q_dtype), D, a->q_dtype,
                       a->scale);
         m[r] = PIPE_NEG_BIG;
         l[r] = 0.0f;
@@ -120,7 +121,7 @@ static int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) 
     const int64_t bad = pipe_attn_validate(a);
     if (bad >= 0) return bad;
     const int64_t B = a->num_seqs, H = a->num_heads, D = a->head_dim, Hkv = a->num_kv_heads;
-    const int64_t group = H / Hkv, esz = pipe_dtype_size(a->dtype), bs = a->block_size;
+    const int64_t group = H / Hkv, esz = pipe_dtype_size(a->q_dtype), bs = a->block_size;
     int64_t *tile_end = (int64_t *)malloc((size_t)(B > 0 ? B : 1) * sizeof(int64_t));
     if (tile_end == NULL) return PIPE_ENOMEM;
     int64_t tiles = 0, max_ctx = 0, fmas = 0;
@@ -176,7 +177,7 @@ static int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) 
                 const int64_t tok = a->cu_seqlens_q[b] + tile * PIPE_QTILE + r / group;
                 const int64_t head = kvh * group + r % group;
                 if (nsplit == 1) {
-                    pipe_store_row(out + (tok * H + head) * D * esz, acc + r * D, D, a->dtype, 1.0f / l[r]);
+                    pipe_store_row(out + (tok * H + head) * D * esz, acc + r * D, D, a->q_dtype, 1.0f / l[r]);
                 } else {
                     float *p = part + ((tok * H + head) * nsplit + split) * (D + 2);
                     p[0] = m[r];
@@ -200,7 +201,7 @@ static int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) 
                     sum += w * p[i * (D + 2) + 1];
                     for (int64_t d = 0; d < D; d++) scratch[d] += w * pa[d];
                 }
-                pipe_store_row(out + flat * D * esz, scratch, D, a->dtype, 1.0f / sum);
+                pipe_store_row(out + flat * D * esz, scratch, D, a->q_dtype, 1.0f / sum);
             }
         }
         free(scratch);

@@ -15,6 +15,7 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent / "default_model")
 MAX_BLOCK_SIZE = 256
 MAX_CHAT_TEMPLATE_BYTES = 1 << 20  # --chat-template: the file travels to every stage
 CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16", "float16"),
+           "quantization": ("none", "int8"),
            "preemption_policy": ("newest", "lowest_priority"), "role": ("mixed", "prefill", "decode"),
            "kv_transfer": ("auto", "ipc", "tcp"), "pd_fallback": ("none", "local")}
 
@@ -27,6 +28,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     model: str = DEFAULT_MODEL
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # none | int8: CPU weights quantised per output channel at load (layers/lowp.py)
+    quantization: str = "none"
     block_size: int = 0  # 0: 16 on CPU, 64 on GPU
     num_blocks: int = 0  # 0: from the memory budget
     kv_cache_memory: int = 0  # bytes on CPU; 0: 1 GiB or what max_model_len * max_num_seqs needs
@@ -93,6 +96,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got "
                                  f"{getattr(self, name)!r}")
+        if self.quantization != "none" and self.device == "cuda":  # auto: the worker checks
+            raise ValueError(f"--quantization {self.quantization} runs on CPU only (the CUDA "
+                             f"path has no int8 kernels yet); use --device cpu")
         if self.pd_fallback != "none" and self.role != "prefill":
             raise ValueError(f"--pd-fallback is for --role prefill (where KV is sent), not "
                              f"{self.role}; leave it at none")
@@ -113,7 +119,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     p.add_argument("--model", default=d.model, help="checkpoint directory (Hugging Face format)")
     p.add_argument("--device", default=d.device, choices=CHOICES["device"])
-    p.add_argument("--dtype", default=d.dtype, choices=CHOICES["dtype"])
+    p.add_argument("--dtype", default=d.dtype, choices=CHOICES["dtype"],
+                   help="on CPU, bfloat16 packs the weights as bf16 under float32 activations")
+    p.add_argument("--quantization", default=d.quantization, choices=CHOICES["quantization"],
+                   help="int8: quantise float weights per output channel at load (CPU)")
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help=f"tokens per KV block: a power of two up to {MAX_BLOCK_SIZE} (0: 16 on CPU, 64 on GPU)")
     p.add_argument("--num-blocks", type=int, default=d.num_blocks)

@@ -3,7 +3,8 @@
 Runs a Llama-family decoder (``models.llama.CausalLM``: its layers' weights, norms and
 rotary tables) from embeddings to final hidden states with the fused CPU kernels
 (``ops_fused``, ``cpu_ops``), writing into activation buffers allocated once per step.
-The model calls it for float32 on CPU when the C ops are built. Owns no state.
+The model calls it for float32 activations on CPU when the C ops are built; the projections
+may be float32 or packed ``LowpWeight``s (bf16/int8). Owns no state.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from pipeline.layers import ops, ops_fused
 from pipeline.layers.attention import AttentionMetadata
+from pipeline.layers.lowp import LowpWeight
 
 
 def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
@@ -53,9 +55,11 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     cu, sl, bt = meta.cu_seqlens_q, meta.seq_lens, meta.block_tables
     cup, slp2, btp, nseq, maxb = cu.data_ptr(), sl.data_ptr(), bt.data_ptr(), sl.shape[0], bt.shape[1]
 
-    def proj(inp: torch.Tensor, inp_ptr: int, w: torch.Tensor, b: torch.Tensor | None,
+    def proj(inp: torch.Tensor, inp_ptr: int, w: torch.Tensor | LowpWeight, b: torch.Tensor | None,
              out: torch.Tensor, out_ptr: int, kn: bool) -> None:
-        if gemv and kn:
+        if isinstance(w, LowpWeight):
+            w.linear(inp, b, out)
+        elif gemv and kn:
             ext.gemv(out_ptr, out.shape[1], inp_ptr, inp.shape[1], w.data_ptr(),
                      0 if b is None else b.data_ptr(), t, inp.shape[1], out.shape[1], True)
         elif not kn:
@@ -87,7 +91,7 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
                 on_kv_written(i)
             bad = ext.paged_attention(ap, qkvp, k_cache.data_ptr(), v_cache.data_ptr(), cup,
                                       slp2, btp, nseq, t, q.stride(0), nh, nkv, hd, nb, bs,
-                                      maxb, float(layer.scale), dcode)
+                                      maxb, float(layer.scale), dcode, 0, 0)
             if bad != -1:
                 ops.paged_attention(q, k_cache, v_cache, cu, sl, bt, layer.scale, out=attn)
         proj(attn.view(t, qs), ap, layer.o_weight, layer.o_bias, o, op, layer.kn)

@@ -176,8 +176,12 @@ def paged_attention(
         raise ValueError(f"q must be [num_tokens, num_heads, {head_dim}] with num_heads a "
                          f"multiple of num_kv_heads={num_kv_heads}, got {tuple(q.shape)}")
     num_tokens, num_heads = q.shape[0], q.shape[1]
-    _check_rows("q", q, num_heads, head_dim, k_cache)
     device = k_cache.device
+    # A float32 q over a half cache: CPU models with bf16/int8 weights keep float32 activations.
+    q_f32 = q.dtype == torch.float32 and device.type == "cpu"
+    _check_rows("q", q, num_heads, head_dim, q if q_f32 else k_cache)
+    if q.device != device:
+        raise ValueError(f"q is on {q.device} but the cache is on {device}")
     num_seqs = seq_lens.shape[0]
     _check_metadata(cu_seqlens_q, seq_lens, block_tables, device)
     if out is None:
@@ -206,7 +210,7 @@ def paged_attention(
         ext.paged_attention(*args, _stream(device), splits,
                             workspace.data_ptr() if workspace is not None else 0)
         return out
-    bad = ext.paged_attention(*args)
+    bad = ext.paged_attention(*args, 0, _DTYPE_CODE[q.dtype])
     if bad == -2:
         raise MemoryError("paged_attention: no memory for the per-call scratch buffers")
     if bad >= 0:

@@ -6,7 +6,8 @@ layer); the KV cache tensors and the batch metadata belong to the model runner a
 passed in on every forward. Two forwards compute the same math: on CPU in float32 the fused
 decoder of ``layers.fused_decoder`` (four element-wise C calls per layer, a C GEMV for small
 batches), elsewhere (CUDA, half types) the layers below one op at a time in torch, whose
-rounding sequence matches transformers'.
+rounding sequence matches transformers'. On CPU the projections and the embedding may be
+packed as bfloat16 or int8 (``pack_weights``, ``layers.lowp``) under float32 activations.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from torch import nn
 from pipeline.layers import ops, ops_fused
 from pipeline.layers.attention import AttentionMetadata
 from pipeline.layers.fused_decoder import forward_fused
+from pipeline.layers.lowp import LowpWeight
 from pipeline.layers.norm import RMSNorm
 from pipeline.layers.rotary import RotaryEmbedding
 from pipeline.models.config import ModelConfig, rope_inv_freq
@@ -122,6 +124,34 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Parameter(self.lm_head.t().contiguous(), requires_grad=False)
             self.lm_head_kn = True
 
+    @torch.no_grad()
+    def pack_weights(self, fmt: str, gemm_dtype: torch.dtype) -> None:
+        """Replace the float32 projections, the embedding and lm_head (still [out, in]: call
+        instead of ``transpose_weights``) by ``LowpWeight``s of format ``fmt`` (bf16 or int8);
+        norms, biases and activations stay float32. A tied lm_head stays the embedding's."""
+        def pack(owner: nn.Module, name: str) -> LowpWeight:
+            w = getattr(owner, name)
+            if isinstance(w, LowpWeight):
+                return w
+            packed = LowpWeight(w, fmt, gemm_dtype)
+            delattr(owner, name)
+            setattr(owner, name, packed)
+            return packed
+        for layer in self.layers:
+            for name in _PROJECTIONS:
+                pack(layer, name)
+        embed = pack(self, "embed_tokens")
+        if self.config.tie_word_embeddings:
+            delattr(self, "lm_head")
+            self.lm_head = embed
+        else:
+            pack(self, "lm_head")
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed_tokens, LowpWeight):
+            return self.embed_tokens.embed(input_ids)
+        return F.embedding(input_ids, self.embed_tokens)
+
     def tie_weights(self) -> None:
         """Re-share lm_head with the embedding (module moves can split shared parameters)."""
         if self.config.tie_word_embeddings:
@@ -130,7 +160,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 on_kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         if x.dtype == torch.float32 and x.device.type == "cpu" and ops.backend(x.device) is not None:
             return forward_fused(self, x, positions, meta, kv_caches, on_kv_written)
         cos, sin = self.rotary.table(positions, x.dtype)
