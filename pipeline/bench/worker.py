@@ -2,7 +2,9 @@
 worker against transformers' `generate` on the same checkpoint, in the same run, plus batch-1
 decode as a fraction of the memory-bandwidth limit: the machine's read bandwidth (a parallel
 read of a buffer far larger than the caches, every core) over the weight bytes one decode
-step reads.
+step reads. With ``--formats`` (default float32,bf16,int8) the worker runs once per weight
+format in the same run (bf16: ``--dtype bfloat16``, int8: ``--quantization int8``, both under
+float32 activations on CPU), and the issue-12 targets compare them with float32.
 
 Owns nothing; drives a ModelRunner directly with hand-built SchedulerOutputs (no engine), so
 the figures are the worker's alone. transformers is imported here only (a bench dependency).
@@ -40,6 +42,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="cpu: this process's CPU time (with --threads 1: tokens per core-second, "
                         "immune to other processes taking the cores)")
     p.add_argument("--skip-hf", action="store_true", help="do not run transformers")
+    p.add_argument("--formats", default="float32,bf16,int8",
+                   help="weight formats to run, comma-separated: float32, bf16, int8")
 
 
 def make_bench_model(out: Path) -> None:
@@ -119,11 +123,28 @@ class _Steps:
         self.next_block = 0
 
 
+# format -> (--dtype, --quantization)
+FORMAT_FLAGS = {"float32": ("float32", "none"), "bf16": ("bfloat16", "none"),
+                "int8": ("float32", "int8")}
+
+
+def step_weight_bytes(model: torch.nn.Module, tied: bool) -> int:
+    """Bytes of weights one decode step reads: every parameter and packed (bf16/int8) weight,
+    less an untied embedding table (only its looked-up rows are read)."""
+    from pipeline.layers.lowp import LowpWeight
+    total = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if n != "embed_tokens" or tied)
+    return total + sum(m.nbytes for n, m in model.named_modules()
+                       if isinstance(m, LowpWeight) and (n != "embed_tokens" or tied))
+
+
 def bench_ours(model_dir: str, batches: list[int], steps: int, prefill_tokens: int,
-               vocab: int, repeats: int) -> tuple[dict[int, float], float, int]:
+               vocab: int, repeats: int, fmt: str = "float32") -> tuple[dict[int, float], float, int]:
     from pipeline.worker.model_runner import ModelRunner
     max_b = max(batches)
-    cfg = EngineConfig(model=model_dir, device="cpu", dtype="float32", block_size=16,
+    dtype, quantization = FORMAT_FLAGS[fmt]
+    cfg = EngineConfig(model=model_dir, device="cpu", dtype=dtype, quantization=quantization,
+                       block_size=16,
                        max_num_seqs=max_b, max_model_len=1024,
                        num_blocks=max(max_b * -(-(PROMPT_LEN + repeats * steps + 4) // 16),
                                       1024 // 16 * 4) + 8,
@@ -160,8 +181,7 @@ def bench_ours(model_dir: str, batches: list[int], steps: int, prefill_tokens: i
             best = min(best, _clock() - t)
             s.finish(ids)
         assert runner.model is not None  # set by runner.load()
-        weight_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters()
-                           if n != "embed_tokens" or runner.model_config.tie_word_embeddings)
+        weight_bytes = step_weight_bytes(runner.model, runner.model_config.tie_word_embeddings)
         return decode, n_seq * plen / best, weight_bytes
     finally:
         runner.close()
@@ -214,37 +234,56 @@ def main(args: argparse.Namespace) -> int:
             make_bench_model(Path(model_dir))
         from pipeline.models.config import load_model_config
         vocab = min(load_model_config(model_dir).vocab_size, 512)
-        ours, ours_prefill, weight_bytes = bench_ours(model_dir, batches, args.decode_steps,
-                                                      args.prefill_tokens, vocab, args.repeats)
+        formats = [f for f in args.formats.split(",") if f]
+        for f in formats:
+            if f not in FORMAT_FLAGS:
+                raise SystemExit(f"--formats: {f!r} is not one of {', '.join(FORMAT_FLAGS)}")
+        runs = {f: bench_ours(model_dir, batches, args.decode_steps, args.prefill_tokens, vocab,
+                              args.repeats, f) for f in formats}
         hf, hf_prefill = ({}, 0.0) if args.skip_hf else bench_hf(
             model_dir, batches, args.decode_steps, args.prefill_tokens, vocab, args.repeats)
     bw = max(bw, read_bandwidth())  # best of two, apart in time: the cores are shared
-    limit = bw / weight_bytes
     rep = Report("worker")
     rep.machine["torch_threads"] = torch.get_num_threads()
     rep.machine["clock"] = args.clock
-    rep.machine["weight_mib"] = round(weight_bytes / 2**20, 1)
     rep.machine["read_gb_s"] = round(bw / 1e9, 2)
     rep.machine["read_threads"] = len(os.sched_getaffinity(0))
     rep.machine["loadavg_1m"] = round(os.getloadavg()[0], 2)  # other work sharing the cores
-    for b in batches:
-        row = {"pipeline_tok_s": ours[b]}
+    for f, (ours, ours_prefill, weight_bytes) in runs.items():
+        tag = "" if f == "float32" else f" {f}"
+        rep.machine[f"weight_mib{tag.replace(' ', '_')}"] = round(weight_bytes / 2**20, 1)
+        for b in batches:
+            row = {"pipeline_tok_s": ours[b]}
+            if hf:
+                row.update(hf_tok_s=hf[b], speedup=ours[b] / hf[b])
+            rep.add(f"decode batch {b}{tag}", **row)
+        row = {"pipeline_tok_s": ours_prefill}
         if hf:
-            row.update(hf_tok_s=hf[b], speedup=ours[b] / hf[b])
-        rep.add(f"decode batch {b}", **row)
-    row = {"pipeline_tok_s": ours_prefill}
-    if hf:
-        row.update(hf_tok_s=hf_prefill, speedup=ours_prefill / hf_prefill)
-    rep.add(f"prefill {args.prefill_tokens} tokens (4 seqs)", **row)
-    if 1 in ours:
-        frac = ours[1] / limit
-        rep.add("decode batch 1 vs bandwidth limit", pipeline_tok_s=ours[1], limit_tok_s=limit,
-                fraction=frac)
-        rep.target("batch-1 decode / read-bandwidth limit", round(frac, 3), ">= 0.8", frac >= 0.8)
-    if hf and 32 in ours:
-        r = ours[32] / hf[32]
-        rep.target("batch-32 decode vs transformers", round(r, 2), ">= 4x", r >= 4)
-    if hf and 1 in ours:
-        r = ours[1] / hf[1]
-        rep.target("batch-1 decode vs transformers", round(r, 2), ">= 2x", r >= 2)
+            row.update(hf_tok_s=hf_prefill, speedup=ours_prefill / hf_prefill)
+        rep.add(f"prefill {args.prefill_tokens} tokens (4 seqs){tag}", **row)
+        if 1 in ours:
+            limit = bw / weight_bytes
+            frac = ours[1] / limit
+            rep.add(f"decode batch 1 vs bandwidth limit{tag}", pipeline_tok_s=ours[1],
+                    limit_tok_s=limit, fraction=frac)
+            if f == "float32":
+                rep.target("batch-1 decode / read-bandwidth limit", round(frac, 3), ">= 0.8",
+                           frac >= 0.8)
+    if "float32" in runs:
+        base, base_prefill, _ = runs["float32"]
+        goals = (("bf16", 1, 1.8), ("int8", 1, 2.5), ("bf16", 32, 1.4), ("int8", 32, 1.0))
+        for f, b, goal in goals:
+            if f in runs and b in base:
+                r = runs[f][0][b] / base[b]
+                rep.target(f"{f} batch-{b} decode vs float32", round(r, 2), f">= {goal}x", r >= goal)
+        if "bf16" in runs:
+            r = runs["bf16"][1] / base_prefill
+            rep.target("bf16 prefill tokens/s vs float32", round(r, 2), ">= 1.3x", r >= 1.3)
+        ours = base
+        if hf and 32 in ours:
+            r = ours[32] / hf[32]
+            rep.target("batch-32 decode vs transformers", round(r, 2), ">= 4x", r >= 4)
+        if hf and 1 in ours:
+            r = ours[1] / hf[1]
+            rep.target("batch-1 decode vs transformers", round(r, 2), ">= 2x", r >= 2)
     return rep.emit(args.json)

@@ -1,0 +1,138 @@
+"""bf16 and int8 CPU weights (layers/lowp.py, cython_ext/cpu_ops_gemv_lp.h): every ISA path
+the CPU has against float64 references, int8 paths bit-identical to each other, the batched
+(dequantise + GEMM) path, the embedding lookup, and float32 q over a half KV cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_ops import make_batch
+
+from pipeline.layers import ops
+from pipeline.layers.lowp import LowpWeight, quantize_int8
+
+cpu_ops = ops.backend(torch.device("cpu"))
+pytestmark = pytest.mark.skipif(cpu_ops is None, reason="C CPU ops not built")
+ISAS = ("avx512", "avx2", "portable")
+
+
+@pytest.fixture(autouse=True)
+def _reset_isa():
+    yield
+    cpu_ops.set_isa("avx512")
+
+
+def _gemv(fmt: str, x: torch.Tensor, w: LowpWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    m, n = x.shape[0], w.out_features
+    y = torch.full((m, n), float("nan"))
+    b = 0 if bias is None else bias.data_ptr()
+    if fmt == "bf16":
+        cpu_ops.gemv_bf16(y.data_ptr(), n, x.data_ptr(), x.stride(0), w.weight.data_ptr(), b,
+                          m, w.in_features, n)
+    else:
+        cpu_ops.gemv_i8(y.data_ptr(), n, x.data_ptr(), x.stride(0), w.weight.data_ptr(),
+                        w.scale.data_ptr(), w.qsum.data_ptr(), b, m, w.in_features, n)
+    return y
+
+
+def _int8_reference(x: torch.Tensor, w: LowpWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The exact integer product of per-token int8 x and int8 W, then the two scales."""
+    xs = x.abs().amax(1).double() / 127
+    xq = torch.round(x.double() / torch.where(xs > 0, xs, 1)[:, None])
+    y = (xq @ w.weight.double().t()) * xs[:, None] * w.scale.double()[None]
+    return y if bias is None else y + bias.double()
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 8), n=st.integers(1, 70), k_mult=st.integers(1, 6),
+       k_tail=st.sampled_from([0, 0, 8, 16, 3]), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_gemv_kernels_match_references_on_every_isa(m, n, k_mult, k_tail, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = 64 * k_mult + k_tail
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) * 0.1
+    b = torch.randn(n, generator=g) if bias else None
+    wb, wq = LowpWeight(w, "bf16", torch.float32), LowpWeight(w, "int8", torch.float32)
+    ref_q = _int8_reference(x, wq, b)
+    int8_results = {}
+    for isa in ISAS:
+        cpu_ops.set_isa(isa)
+        used = cpu_ops.lp_isa("bf16", k)
+        # AVX-512 BF16 rounds x to bf16 once (VDPBF16PS); the others multiply float32 x.
+        xr = x.bfloat16().double() if used == "avx512" else x.double()
+        ref_b = xr @ wb.weight.double().t() + (0 if b is None else b.double())
+        y = _gemv("bf16", x, wb, b).double()
+        scale = ref_b.abs().max() + 1e-6
+        assert ((y - ref_b).abs().max() / scale) < 1e-5, (isa, used)
+        yq = _gemv("int8", x, wq, b)
+        assert ((yq.double() - ref_q).abs().max() / (ref_q.abs().max() + 1e-6)) < 1e-5, isa
+        int8_results[cpu_ops.lp_isa("int8", k)] = yq
+    # Every int8 path computes the same int32 sums and the same scaling: identical floats.
+    first = next(iter(int8_results.values()))
+    for isa, yq in int8_results.items():
+        assert torch.equal(yq, first), isa
+
+
+def test_isa_cap_is_reported_and_checked():
+    cpu_ops.set_isa("portable")
+    assert cpu_ops.lp_isa("bf16", 384) == "portable" and cpu_ops.lp_isa("int8", 384) == "portable"
+    cpu_ops.set_isa("avx2")
+    assert cpu_ops.lp_isa("int8", 384) in ("avx2", "portable")
+    assert cpu_ops.lp_isa("int8", 100) == "portable"  # K % 32: no vector body
+    with pytest.raises(ValueError, match="isa must be one of"):
+        cpu_ops.set_isa("sse9")
+
+
+def test_quantize_int8_per_channel():
+    w = torch.randn(33, 96) * torch.logspace(-3, 1, 33)[:, None]
+    w[5] = 0.0
+    q, scale, qsum = quantize_int8(w)
+    assert q.dtype == torch.int8 and int(q.min()) >= -127 and int(q.max()) <= 127
+    assert torch.equal(qsum, q.sum(1, dtype=torch.int32))
+    assert torch.all(q[5] == 0) and scale[5] == 1.0
+    err = (q.float() * scale[:, None] - w).abs()
+    assert torch.all(err <= scale[:, None] / 2 + 1e-7)
+    assert torch.all(q.abs().amax(1)[torch.arange(33) != 5] == 127)  # each row uses its range
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize("gemm_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 8, 9, 40])
+def test_linear_small_and_batched_paths(fmt, gemm_dtype, m):
+    torch.manual_seed(m)
+    w, b = torch.randn(96, 128) * 0.1, torch.randn(96)
+    lw = LowpWeight(w, fmt, gemm_dtype)
+    x = torch.randn(m, 128)
+    dense = lw.weight.float() if fmt == "bf16" else lw.weight.float() * lw.scale[:, None]
+    ref = x @ dense.t() + b
+    out = torch.empty(m, 96)
+    y = lw.linear(x, b, out)
+    assert y.data_ptr() == out.data_ptr()
+    # bf16 rounding of x (AVX-512 GEMV, bf16 GEMM), int8 of x (GEMV), bf16 of W (bf16 GEMM)
+    tol = 3e-2 if (fmt == "int8" and m <= 8) or gemm_dtype == torch.bfloat16 else 1e-2
+    assert ((y - ref).abs().max() / ref.abs().max()) < tol
+    with pytest.raises(ValueError, match=r"x must be float32 \[num_tokens, 128\]"):
+        lw.linear(x[:, :64].contiguous())
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_embed_rows_match_the_dequantised_table(fmt):
+    w = torch.randn(50, 64)
+    lw = LowpWeight(w, fmt, torch.float32)
+    ids = torch.tensor([0, 7, 7, 49])
+    dense = lw.dense(torch.float32)
+    assert torch.equal(lw.embed(ids), dense[ids])
+    if fmt == "int8":
+        assert torch.allclose(dense, lw.weight.float() * lw.scale[:, None])
+
+
+def test_float32_q_over_a_bf16_cache_matches_the_float32_computation():
+    bt = make_batch([(40, 1), (17, 17), (5, 3)], 4, 2, 64, block_size=16, dtype=torch.bfloat16, seed=3)
+    q32 = bt.q.float()
+    out = ops.paged_attention(q32, bt.k_cache, bt.v_cache, bt.cu_seqlens_q, bt.seq_lens,
+                              bt.block_tables, 0.125)
+    assert out.dtype == torch.float32
+    ref = ops.paged_attention(q32, bt.k_cache.float(), bt.v_cache.float(), bt.cu_seqlens_q,
+                              bt.seq_lens, bt.block_tables, 0.125)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
