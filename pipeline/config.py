@@ -41,7 +41,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool = True
     preemption_policy: str = "newest"  # newest | lowest_priority
     tensor_parallel_size: int = 1
-    worker_threads: int = 0  # CPU: 0 = PIPELINE_WORKER_THREADS or usable cores - 1
+    worker_threads: int = 0  # CPU: 0 = PIPELINE_WORKER_THREADS, else adaptive from all cores
     seed: int = 0
     instance_id: str = ""
     # The --chat-template file's text (read once, by config_from_args); None: the checkpoint's.
@@ -136,7 +136,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-policy", default=d.preemption_policy, choices=CHOICES["preemption_policy"])
     p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
     p.add_argument("--worker-threads", type=int, default=d.worker_threads,
-                   help="CPU torch threads of the worker (0: PIPELINE_WORKER_THREADS or cores - 1)")
+                   help="CPU threads of the worker, fixed (0: PIPELINE_WORKER_THREADS if set, else a team "
+                        "that starts with every core and shrinks while cores are busy)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--chat-template", metavar="FILE", default=None,
                    help="a Jinja chat template file that replaces the checkpoint's (at most "

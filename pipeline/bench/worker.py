@@ -225,7 +225,9 @@ def main(args: argparse.Namespace) -> int:
         os.environ["PIPELINE_WORKER_THREADS"] = str(args.threads)
     batches = [int(x) for x in args.batch_sizes.split(",") if x]
     from pipeline.worker.device import worker_threads
-    torch.set_num_threads(worker_threads())  # transformers gets the worker's threads
+    from pipeline.worker.threads import usable_cores
+    # transformers gets the worker's fixed team, or every core (where the worker's starts)
+    torch.set_num_threads(worker_threads() or usable_cores())
     bw = read_bandwidth()
     with tempfile.TemporaryDirectory(prefix="pipeline-bench-worker-") as tmp:
         model_dir = args.model

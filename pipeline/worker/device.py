@@ -37,10 +37,9 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: torch.device) -
 
 
 def worker_threads(requested: int = 0) -> int:
-    """Torch CPU threads for the worker: ``--worker-threads`` if given, else
-    ``PIPELINE_WORKER_THREADS`` if set, else the usable cores minus one left to the other
-    stages. OpenMP teams larger than the cores actually free stall at every barrier (a 40x
-    slower decode step was measured on 2 shared cores)."""
+    """A fixed CPU team size for the worker: ``--worker-threads`` if given, else
+    ``PIPELINE_WORKER_THREADS`` if set, else 0: the team adapts, starting with every usable
+    core (``worker.threads.ThreadGovernor``)."""
     if requested < 0:
         raise ValueError(f"worker_threads must be >= 0 (0: automatic), got {requested}")
     if requested:
@@ -51,7 +50,7 @@ def worker_threads(requested: int = 0) -> int:
         if n < 1:
             raise ValueError(f"PIPELINE_WORKER_THREADS must be >= 1, got {env!r}")
         return n
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    return 0
 
 
 def cpu_weight_format(dtype: torch.dtype, quantization: str, device: torch.device,

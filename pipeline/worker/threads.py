@@ -1,0 +1,110 @@
+"""Worker stage: the CPU worker's OpenMP team size, adapted to the cores actually free.
+
+With ``--worker-threads 0`` (the default) the worker starts with one thread per usable core
+and keeps the team whose steps run fastest on this machine as it is now. A spinning OpenMP
+team is the fastest while every core is free, but when another process (or another stage)
+takes a core, one team member waits to be scheduled at every barrier and the step slows
+down several times (a batch-32 step on two shared cores went 5x slower than one thread);
+passive waiting survives that but costs a quarter to a third of the quiet speed. So
+``ThreadGovernor`` keeps libgomp's spinning and watches each step instead:
+
+- down, at once: over a window of steps, the process's CPU time per wall second per team
+  member (``getrusage``) falls below ``STARVED``: members are waiting for a core, so the
+  team shrinks by one;
+- probe: every ``probe_s`` (doubling after each probe that lost, up to ``MAX_PROBE_S``) the
+  team tries one thread more, or one fewer when at the top, for a window, and keeps the size
+  whose median step time per scheduled token was lower (by ``GAIN``); otherwise it goes
+  back. Only steps of similar size are compared: a probe window is measured against the
+  window just before it.
+
+An explicit ``--worker-threads N`` (or ``PIPELINE_WORKER_THREADS``) fixes the team: no
+governor. Owns: the team size (``torch.set_num_threads``) and the step measurements.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+STARVED = 0.55  # CPU seconds per wall second per thread below this: members wait for cores
+GAIN = 0.97  # a probe's size is kept when its time per token is below this x the old one's
+WINDOW = 8  # steps per measurement window
+MIN_PROBE_S = 1.0
+MAX_PROBE_S = 32.0
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def _cpu_seconds() -> float:
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
+class ThreadGovernor:
+    def __init__(self, max_threads: int, set_threads: Callable[[int], None] = torch.set_num_threads,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_threads < 1:
+            raise ValueError(f"max_threads must be >= 1, got {max_threads}")
+        self.max_threads = max_threads
+        self._set = set_threads
+        self._clock = clock
+        self.threads = max_threads
+        self._set(max_threads)
+        self.probe_s = MIN_PROBE_S
+        self.next_probe = clock() + self.probe_s
+        self._window: list[tuple[float, float, int]] = []  # (wall s, cpu s, tokens) per step
+        self._baseline: float | None = None  # s/token of the window before a probe
+        self._probe_from: int | None = None  # the size a probe left (None: no probe running)
+        self._t0 = self._c0 = 0.0
+        self.changes = 0
+
+    def begin(self) -> None:
+        self._t0, self._c0 = time.perf_counter(), _cpu_seconds()
+
+    def end(self, tokens: int) -> None:
+        """After a step that ran ``tokens`` tokens (0: nothing ran; not measured)."""
+        if tokens > 0:
+            self.record(time.perf_counter() - self._t0, _cpu_seconds() - self._c0, tokens)
+
+    def record(self, wall_s: float, cpu_s: float, tokens: int) -> None:
+        """One step's measurements: its wall time, the process's CPU time in it, its tokens."""
+        self._window.append((wall_s, cpu_s, tokens))
+        if len(self._window) >= WINDOW:
+            self._decide()
+
+    def _per_token(self) -> float:
+        return statistics.median(w / t for w, _, t in self._window)
+
+    def _resize(self, n: int) -> None:
+        self.threads = n
+        self._set(n)
+        self.changes += 1
+
+    def _decide(self) -> None:
+        wall = sum(w for w, _, _ in self._window)
+        cpu = sum(c for _, c, _ in self._window)
+        per_token = self._per_token()
+        self._window.clear()
+        now = self._clock()
+        if self._probe_from is not None:  # a probe window just ended: keep it or go back
+            assert self._baseline is not None
+            won = per_token < GAIN * self._baseline
+            if not won:
+                self._resize(self._probe_from)
+            self.probe_s = MIN_PROBE_S if won else min(2 * self.probe_s, MAX_PROBE_S)
+            self._probe_from = self._baseline = None
+            self.next_probe = now + self.probe_s
+            return
+        if self.threads > 1 and wall > 0 and cpu / (wall * self.threads) < STARVED:
+            self._resize(self.threads - 1)
+            self.next_probe = now + self.probe_s
+            return
+        if now >= self.next_probe and self.max_threads > 1:
+            self._probe_from, self._baseline = self.threads, per_token
+            self._resize(self.threads + 1 if self.threads < self.max_threads else self.threads - 1)

@@ -1,0 +1,138 @@
+"""The CPU worker's adaptive OpenMP team (worker/threads.py): the policy on fed measurements,
+and for real: a team of every core shrinks when a spinning process takes a core and grows
+back once it is gone."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pipeline.worker import threads as T
+from pipeline.worker.device import worker_threads
+from pipeline.worker.threads import ThreadGovernor
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def feed(gov: ThreadGovernor, per_token_s: float, busy: float = 1.0, tokens: int = 4) -> None:
+    """One window of steps at ``per_token_s`` each, the team ``busy`` of its CPU time."""
+    for _ in range(T.WINDOW):
+        wall = per_token_s * tokens
+        gov.record(wall, wall * gov.threads * busy, tokens)
+
+
+def make(n: int = 4) -> tuple[ThreadGovernor, Clock, list[int]]:
+    sizes: list[int] = []
+    clock = Clock()
+    return ThreadGovernor(n, sizes.append, clock), clock, sizes
+
+
+def test_starts_with_every_core_and_shrinks_at_once_when_starved():
+    gov, clock, sizes = make(4)
+    assert sizes == [4] and gov.threads == 4
+    feed(gov, 1e-3, busy=0.9)  # fine: no change before the probe is due
+    assert gov.threads == 4
+    feed(gov, 5e-3, busy=0.3)  # members wait for cores
+    assert gov.threads == 3
+    feed(gov, 5e-3, busy=0.3)
+    feed(gov, 5e-3, busy=0.3)
+    feed(gov, 5e-3, busy=0.3)
+    assert gov.threads == 1 and sizes == [4, 3, 2, 1]  # never below one
+
+
+def test_probe_keeps_a_faster_size_and_backs_off_after_a_slower_one():
+    gov, clock, sizes = make(2)
+    feed(gov, 5e-3, busy=0.3)
+    assert gov.threads == 1
+    clock.now += T.MIN_PROBE_S
+    feed(gov, 2e-3)  # at 1 thread; the probe is due: try 2
+    assert gov.threads == 2
+    feed(gov, 4e-3)  # 2 threads are slower: back to 1, next probe twice as late
+    assert gov.threads == 1 and gov.probe_s == 2 * T.MIN_PROBE_S
+    clock.now += T.MIN_PROBE_S
+    feed(gov, 2e-3)
+    assert gov.threads == 1  # not due yet
+    clock.now += T.MIN_PROBE_S
+    feed(gov, 2e-3)
+    assert gov.threads == 2
+    feed(gov, 1e-3)  # faster: kept, probing interval reset
+    assert gov.threads == 2 and gov.probe_s == T.MIN_PROBE_S
+    # At the top, the probe tries one fewer; a loss keeps the full team.
+    clock.now += T.MIN_PROBE_S
+    feed(gov, 1e-3)
+    assert gov.threads == 1
+    feed(gov, 1.5e-3)
+    assert gov.threads == 2 and gov.probe_s == 2 * T.MIN_PROBE_S
+
+
+def test_backoff_is_capped():
+    gov, clock, _ = make(2)
+    for _ in range(12):
+        clock.now += gov.probe_s
+        feed(gov, 1e-3)  # probe down to 1
+        feed(gov, 2e-3)  # loses
+    assert gov.threads == 2 and gov.probe_s == T.MAX_PROBE_S
+
+
+def test_explicit_threads_fix_the_team(monkeypatch):
+    monkeypatch.delenv("PIPELINE_WORKER_THREADS", raising=False)
+    assert worker_threads(0) == 0  # adaptive
+    assert worker_threads(3) == 3
+    monkeypatch.setenv("PIPELINE_WORKER_THREADS", "2")
+    assert worker_threads(0) == 2
+    with pytest.raises(ValueError, match="worker_threads must be >= 0"):
+        worker_threads(-1)
+
+
+HOG = "import os\nos.sched_setaffinity(0, {%d})\nwhile True: pass\n"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_busy_core_shrinks_the_team_and_a_free_one_grows_it_back():
+    """Real OpenMP work (torch matmuls) on every core of this process's affinity; a spinning
+    process pinned to one of them starves a team member until the governor drops it."""
+    cores = sorted(os.sched_getaffinity(0))
+    gov = ThreadGovernor(len(cores))
+    a, b = torch.randn(384, 384), torch.randn(384, 2048)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            gov.begin()
+            for _ in range(8):
+                torch.mm(a, b)
+            gov.end(8)
+
+    try:
+        steps(3 * T.WINDOW)
+        quiet = gov.threads
+        if quiet < len(cores):  # other work already holds a core: nothing left to show
+            pytest.skip(f"the machine is busy (load {os.getloadavg()[0]:.1f}): the team "
+                        f"already shrank to {quiet} of {len(cores)}")
+        hog = subprocess.Popen([sys.executable, "-c", HOG % cores[-1]])
+        try:
+            for _ in range(40):
+                steps(T.WINDOW)
+                if gov.threads < quiet:
+                    break
+            assert gov.threads < quiet, "a starved team member went unnoticed"
+        finally:
+            hog.kill()
+            hog.wait()
+        # Once the core is free, a probe finds the bigger team faster and keeps it.
+        gov.next_probe = 0.0
+        for _ in range(40):
+            steps(T.WINDOW)
+            if gov.threads == len(cores):
+                break
+        assert gov.threads == len(cores)
+    finally:
+        torch.set_num_threads(len(cores))
