@@ -20,15 +20,17 @@ import torch
 from pipeline.config import EngineConfig
 from pipeline.layers import ops
 from pipeline.layers.attention import AttentionMetadata
+from pipeline.layers.lowp import LowpWeight
 from pipeline.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pipeline.messages.step import PromptLogprobs
 from pipeline.models.config import load_model_config
 from pipeline.models.llama import CausalLM
 from pipeline.models.loader import load_weights
-from pipeline.worker.device import resolve_dtype, worker_threads
+from pipeline.worker.device import cpu_has_fast_bf16, cpu_weight_format, resolve_dtype, worker_threads
 from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.kv_cache import KVCache, bytes_per_block
 from pipeline.worker.sampler import Sampler, build_metadata
+from pipeline.worker.threads import ThreadGovernor, usable_cores
 
 if TYPE_CHECKING:
     from pipeline.ipc.layer_signal import LayerSignal
@@ -59,8 +61,15 @@ class ModelRunner:
         self.rank = rank
         dev = config.resolved_device()
         self.device = torch.device(f"cuda:{rank}") if dev == "cuda" else torch.device("cpu")
+        # CPU: a fixed team (--worker-threads, PIPELINE_WORKER_THREADS) or one that adapts
+        # to the cores actually free, starting with all of them (worker/threads.py).
+        self.thread_governor: ThreadGovernor | None = None
         if self.device.type == "cpu":
-            torch.set_num_threads(worker_threads(config.worker_threads))
+            fixed = worker_threads(config.worker_threads)
+            if fixed:
+                torch.set_num_threads(fixed)
+            else:
+                self.thread_governor = ThreadGovernor(usable_cores())
         else:  # one device per worker process: the ops launch on the current one
             torch.cuda.set_device(self.device)
         self.model_config = mc = load_model_config(config.model)
@@ -91,17 +100,28 @@ class ModelRunner:
     def load(self) -> None:
         mc = self.model_config
         t0 = time.perf_counter()
+        # CPU bf16/int8: float32 activations, the projections packed after loading.
+        fmt = cpu_weight_format(self.dtype, self.config.quantization, self.device,
+                                ops.backend(self.device) is not None)
         with torch.device("meta"):
             model = CausalLM(mc, self.max_model_len)
-        model = model.to(self.dtype).to_empty(device=self.device)
+        # What Module.to_empty does, without its empty_like: on meta tensors that goes through
+        # torch._refs, which imports sympy (~0.5 s of start-up for nothing).
+        dev = self.device
+        model = model.to(torch.float32 if fmt else self.dtype)._apply(
+            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev))
         model.rotary.reset()
         model.tie_weights()
         load_weights(model, self.config.model)
-        if self.device.type == "cpu":
+        if fmt is not None:
+            model.pack_weights(fmt, torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
+        elif self.device.type == "cpu":
             model.transpose_weights()
         self.model = model.eval()
-        nparams = sum(p.numel() for p in model.parameters())
-        print(f"model: {mc.architecture} {nparams / 1e6:.1f}M params, {self.dtype}, {self.device}, "
+        nparams = sum(p.numel() for p in model.parameters()) + sum(
+            m.weight.numel() for m in model.modules() if isinstance(m, LowpWeight))
+        weights = f"{fmt} weights, float32 activations" if fmt else str(self.dtype)
+        print(f"model: {mc.architecture} {nparams / 1e6:.1f}M params, {weights}, {self.device}, "
               f"loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
         self.num_blocks = self._decide_num_blocks()
         self.kv_cache = KVCache(mc.num_layers, self.num_blocks, self.block_size, mc.num_kv_heads,
@@ -268,8 +288,14 @@ class ModelRunner:
         # Step metadata is built outside inference mode: the ops cache their validation keyed
         # on tensor version counters, which inference tensors do not have.
         inp = self.prepare_inputs(sched)
+        gov = self.thread_governor
+        if gov is not None:
+            gov.begin()
         with torch.inference_mode():
-            return self._forward_and_sample(sched.step_id, inp)
+            out = self._forward_and_sample(sched.step_id, inp)
+        if gov is not None:
+            gov.end(sched.total_num_scheduled_tokens)
+        return out
 
     def _forward_and_sample(self, step_id: int, inp: StepInputs) -> ModelRunnerOutput:
         model, kv = self.model, self.kv_cache
