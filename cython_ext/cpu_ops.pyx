@@ -60,6 +60,38 @@ cdef extern from "cpu_ops_gemv_lp.h":
     void pipeline_cpu_dequant_i8(void *D, int dtype, const int8_t *Q, const float *scale,
                                  int64_t N, int64_t K) nogil
 
+cdef extern from "cpu_ops_decoder.h":
+    ctypedef struct pipe_layer:
+        int fmt
+        const void *w[4]
+        const float *scale[4]
+        const int32_t *qsum[4]
+        const float *bias[4]
+        const float *ln_in
+        const float *ln_post
+        float eps_in, eps_post
+        char *k_cache
+        char *v_cache
+    ctypedef struct pipe_step:
+        int64_t T, hidden, q_size, kv_size, num_heads, num_kv_heads, head_dim, inter
+        float *residual
+        float *h
+        float *o
+        float *down
+        float *qkv
+        float *attn
+        float *gate_up
+        float *act
+        const int64_t *positions
+        const int64_t *slots
+        const float *cos
+        const float *sin
+        int64_t max_positions, num_slots
+        int cache_dtype
+        pipe_attn_args attn_args
+    int64_t pipeline_cpu_decoder_layers(const pipe_layer *layers, int64_t first,
+                                        int64_t num_layers, pipe_step *s) nogil
+
 cdef extern from "cpu_ops_fused.h":
     void pipeline_cpu_rms_norm(float *out, const float *x, float *residual, const float *weight,
                                int64_t num_tokens, int64_t hidden, int64_t out_stride,
@@ -239,3 +271,87 @@ def dequant_i8(uintptr_t out, int dtype, uintptr_t q, uintptr_t scale, int64_t n
     """out [n, k] = scale[:, None] * Q as float32 (dtype 0) or bfloat16 (dtype 1)."""
     with nogil:
         pipeline_cpu_dequant_i8(<void *>out, dtype, <const int8_t *>q, <const float *>scale, n, k)
+
+
+cdef class DecoderLayers:
+    """The layer table of ``pipeline_cpu_decoder_layers`` (cpu_ops_decoder.h): per layer the
+    projection format (0 float32 [in, out], 1 bf16, 2 int8), the four projections' weight,
+    scale, row-sum and bias addresses (0: none), the two norms' weight addresses and eps, and
+    the layer's K/V cache addresses. Built once per model and KV cache; the model keeps the
+    tensors alive."""
+    cdef pipe_layer *layers
+    cdef readonly int64_t num_layers
+
+    def __cinit__(self, list rows):
+        cdef int64_t i
+        cdef int p
+        self.num_layers = len(rows)
+        self.layers = <pipe_layer *>malloc(max(self.num_layers, 1) * sizeof(pipe_layer))
+        if self.layers == NULL:
+            raise MemoryError("DecoderLayers: no memory for the layer table")
+        for i, row in enumerate(rows):
+            fmt, w, scale, qsum, bias, ln_in, ln_post, eps_in, eps_post, k_cache, v_cache = row
+            if fmt not in (0, 1, 2) or not (len(w) == len(scale) == len(qsum) == len(bias) == 4):
+                raise ValueError(f"layer {i}: bad row {row!r}")
+            self.layers[i].fmt = fmt
+            for p in range(4):
+                self.layers[i].w[p] = <const void *><uintptr_t>w[p]
+                self.layers[i].scale[p] = <const float *><uintptr_t>scale[p]
+                self.layers[i].qsum[p] = <const int32_t *><uintptr_t>qsum[p]
+                self.layers[i].bias[p] = <const float *><uintptr_t>bias[p]
+            self.layers[i].ln_in = <const float *><uintptr_t>ln_in
+            self.layers[i].ln_post = <const float *><uintptr_t>ln_post
+            self.layers[i].eps_in = eps_in
+            self.layers[i].eps_post = eps_post
+            self.layers[i].k_cache = <char *><uintptr_t>k_cache
+            self.layers[i].v_cache = <char *><uintptr_t>v_cache
+
+    def __dealloc__(self):
+        free(self.layers)
+
+    def run(self, int64_t first, tuple dims, tuple buffers, uintptr_t positions, uintptr_t slots,
+            uintptr_t cos, uintptr_t sin, int64_t max_positions, int64_t num_slots,
+            int cache_dtype, uintptr_t cu_seqlens_q, uintptr_t seq_lens, uintptr_t block_tables,
+            int64_t num_seqs, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+            float scale) -> int:
+        """Layers [first, num_layers) over T <= GEMV_MAX_M tokens (dims: T, hidden, q_size,
+        kv_size, num_heads, num_kv_heads, head_dim, intermediate; buffers: residual, h, o,
+        down, qkv, attn, gate_up, act addresses). -1 when done, else 4 * layer + what failed
+        (0 scratch memory, 1 RoPE/cache index, 2 attention)."""
+        cdef pipe_step s
+        cdef int64_t rc
+        if not 0 <= first <= self.num_layers or len(dims) != 8 or len(buffers) != 8:
+            raise ValueError("DecoderLayers.run: bad first layer, dims or buffers")
+        s.T, s.hidden, s.q_size, s.kv_size, s.num_heads, s.num_kv_heads, s.head_dim, s.inter = dims
+        if not 0 < s.T <= PIPE_GEMV_MAX_M:
+            raise ValueError(f"DecoderLayers.run: {s.T} tokens, at most {PIPE_GEMV_MAX_M}")
+        s.residual = <float *><uintptr_t>buffers[0]
+        s.h = <float *><uintptr_t>buffers[1]
+        s.o = <float *><uintptr_t>buffers[2]
+        s.down = <float *><uintptr_t>buffers[3]
+        s.qkv = <float *><uintptr_t>buffers[4]
+        s.attn = <float *><uintptr_t>buffers[5]
+        s.gate_up = <float *><uintptr_t>buffers[6]
+        s.act = <float *><uintptr_t>buffers[7]
+        s.positions = <const int64_t *>positions
+        s.slots = <const int64_t *>slots
+        s.cos = <const float *>cos
+        s.sin = <const float *>sin
+        s.max_positions = max_positions
+        s.num_slots = num_slots
+        s.cache_dtype = cache_dtype
+        s.attn_args.cu_seqlens_q = <const int32_t *>cu_seqlens_q
+        s.attn_args.seq_lens = <const int32_t *>seq_lens
+        s.attn_args.block_tables = <const int32_t *>block_tables
+        s.attn_args.num_seqs = num_seqs
+        s.attn_args.num_tokens = s.T
+        s.attn_args.num_heads = s.num_heads
+        s.attn_args.num_kv_heads = s.num_kv_heads
+        s.attn_args.head_dim = s.head_dim
+        s.attn_args.num_blocks = num_blocks
+        s.attn_args.block_size = block_size
+        s.attn_args.max_blocks = max_blocks
+        s.attn_args.scale = scale
+        with nogil:
+            rc = pipeline_cpu_decoder_layers(self.layers, first, self.num_layers, &s)
+        return rc

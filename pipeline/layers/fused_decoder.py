@@ -28,7 +28,9 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     once per step. Layer 0 goes through the checked ``ops`` wrappers; every later layer
     has the same shapes, dtypes and metadata, so it calls the kernels directly (their
     index checks still run in C). At batch 1 this is most of what is left of a step
-    besides reading the weights."""
+    besides reading the weights; so for up to ``GEMV_MAX_M`` tokens the layers after layer 0
+    run in one C call instead (``cpu_ops_decoder.h``: the same kernels in the same order, so
+    the same floats), unless a layer needs Python (q/k norms, a layer-signal callback)."""
     ext = ops.backend(x.device)
     assert ext is not None, "the model calls this only when the C ops are built"
     layer0 = model.layers[0]
@@ -71,7 +73,18 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
 
     ops_fused.rms_norm(residual, layer0.input_layernorm.weight, layer0.input_layernorm.eps, out=h)
     last = len(model.layers) - 1
+    # Small batches: after layer 0 (checked), the other layers in one C call (same kernels).
+    table = _layer_table(model, kv_caches) if gemv and on_kv_written is None else None
     for i, layer in enumerate(model.layers):
+        if i == 1 and table is not None:
+            rc = table.run(1, (t, hidden, qs, kvs, nh, nkv, hd, inter),
+                           (rp, hp, op, dp, qkvp, ap, gup, actp), posp, slp, cosp, sinp,
+                           cos.shape[0], nb * bs, dcode, cup, slp2, btp, nseq, nb, bs, maxb,
+                           float(layer0.scale))
+            if rc != -1:  # layer 0 passed the same checks: not expected
+                what = ("scratch memory", "RoPE/KV-cache index", "paged attention")[rc % 4]
+                raise RuntimeError(f"decoder layer {rc // 4}: {what} failed")
+            return residual
         k_cache, v_cache = kv_caches[i]
         proj(h, hp, layer.qkv_weight, layer.qkv_bias, qkv, qkvp, layer.kn)
         if layer.q_norm is not None or i == 0:
@@ -106,3 +119,35 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
         else:
             residual.add_(down)
     return residual
+
+
+def _layer_table(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+    """The C layer table of ``model`` over ``kv_caches`` (cpu_ops.DecoderLayers), built once
+    and kept on the model; None when a layer needs the Python loop (q/k norms, or float32
+    projections not stored [in, out])."""
+    key = tuple(k.data_ptr() for k, _ in kv_caches)
+    cached = getattr(model, "_c_layer_table", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    rows = []
+    for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
+        ws = [getattr(layer, n) for n in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")]
+        lowp = [isinstance(w, LowpWeight) for w in ws]
+        if layer.q_norm is not None or (not any(lowp) and not layer.kn) or 0 < sum(lowp) < 4:
+            model._c_layer_table = (key, None)
+            return None
+        fmt = 0 if not lowp[0] else 1 if ws[0].fmt == "bf16" else 2
+        scale = [w.scale.data_ptr() if fmt == 2 else 0 for w in ws]
+        qsum = [w.qsum.data_ptr() if fmt == 2 else 0 for w in ws]
+        biases = [getattr(layer, n) for n in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")]
+        rows.append((fmt, [w.weight.data_ptr() if fmt else w.data_ptr() for w in ws], scale, qsum,
+                     [0 if b is None else b.data_ptr() for b in biases],
+                     layer.input_layernorm.weight.data_ptr(),
+                     layer.post_attention_layernorm.weight.data_ptr(),
+                     layer.input_layernorm.eps, layer.post_attention_layernorm.eps,
+                     k_cache.data_ptr(), v_cache.data_ptr()))
+    ext = ops.backend(kv_caches[0][0].device)
+    assert ext is not None, "forward_fused runs only with the C ops"
+    table = ext.DecoderLayers(rows)
+    model._c_layer_table = (key, table)
+    return table
