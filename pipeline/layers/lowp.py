@@ -16,7 +16,8 @@ quantises x per token there); more rows (prefill, large batches) in one GEMM: bf
 multiply a bf16 copy of x through torch (oneDNN, AMX or AVX-512 BF16 where the CPU has them),
 int8 weights are first dequantised by all threads into a scratch matrix (bf16 when the CPU
 multiplies bf16 natively, float32 otherwise), which a GEMM then reads from cache. ``embed``
-looks rows up for the embedding. Owns: the packed weight tensors of one projection.
+looks rows up for the embedding. Owns: the packed weight tensors of one projection; the module
+owns the one scratch matrix per GEMM dtype that every LowpWeight dequantises into.
 """
 from __future__ import annotations
 
@@ -28,6 +29,19 @@ from pipeline.layers.ops import backend
 FORMATS = ("bf16", "int8")
 GEMV_MAX_M = 8  # pipeline._ext.cpu_ops.GEMV_MAX_M
 _DEQUANT_CODE = {torch.float32: 0, torch.bfloat16: 1}
+
+
+# One dense copy at a time (the worker runs one projection at a time): the largest weight's
+# size per dtype, shared by every LowpWeight, so int8 keeps its memory saving and the copy
+# stays warm in cache between projections.
+_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    buf = _SCRATCH.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -65,7 +79,6 @@ class LowpWeight(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)  # None: not a buffer (bf16)
         self.register_buffer("qsum", qsum)
-        self._scratch: torch.Tensor | None = None  # the dequantised int8 weight, reused
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, out={self.out_features}, in={self.in_features}"
@@ -80,18 +93,20 @@ class LowpWeight(nn.Module):
         return rows if self.scale is None else rows.mul_(self.scale[ids, None])
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The whole weight ``[out, in]`` in ``dtype`` (float32 or bfloat16)."""
-        if self.fmt == "bf16":
-            return self.weight if dtype == torch.bfloat16 else self.weight.float()
+        """The whole weight ``[out, in]`` in ``dtype`` (float32 or bfloat16): a bf16 weight
+        itself, else the shared scratch, valid until the next ``dense`` of any LowpWeight."""
+        if self.fmt == "bf16" and dtype == torch.bfloat16:
+            return self.weight
+        scratch = _scratch(dtype, self.weight.numel()).view(self.weight.shape)
+        if self.fmt == "bf16":  # a CPU without native bf16 GEMMs: float32 for BLAS
+            return scratch.copy_(self.weight)
         assert self.scale is not None
         ext = backend(self.weight.device)
         if ext is None:
-            return (self.weight.float() * self.scale[:, None]).to(dtype)
-        if self._scratch is None or self._scratch.dtype != dtype:
-            self._scratch = torch.empty(self.weight.shape, dtype=dtype)
-        ext.dequant_i8(self._scratch.data_ptr(), _DEQUANT_CODE[dtype], self.weight.data_ptr(),
+            return scratch.copy_(self.weight.float() * self.scale[:, None])
+        ext.dequant_i8(scratch.data_ptr(), _DEQUANT_CODE[dtype], self.weight.data_ptr(),
                        self.scale.data_ptr(), self.out_features, self.in_features)
-        return self._scratch
+        return scratch
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
