@@ -23,6 +23,7 @@ BENCHES = {
     "offline": "pipeline.bench.offline",
     "pd": "pipeline.bench.pd",
     "startup": "pipeline.bench.startup",
+    "threads": "pipeline.bench.threads",
 }
 
 

@@ -145,7 +145,7 @@ def bench_ours(model_dir: str, batches: list[int], steps: int, prefill_tokens: i
     dtype, quantization = FORMAT_FLAGS[fmt]
     cfg = EngineConfig(model=model_dir, device="cpu", dtype=dtype, quantization=quantization,
                        block_size=16,
-                       max_num_seqs=max_b, max_model_len=1024,
+                       max_num_seqs=max(max_b, 4),  # the prefill step admits 4 max_model_len=1024,
                        num_blocks=max(max_b * -(-(PROMPT_LEN + repeats * steps + 4) // 16),
                                       1024 // 16 * 4) + 8,
                        max_num_batched_tokens=max(prefill_tokens, 256))

@@ -1,0 +1,94 @@
+"""`pipeline bench threads`: the worker's default CPU team (adaptive, worker/threads.py)
+against every explicit `--worker-threads` count, on a quiet machine and on a busy one, in the
+same run.
+
+Busy means one process spinning on one of this process's cores, as another stage or another
+service on the box would. Each setting runs `bench worker`'s float32 measurement (decode at
+the given batch sizes, prefill) on the 25M-parameter checkpoint, in a fresh ModelRunner; the
+settings alternate for `--rounds` rounds and each keeps its best figure. Targets (issue 12):
+quiet, the default within 5 % of the best explicit count; busy, within 10 % of it (it must
+not fall apart as a fixed team of every core does). Owns nothing beyond the run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from pipeline.bench.report import Report
+from pipeline.bench.worker import bench_ours, make_bench_model
+
+HOG = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass\n"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="", help="checkpoint dir; default: make a 25.7M-param llama")
+    p.add_argument("--batch-sizes", default="1,32")
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--prefill-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3, help="timed windows per measurement")
+    p.add_argument("--rounds", type=int, default=2, help="alternations of all settings")
+    p.add_argument("--phases", default="quiet,busy")
+
+
+def _measure(model_dir: str, threads: int, args: argparse.Namespace, batches: list[int],
+             vocab: int) -> dict[str, float]:
+    """One setting's figures: threads 0 is the default (adaptive) team."""
+    old = os.environ.pop("PIPELINE_WORKER_THREADS", None)
+    if threads:
+        os.environ["PIPELINE_WORKER_THREADS"] = str(threads)
+    try:
+        decode, prefill, _ = bench_ours(model_dir, batches, args.decode_steps,
+                                        args.prefill_tokens, vocab, args.repeats)
+    finally:
+        os.environ.pop("PIPELINE_WORKER_THREADS", None)
+        if old is not None:
+            os.environ["PIPELINE_WORKER_THREADS"] = old
+    return {**{f"decode b{b}": decode[b] for b in batches}, "prefill": prefill}
+
+
+def main(args: argparse.Namespace) -> int:
+    batches = [int(x) for x in args.batch_sizes.split(",") if x]
+    cores = sorted(os.sched_getaffinity(0))
+    settings = [0, *range(1, len(cores) + 1)]
+    phases = [p for p in args.phases.split(",") if p]
+    best: dict[tuple[str, int], dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="pipeline-bench-threads-") as tmp:
+        model_dir = args.model
+        if not model_dir:
+            model_dir = str(Path(tmp) / "model")
+            make_bench_model(Path(model_dir))
+        from pipeline.models.config import load_model_config
+        vocab = min(load_model_config(model_dir).vocab_size, 512)
+        for phase in phases:
+            hog = (subprocess.Popen([sys.executable, "-c", HOG, str(cores[-1])])
+                   if phase == "busy" else None)
+            try:
+                for _ in range(args.rounds):
+                    for n in settings:
+                        got = _measure(model_dir, n, args, batches, vocab)
+                        old = best.setdefault((phase, n), got)
+                        for k, v in got.items():
+                            old[k] = max(old[k], v)
+            finally:
+                if hog is not None:
+                    hog.kill()
+                    hog.wait()
+    rep = Report("threads")
+    rep.machine["cores"] = len(cores)
+    rep.machine["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    for phase in phases:
+        for n in settings:
+            rep.add(f"{phase}: {'default (adaptive)' if n == 0 else f'{n} thread(s)'}",
+                    **{k: round(v, 1) for k, v in best[(phase, n)].items()})
+    goals = {"quiet": 0.95, "busy": 0.90}
+    for phase in phases:
+        for k in best[(phase, 0)]:
+            top = max(best[(phase, n)][k] for n in settings[1:])
+            r = best[(phase, 0)][k] / top
+            rep.target(f"{phase} {k}: default / best explicit", round(r, 3),
+                       f">= {goals.get(phase, 0.95)}", r >= goals.get(phase, 0.95))
+    return rep.emit(args.json)
