@@ -1,11 +1,12 @@
 """Hypothesis-driven engine workloads under a tiny KV pool (FakeWorker, no model).
 
 Random arrivals, aborts (client and stop-string), stop tokens, EOS, min_tokens, priorities,
-tenants and shared prefixes, with the engine either synchronous or pipelined (step N+1 is
-scheduled before step N's result is back, so in-flight requests get preempted and aborted,
-seed 001). Properties: every request ends exactly once, its tokens are exactly what an
-unconstrained run produces (a prefix of it when aborted), the block-table invariant holds
-after every step, and the engine never hangs.
+tenants and shared prefixes, with the engine synchronous, pipelined (step N+1 is scheduled
+before step N's result is back, so in-flight requests get preempted and aborted, seed 001)
+or async (pipelined, and requests in flight are scheduled ahead on the tokens their steps in
+flight sample: tokens computed ahead of an end are dropped). Properties: every request ends
+exactly once, its tokens are exactly what an unconstrained run produces (a prefix of it when
+aborted), the block-table invariant holds after every step, and the engine never hangs.
 """
 from __future__ import annotations
 
@@ -58,13 +59,15 @@ def expected(worker: FakeWorker, prompt: list[int], sp: SamplingParams) -> tuple
        num_blocks=st.integers(6, 20), block_size=st.sampled_from([2, 4]),
        max_num_seqs=st.integers(1, 6), budget=st.integers(3, 24),
        threshold=st.sampled_from([0, 3, 8]), policy=st.sampled_from(["newest", "lowest_priority"]),
-       caching=st.booleans(), pipelined=st.booleans())
+       caching=st.booleans(), mode=st.sampled_from(["sync", "pipelined", "async"]))
 def test_random_workload(specs, num_blocks, block_size, max_num_seqs, budget, threshold, policy,
-                         caching, pipelined):
+                         caching, mode):
+    pipelined = mode != "sync"
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                        long_prefill_token_threshold=threshold, preemption_policy=policy,
                        enable_prefix_caching=caching)
-    sched = Scheduler(cfg, num_blocks, block_size, MAX_MODEL_LEN, hash_key=b"h")
+    sched = Scheduler(cfg, num_blocks, block_size, MAX_MODEL_LEN, hash_key=b"h",
+                      async_scheduling=mode == "async")
     worker = FakeWorker(num_blocks, block_size, MAX_MODEL_LEN, 32, [EOS], check_kv=True)
     tokens: dict[str, list[int]] = {}
     finish: dict[str, str] = {}

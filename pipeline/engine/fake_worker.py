@@ -3,8 +3,10 @@
 Implements the worker contract of ``ModelRunner.execute`` exactly: it keeps its own copy of
 each request (tokens, blocks, computed count) built from the step diffs, drops finished and
 preempted ids first, and samples one token for a request only when ``num_computed_tokens +
-scheduled == all known tokens``. The sampled token is a pure function of the request's whole
-token sequence, so outputs do not depend on batching, chunking, caching or preemption.
+scheduled == all known tokens``, appending it to its copy as the real worker does (so a step
+scheduled ahead of its result, async scheduling, decodes it). The sampled token is a pure
+function of the request's whole token sequence, so outputs do not depend on batching,
+chunking, caching or preemption.
 Prompt logprobs, for requests that ask, are a pure function of the position (``logprob =
 -position``), so a test can tell each prompt token's entry apart.
 

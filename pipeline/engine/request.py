@@ -75,7 +75,8 @@ class Request:
     # Prompt followed by every sampled token; grows by one per decode step.
     all_token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
-    # Tokens whose KV is in the cache (advanced when the worker reports the step done).
+    # Tokens whose KV is in the cache (advanced when the worker reports the step done;
+    # steps scheduled but not reported are in ``num_inflight_tokens``).
     num_computed_tokens: int = 0
     # Blocks owned, in position order.
     blocks: list[KVBlock] = field(default_factory=list)
@@ -85,8 +86,12 @@ class Request:
     num_cached_blocks: int = 0
     # Prefix-cache hit at first admission (reported to the client).
     num_cached_tokens: int = -1
-    # Step the request is in flight in (-1: none); results of any other step are stale.
-    scheduled_step: int = -1
+    # Steps it is in flight in, oldest first (results come back in step order; a result of
+    # any other step is stale), the tokens they compute and the tokens they sample, which
+    # the worker knows and the engine does not yet (engine.inflight: async scheduling).
+    inflight_steps: list[int] = field(default_factory=list)
+    num_inflight_tokens: int = 0
+    num_placeholders: int = 0
     # Admission order, for the "newest admitted" preemption victim.
     admit_seq: int = 0
     num_preemptions: int = 0

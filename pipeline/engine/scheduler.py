@@ -3,10 +3,13 @@
 Owns the requests (waiting queue + running list), the KVCacheManager (block pool and prefix
 cache) and the per-step diff sent to the worker. Nothing else allocates, frees, hashes or
 caches a block. One step is ``schedule()`` -> worker -> ``update_from_output()``; a request
-scheduled in a step whose result is not back yet is "in flight" and is not scheduled again,
-so an engine may schedule step N+1 before step N's result arrives. A result for a request
-that was preempted, aborted or finished meanwhile is stale and dropped, so such a request
-never caches blocks it no longer owns (seed 001).
+scheduled in a step whose result is not back yet is "in flight", so an engine may schedule
+step N+1 before step N's result arrives. An in-flight request is scheduled again only with
+``async_scheduling`` (``engine.inflight``: it runs ahead on the tokens its steps in flight
+sample, which the worker appends itself); without, it waits for its result. A result for a
+request that was preempted, aborted or finished meanwhile is stale and dropped, so such a
+request never caches blocks it no longer owns (seed 001) and a token computed ahead for it
+is never streamed.
 
 A request of ``n > 1`` completions (parallel sampling) is n child Requests under one client
 id (``parents``). Only the first child is queued at first; its siblings are queued at its
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pipeline.config import EngineConfig
-from pipeline.engine import scheduler_pd
+from pipeline.engine import inflight, scheduler_pd
 from pipeline.engine.audit import audit_block_table
 from pipeline.engine.disagg import SEND_MARGIN_S, Reservations, TransferLeases, check_kv_transfer
 from pipeline.engine.kv_cache_manager import KVCacheManager
@@ -92,8 +95,9 @@ class _Step:
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int,
                  max_model_len: int, hash_key: bytes | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``clock``: the monotonic clock of reservation deadlines (tests inject one)."""
+                 clock: Callable[[], float] = time.monotonic, async_scheduling: bool = False) -> None:
+        """``clock``: the monotonic clock of reservation deadlines (tests inject one).
+        ``async_scheduling``: schedule requests in flight ahead (``engine.inflight``)."""
         for name, v in (("max_num_seqs", config.max_num_seqs),
                         ("max_num_batched_tokens", config.max_num_batched_tokens),
                         ("max_model_len", max_model_len)):
@@ -107,6 +111,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.async_scheduling = async_scheduling
         # An explicit threshold always caps a prefill chunk; the default (0) caps it only when
         # the chunk shares the step with other requests, so a lone prompt still gets the whole
         # budget (TTFT) while a prefill never inflates a decode step by more than a quarter.
@@ -270,7 +275,7 @@ class Scheduler:
             self.send_deadlines.pop(req.req_id, None)
         self.kv.free(req)
         req.finish_time = time.time()
-        req.scheduled_step = -1
+        inflight.reset(req)
         del self.requests[req.req_id]
         if req.sent_to_worker:
             self._finished_ids.append(req.req_id)
@@ -284,7 +289,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.scheduled_step = -1
+        inflight.reset(req)
         req.sent_to_worker = False
         req.num_preemptions += 1
         req.kv_sent_blocks = 0  # prefill role: send again from the remote prefix-hit boundary
@@ -306,19 +311,24 @@ class Scheduler:
         bs = self.block_size
         order: list[Request] = []  # batch order: decodes, then continuing prefills
         prefills: list[Request] = []
+        ahead, max_len = self.async_scheduling, self.max_model_len
         # A snapshot: preemption shrinks self.running while we walk it.
         for req in list(self.running):
             if st.budget <= 0:
                 break
-            if req.scheduled_step >= 0 or req.status != RequestStatus.RUNNING:
-                continue  # in flight in an earlier step, or preempted just now
-            if len(req.all_token_ids) - req.num_computed_tokens != 1:
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted just now
+            if req.inflight_steps and not (ahead and inflight.may_run_ahead(req, max_len)):
+                continue  # waits for its result
+            # Counting the tokens in flight (engine.inflight): where this step starts.
+            start = req.num_computed_tokens + req.num_inflight_tokens
+            if len(req.all_token_ids) + req.num_placeholders - start != 1:
                 prefills.append(req)
             # Fast path: the decode token still fits in the request's last block.
-            elif req.num_computed_tokens < len(req.blocks) * bs or self._grow(req, 1, st):
+            elif start < len(req.blocks) * bs or self._grow(req, 1, st):
                 st.num_sched[req.req_id] = 1
                 st.budget -= 1
-                req.scheduled_step = step
+                inflight.mark_scheduled(req, step, 1)
                 order.append(req)
         threshold = self.long_prefill_token_threshold
         capped = self._explicit_threshold or len(self.running) > 1
@@ -327,17 +337,19 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue
-            n = min(len(req.all_token_ids) - req.num_computed_tokens, st.budget)
+            n = min(len(req.all_token_ids) + req.num_placeholders - req.num_computed_tokens
+                    - req.num_inflight_tokens, st.budget)
             if capped:
                 n = min(n, threshold)
             if self._grow(req, n, st):
                 st.num_sched[req.req_id] = n
                 st.budget -= n
-                req.scheduled_step = step
+                inflight.mark_scheduled(req, step, n)
                 order.append(req)
         num_sched, new_blocks = st.num_sched, st.new_blocks
+        # The worker's count before this step: its own, after the steps in flight.
         cached_reqs = [CachedRequestData(r.req_id, new_blocks.get(r.req_id, []),
-                                         r.num_computed_tokens)
+                                         r.num_computed_tokens + r.num_inflight_tokens - num_sched[r.req_id])
                        for r in order if r.req_id in num_sched]
         budget, preempted = st.budget, st.preempted
         new_reqs: list[NewRequestData] = []
@@ -359,13 +371,13 @@ class Scheduler:
         False when ``req`` itself had to go. A victim already scheduled in this step gives
         its tokens back to the budget.
         """
-        while (blocks := self.kv.allocate_slots(req, n)) is None:
+        while (blocks := self.kv.allocate_slots(req, req.num_inflight_tokens + n)) is None:
             victim = self.policy.select_victim(self.running)
             if self.running[-1] is victim:
                 self.running.pop()
             else:
                 self.running.remove(victim)
-            if victim.req_id in st.num_sched:
+            if victim.req_id in st.num_sched:  # its bookkeeping goes with _preempt's reset
                 st.budget += st.num_sched.pop(victim.req_id)
                 st.new_blocks.pop(victim.req_id, None)
             self._preempt(victim)
@@ -410,7 +422,7 @@ class Scheduler:
                 req.num_cached_tokens = n_hit
                 req.first_scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
-            req.scheduled_step = step
+            inflight.mark_scheduled(req, step, n)
             req.sent_to_worker = True
             self._admit_seq += 1
             req.admit_seq = self._admit_seq
@@ -436,12 +448,10 @@ class Scheduler:
         for rid, n in sched.num_scheduled_tokens.items():
             req = requests.get(rid)
             # Stale: aborted, finished, preempted (maybe re-admitted) since it was scheduled.
-            if req is None or req.scheduled_step != step:
+            if req is None or not inflight.take_result(req, step, n):
                 self.num_stale_results += 1
                 continue
-            req.scheduled_step = -1
-            computed = req.num_computed_tokens + n
-            req.num_computed_tokens = computed
+            computed = req.num_computed_tokens
             self.num_computed_tokens += n
             if caching and computed // bs > req.num_cached_blocks:
                 kv.cache_computed_blocks(req)
@@ -461,6 +471,7 @@ class Scheduler:
                 raise RuntimeError(f"worker sampled a token for {rid!r} mid-prefill "
                                    f"({computed}/{len(toks)} computed)")
             toks.append(tok)
+            req.num_placeholders -= 1
             self.num_generated_tokens += 1
             if caching and len(toks) % bs == 0:
                 kv.hash_new_blocks(req)
@@ -559,6 +570,8 @@ class Scheduler:
         errs += [f"request {r.req_id} is PARKED but not in the parked table"
                  for r in self.requests.values()
                  if r.status == RequestStatus.PARKED and r.req_id not in self.parked]
+        for r in self.requests.values():
+            errs += inflight.check(r, self.block_size)
         for e in errs:
             logger.error("KV block table invariant violated: %s", e)
         return errs

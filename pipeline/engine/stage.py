@@ -5,7 +5,15 @@ stop-string hits from the token processor, sampled tokens from worker rank 0. Ou
 step's SchedulerOutput to the workers (broadcast ring), EngineOutputs to the token processor
 and an EngineStats snapshot to the gateway a few times a second. Only this process allocates,
 frees or caches KV blocks. When idle it audits the block table and logs violations with the
-ids. State besides the scheduler: the step timing counters (engine overhead vs worker time).
+ids. State besides the scheduler: the steps sent and not answered, and the step timing
+counters (engine overhead vs worker time), in ``engine.inflight.EngineSteps``.
+
+Async scheduling (mixed role): step N+1 is sent right after step N and waits in the step
+ring while the worker runs N; N's result is then processed (outputs emitted) while the worker
+runs N+1, so the engine's time, and a slow token processor's (outputs ring full), hide
+behind the worker's. The other roles stay synchronous: a prefill-role step's TransferPlan
+is made from its requests' confirmed state and their first token ends (or parks) them, so
+running one ahead is unsafe; the decode role has nothing known unsafe but is verified only so.
 
 Disaggregation (``config.role``). Prefill: each step's TransferPlan goes to the cache messager
 (ring kv_plans) before the step goes to the workers, the KVFinish messages after the step's
@@ -23,6 +31,7 @@ import traceback
 
 import msgspec
 
+from pipeline.engine.inflight import MAX_STEPS_IN_FLIGHT, EngineSteps
 from pipeline.engine.scheduler import Scheduler
 from pipeline.ipc.ring import wait_any
 from pipeline.messages import AbortRequest, EngineOutput, EngineOutputs, EngineRequest
@@ -34,20 +43,10 @@ from pipeline.runtime.spec import StageSpec
 STATS_INTERVAL_S = 0.25
 
 
-class StepTimes(msgspec.Struct):
-    steps: int = 0
-    step_s: float = 0.0  # schedule -> broadcast -> result -> update, wall time
-    worker_s: float = 0.0  # the worker's execute() (forward + sampling) within those steps
-
-    @property
-    def overhead_share(self) -> float:
-        return (self.step_s - self.worker_s) / self.step_s if self.step_s > 0 else 0.0
-
-
 class EngineLoop:
     def __init__(self, spec: StageSpec) -> None:
         m = spec.model
-        assert m is not None, "the engine is started after the worker reported its KV cache"
+        assert m is not None, "the engine is built once the worker reported its KV cache"
         self.spec = spec
         self.sched = Scheduler(spec.config, m.num_blocks, m.block_size, m.max_model_len)
         self.requests = rings.attach(spec, "requests")  # tokenizer -> engine
@@ -64,7 +63,11 @@ class EngineLoop:
         self.wait_rings = [c.ring for c in (self.requests, self.stops, self.kv_reports,
                                             self.kv_ready) if c is not None]
         self.invariants_checked = True
-        self.times = StepTimes()
+        # Async scheduling in the mixed role only (the module docstring says why).
+        self.async_scheduling = role == "mixed"
+        self.sched.async_scheduling = self.async_scheduling
+        self.inflight = EngineSteps(MAX_STEPS_IN_FLIGHT if self.async_scheduling else 1)
+        self.times = self.inflight.times
         self.next_stats = 0.0
 
     def _abort(self, msg: AbortRequest) -> list[EngineOutput]:
@@ -141,6 +144,34 @@ class EngineLoop:
     def step(self) -> bool:
         """One step; False when it could run nothing and preempted nothing (only an event
         from a ring, or a deadline, can change that: blocks held by reservations or leases)."""
+        return self._step_async() if self.async_scheduling else self._step_sync()
+
+    def _step_async(self) -> bool:
+        """Schedule and send a step if fewer than MAX_STEPS_IN_FLIGHT are out; then, when
+        that many are out or nothing new could be sent, take the oldest one's result."""
+        sched, q = self.sched, self.inflight
+        sent = progressed = False
+        if not q.full and sched.has_unfinished_requests():
+            t0 = time.perf_counter()
+            sched_out = sched.schedule()
+            progressed = bool(sched_out.total_num_scheduled_tokens or sched_out.preempted_req_ids)
+            # A step with nothing for the workers (every running request waits for a result,
+            # none could be admitted) is not sent.
+            if sched_out.num_scheduled_tokens or sched_out.finished_req_ids or sched_out.preempted_req_ids:
+                self.steps.send(sched_out)
+                q.push(sched_out, t0)
+                sent = True
+            self._emit(sched.take_outputs())
+        if q and (q.full or not sent):
+            sched_out, t0 = q.pop()
+            # No deadline: a long prefill may take a while; PeerDied if the worker dies.
+            result = self.results.recv(timeout=None)
+            self._emit(sched.update_from_output(sched_out, result))
+            self.times.add(sched_out, t0, result.execute_s)
+            return True
+        return progressed or sent
+
+    def _step_sync(self) -> bool:
         t0 = time.perf_counter()
         sched_out = self.sched.schedule()
         outs = self.sched.take_outputs()  # decode role: reservations made by this schedule
@@ -156,12 +187,8 @@ class EngineLoop:
         outs = self.sched.update_from_output(sched_out, result)
         self._emit(outs)
         self._send_kv_finishes()
-        if sched_out.total_num_scheduled_tokens:
-            self.times.steps += 1
-            self.times.step_s += time.perf_counter() - t0
-            self.times.worker_s += result.execute_s
-            return True
-        return bool(sched_out.preempted_req_ids)
+        self.times.add(sched_out, t0, result.execute_s)
+        return bool(sched_out.total_num_scheduled_tokens or sched_out.preempted_req_ids)
 
     def publish_stats(self, now: float) -> None:
         self.next_stats = now + STATS_INTERVAL_S
@@ -195,7 +222,7 @@ class EngineLoop:
         now = time.monotonic()
         if now >= self.next_stats:
             self.publish_stats(now)
-        if sched.has_unfinished_requests():
+        if sched.has_unfinished_requests() or self.inflight:
             if self.step():
                 return
             # Nothing could run: wait for what frees blocks (a transfer report, a KVReady, an

@@ -35,7 +35,12 @@ class NewRequestData(msgspec.Struct, array_like=True):
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
-    """A request the worker already holds: only the blocks it got this step."""
+    """A request the worker already holds: only the blocks it got this step.
+
+    ``num_computed_tokens``: where this step starts. With async scheduling it counts the
+    request's steps still running ahead of this one, and the last token to compute may be
+    one the worker sampled itself (appended to its batch) that the engine has not seen yet.
+    """
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
