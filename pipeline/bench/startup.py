@@ -10,7 +10,9 @@ Where the run's time goes comes from what it already prints, stamped as each std
 reaches this process (the stages write their log lines flushed, so the stamp is when the
 line was written, give or take a pipe hop): the worker's "loading weights" (its process has
 started and imported torch and the model code), weights loaded, the worker ready (KV cache
-allocated), the other stages ready, and the gateway's "ready" (all stages up). The
+allocated), the other stages ready, and the gateway's "ready" (all stages up). The stages
+start together, so the rows overlap: the token processor is ready long before the worker,
+the engine and the tokenizer just after it (they are built from its ModelInfo). The
 gateway's own imports are timed apart as `pipeline run --help`, a process of its own in the
 same alternation, since the run prints nothing when they end. Owns nothing beyond the run.
 """
@@ -31,16 +33,19 @@ from pipeline.bench.report import Report
 from pipeline.config import DEFAULT_MODEL
 
 GOAL_RATIO = 1.5
-# (breakdown row, the stderr line that marks it), in the order a one-line run reaches them.
-# The lines are the stages' own start-up log; a row whose line never came is reported unseen.
+# (breakdown row, the stderr line that marks it): the worker's in the order it reaches them,
+# then the other stages', which start beside it. The lines are the stages' own start-up log;
+# a row whose line never came is reported unseen.
+# Not anchored: the stages start together and share stderr, where an unbuffered print (python
+# -u) can put another stage's text before a line's own.
 MILESTONES = (
-    ("worker imported torch + model code", re.compile(r"^\[worker0\] loading weights")),
-    ("weights loaded", re.compile(r"^model: .* loaded in")),
-    ("worker ready (KV cache allocated)", re.compile(r"^\[worker0\] loaded in")),
-    ("tokenizer ready", re.compile(r"^\[tokenizer\] tokenizer loaded")),
-    ("detokenizer ready", re.compile(r"^\[output\] detokenizer ready")),
-    ("engine ready", re.compile(r"^\[engine\] scheduler ready")),
-    ("all stages ready", re.compile(r"^\[gateway\] ready")),
+    ("worker imported torch + model code", re.compile(r"\[worker0\] loading weights")),
+    ("weights loaded", re.compile(r"model: .* loaded in")),
+    ("worker ready (KV cache allocated)", re.compile(r"\[worker0\] loaded in")),
+    ("tokenizer ready", re.compile(r"\[tokenizer\] tokenizer loaded")),
+    ("detokenizer ready", re.compile(r"\[output\] detokenizer ready")),
+    ("engine ready", re.compile(r"\[engine\] scheduler ready")),
+    ("all stages ready", re.compile(r"\[gateway\] ready")),
 )
 
 

@@ -23,13 +23,12 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import wait as wait_sentinels
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import psutil
 
 from pipeline.config import EngineConfig
-from pipeline.gateway.supervisor import Stage, describe_exit, last_words, spawn_stage, wait_ready
+from pipeline.gateway.supervisor import Stage, describe_exit, last_words, send_start, spawn_stage, wait_ready
 from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.errors import PeerDied
 from pipeline.ipc.instance import Instance, owner_alive, unlink_instance
@@ -38,10 +37,13 @@ from pipeline.ipc.ring import Doorbell, Ring, wait_any
 from pipeline.ipc.sweep import sweep_stale
 from pipeline.messages import AbortRequest, EngineStats, GatewayRequest, RequestDelta, RequestResult, error_result
 from pipeline.models.config import load_model_config
-from pipeline.runtime.process import EXIT_PEER_DIED, STOP_SIGNAL
+from pipeline.runtime.process import EXIT_PEER_DIED, NEEDS_MODEL, STOP_SIGNAL
 from pipeline.runtime.rings import SHARED_DOORBELLS, STEPS_ROLE, Channel, capacity, message_limits, ring_roles
 from pipeline.runtime.spec import ModelInfo, StageSpec
 from pipeline.tokenizer.validate import InvalidRequest, check_messages_bytes, check_prompt_text
+
+if TYPE_CHECKING:
+    import psutil
 
 Answer = RequestDelta | RequestResult
 ABORT_CHUNK = 1024  # request ids per AbortRequest (ids are at most 1 KiB of UTF-8 each)
@@ -100,6 +102,7 @@ class Gateway:
         self.engine_stats = EngineStats()
         self.stats_updated = threading.Event()
         self._ps: dict[int, psutil.Process] = {}  # cpu_percent needs the same handle
+        self._names: dict[str, str] = {}  # ring role -> shared-memory name, told to every stage
 
     # ---- start-up ----
     def start(self, timeout_s: float = 600.0) -> ModelInfo:
@@ -118,28 +121,21 @@ class Gateway:
             self.config = msgspec.structs.replace(
                 self.config, kv_listen=f"ipc://{run_dir}/pipeline-{self.config.instance_id}.kv")
         try:
-            bells = {c: Doorbell.create(self.instance, f"bell.{c}") for c in SHARED_DOORBELLS}
-            self.doorbells = list(bells.values())
-            for role, (producer, consumer) in ring_roles(self.config.role).items():
-                mine = "gateway" in (producer, consumer)
-                self.rings[role] = Channel(Ring.create(
-                    self.instance, role, capacity(limits[role]), doorbell=bells.get(consumer),
-                    role="writer" if producer == "gateway" else "reader", claim=mine), role)
-            tp = self.config.tensor_parallel_size
-            self.steps = BroadcastRing.create(self.instance, STEPS_ROLE,
-                                              capacity(limits[STEPS_ROLE]), tp)
-            names = {r: ch.ring.name for r, ch in self.rings.items()} | {STEPS_ROLE: self.steps.name}
-            if self.config.role == "prefill":
-                # Worker rank 0 publishes each layer's "KV written" on it; the cache messager
-                # blocks on it (the gateway owns it so it is unlinked with the instance).
-                self.layer_signal = LayerSignal.create(self.instance, "layers", mc.num_layers)
-                names["layers"] = self.layer_signal.name
-            ctx = mp.get_context("spawn")
-            workers = [self._spawn(ctx, f"worker{r}", "worker", names, r) for r in range(tp)]
-            self.model = msgspec.convert(wait_ready(workers, timeout_s), ModelInfo)
+            # Every stage at once, the workers first, before the rings exist: each imports its
+            # code (the workers: torch and the model) while the rings are made and the others
+            # come up, then waits for ("start", model) (runtime.process): once the rings exist,
+            # and for those built from the worker's ModelInfo (NEEDS_MODEL) once rank 0 sent it.
+            self._names = self._ring_names()
             kinds = ["engine", "tokenizer", "output"] + (["messager"] if self.config.role != "mixed" else [])
-            rest = [self._spawn(ctx, k, k, names) for k in kinds]
-            wait_ready(rest, timeout_s)
+            for r in range(self.config.tensor_parallel_size):
+                self._spawn(f"worker{r}", "worker", r)
+            for k in kinds:
+                self._spawn(k, k)
+            self._create_rings(limits, mc.num_layers)
+            for s in self.stages:
+                self._start_stage(s)
+            wait_ready(self.stages, timeout_s, self._on_ready)
+            assert self.model is not None  # worker0 reported ready
         except BaseException:
             self.close()
             raise
@@ -151,9 +147,50 @@ class Gateway:
         self.log(f"ready: {len(self.stages)} stage processes, instance {self.config.instance_id}")
         return self.model
 
-    def _spawn(self, ctx, name: str, kind: str, rings: dict[str, str], rank: int = 0) -> Stage:
-        stage = spawn_stage(ctx, StageSpec(name=name, kind=kind, config=self.config, rings=rings,
-                                           rank=rank, model=self.model))
+    def _ring_names(self) -> dict[str, str]:
+        """role -> shared-memory name of every ring (and the layer signal) of this instance."""
+        assert self.instance is not None
+        roles = [*ring_roles(self.config.role), STEPS_ROLE]
+        return {r: self.instance.name(r) for r in roles + (["layers"] if self.config.role == "prefill" else [])}
+
+    def _create_rings(self, limits: dict[str, int], num_layers: int) -> None:
+        assert self.instance is not None
+        bells = {c: Doorbell.create(self.instance, f"bell.{c}") for c in SHARED_DOORBELLS}
+        self.doorbells = list(bells.values())
+        for role, (producer, consumer) in ring_roles(self.config.role).items():
+            mine = "gateway" in (producer, consumer)
+            self.rings[role] = Channel(Ring.create(
+                self.instance, role, capacity(limits[role]), doorbell=bells.get(consumer),
+                role="writer" if producer == "gateway" else "reader", claim=mine), role)
+        self.steps = BroadcastRing.create(self.instance, STEPS_ROLE, capacity(limits[STEPS_ROLE]),
+                                          self.config.tensor_parallel_size)
+        made = {r: ch.ring.name for r, ch in self.rings.items()} | {STEPS_ROLE: self.steps.name}
+        if self.config.role == "prefill":
+            # Worker rank 0 publishes each layer's "KV written" on it; the cache messager
+            # blocks on it (the gateway owns it so it is unlinked with the instance).
+            self.layer_signal = LayerSignal.create(self.instance, "layers", num_layers)
+            made["layers"] = self.layer_signal.name
+        assert made == self._names, (made, self._names)  # what the stages were told
+
+    def _on_ready(self, stage: Stage) -> None:
+        if stage.spec.kind == "worker" and stage.spec.rank == 0:
+            self.model = msgspec.convert(stage.info, ModelInfo)
+            for s in self.stages:
+                self._start_stage(s)
+
+    def _start_stage(self, stage: Stage) -> None:
+        """Tell ``stage`` to start, once: when the rings exist and it has what it needs."""
+        if stage.started or not self.rings:
+            return
+        if stage.spec.kind not in NEEDS_MODEL:
+            send_start(stage, None)
+        elif self.model is not None:
+            send_start(stage, msgspec.structs.asdict(self.model))
+
+    def _spawn(self, name: str, kind: str, rank: int = 0) -> Stage:
+        stage = spawn_stage(mp.get_context("spawn"), StageSpec(
+            name=name, kind=kind, config=self.config, rings=self._names, rank=rank,
+            await_start=True))
         self.stages.append(stage)
         return stage
 
@@ -260,7 +297,10 @@ class Gateway:
                     self.engine_stats = snap
                     self.stats_updated.set()
             except PeerDied:
-                self.failed.wait(2.0)  # the supervisor names the stage and answers
+                # The supervisor names the stage and answers. Not when close() stopped the
+                # stages: it set `stopping` before, and joins this thread.
+                if not self.stopping.is_set():
+                    self.failed.wait(2.0)
                 return
             except Exception as exc:  # noqa: BLE001 - nobody would answer in-flight requests
                 self._fail(f"gateway: receiving answers failed: {type(exc).__name__}: {exc}")
@@ -328,6 +368,8 @@ class Gateway:
 
     def stats_stages(self) -> list[dict]:
         """Per stage process: pid, liveness, RSS and CPU % since the previous call."""
+        import psutil  # here: a one-line `pipeline run` never asks, and start-up is shorter
+
         rows = []
         for s in self.stages:
             pid = s.process.pid

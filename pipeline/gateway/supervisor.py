@@ -1,14 +1,16 @@
 """Gateway: starting stage processes and watching them (the supervisor's tools).
 
 ``spawn_stage`` starts one stage process (``runtime.process.stage_process``) with the 'spawn'
-context; ``wait_ready`` waits for the ready reports (or names the stage that failed);
-``last_words`` and ``describe_exit`` say why a stage died. Owns no state: the Gateway holds
-the Stage records.
+context; ``send_start`` tells one started with ``spec.await_start`` to go on (with the worker's
+ModelInfo where it needs it); ``wait_ready`` waits for the ready reports (or names the stage
+that failed), calling back on each; ``last_words`` and ``describe_exit`` say why a stage
+died. Owns no state: the Gateway holds the Stage records.
 """
 from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_objects
@@ -30,11 +32,12 @@ class Stage:
     process: BaseProcess
     ctrl: Connection
     info: dict = field(default_factory=dict)
+    started: bool = False  # send_start told it to start
 
 
 def spawn_stage(ctx, spec: StageSpec) -> Stage:
     """Start one stage process (``ctx``: the 'spawn' multiprocessing context)."""
-    parent, child = ctx.Pipe(duplex=False)
+    parent, child = ctx.Pipe(duplex=True)  # the stage reports; the gateway says start
     proc = ctx.Process(target=stage_process, name=f"pipeline-{spec.name}",
                        args=(msgspec.msgpack.encode(spec), child), daemon=False)
     proc.start()
@@ -42,8 +45,21 @@ def spawn_stage(ctx, spec: StageSpec) -> Stage:
     return Stage(spec, proc, parent)
 
 
-def wait_ready(stages: list[Stage], timeout_s: float) -> dict:
-    """Wait for each stage's ready report (merged infos), or raise StartupError naming it."""
+def send_start(stage: Stage, model: dict | None) -> None:
+    """Tell a stage started with ``spec.await_start`` to start: the rings exist; ``model`` is
+    the worker's ModelInfo (a dict) for a stage of ``runtime.process.NEEDS_MODEL``. A stage
+    already gone is left to ``wait_ready``, which names it."""
+    stage.started = True
+    try:
+        stage.ctrl.send(("start", model))
+    except OSError:
+        pass
+
+
+def wait_ready(stages: list[Stage], timeout_s: float,
+               on_ready: Callable[[Stage], None] | None = None) -> dict:
+    """Wait for each stage's ready report (merged infos), or raise StartupError naming it.
+    ``on_ready(stage)`` runs as each report comes, its ``info`` set."""
     deadline = time.monotonic() + timeout_s
     pending = {s.ctrl: s for s in stages}
     info: dict = {}
@@ -69,6 +85,8 @@ def wait_ready(stages: list[Stage], timeout_s: float) -> dict:
             stage.info = payload
             info |= payload
             del pending[stage.ctrl]
+            if on_ready is not None:
+                on_ready(stage)
     return info
 
 

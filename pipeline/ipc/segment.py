@@ -2,7 +2,8 @@
 (every stage).
 
 Owns creating a segment (exclusive, mode 0600, pages reserved up front so a full /dev/shm is
-a `ShmSpaceError` now rather than a SIGBUS later, mapped pre-faulted), attaching one by name,
+a `ShmSpaceError` now rather than a SIGBUS later, mapped pre-faulted; or, for a large pool such
+as the CPU KV cache, mapped page by page at first touch), attaching one by name,
 unlinking a name, and the process-wide exit hooks (atexit, SIGTERM) that unlink this
 process's names: the segments `create_segment` made and every registered owning `Instance`
 (pipeline/ipc/instance.py), only in the process that created them, never in forked children.
@@ -14,11 +15,13 @@ handler they replaced.
 from __future__ import annotations
 
 import atexit
+import mmap
 import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import posix_ipc
 
@@ -51,6 +54,24 @@ def unlink_segment(name: str) -> None:
 
 def create_exclusive(name: str, size: int) -> Segment:
     """`create_segment` without the exit hook: the caller owns the name's lifetime."""
+    return _create(name, size, Segment.map)
+
+
+def create_lazy_segment(name: str, size: int) -> mmap.mmap:
+    """`create_segment` for a large pool (the CPU KV cache): its pages are reserved the same
+    way, but mapped without MAP_POPULATE. Populating costs ~0.4 s per GiB of page-table work
+    before start-up can end; at first touch it is paid a block at a time, as blocks come into
+    use. Rings keep MAP_POPULATE: they are small and on every message's path."""
+    seg = _create(name, size, lambda fd, n, _name: mmap.mmap(fd, n))
+    _install_hooks()
+    _loose[name] = os.getpid()
+    return seg
+
+
+_Mapping = TypeVar("_Mapping", Segment, mmap.mmap)
+
+
+def _create(name: str, size: int, map_fd: Callable[[int, int, str], _Mapping]) -> _Mapping:
     if size <= 0:
         raise ValueError(f"segment size={size} must be > 0")
     free = shm_free_bytes()
@@ -65,7 +86,7 @@ def create_exclusive(name: str, size: int) -> Segment:
             if e.errno == 28:
                 raise ShmSpaceError(name, size, shm_free_bytes()) from None
             raise
-        return Segment.map(shm.fd, size, name)
+        return map_fd(shm.fd, size, name)
     except BaseException:
         shm.unlink()
         raise

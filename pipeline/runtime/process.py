@@ -3,8 +3,12 @@
 Every stage (tokenizer, engine, worker per TP rank, token processor) runs in its own OS
 process started by the gateway (``gateway.supervisor``) with the multiprocessing 'spawn'
 context. The process gets a StageSpec (msgspec-encoded) and one end of a control pipe on
-which it reports, exactly once, either ``("ready", info)`` or ``("error", message)``. After
-that the pipe is silent: all traffic goes through the shared-memory rings named in the spec.
+which it reports, exactly once, either ``("ready", info)`` or ``("error", message)``. The
+gateway starts the stages before it has created the rings (``spec.await_start``): a stage
+imports its code (the worker: torch and the model), then waits on the same pipe for
+``("start", model)``, sent once the rings exist; ``model`` is the worker's ModelInfo for the
+stages of NEEDS_MODEL (sent when rank 0 reports ready), None for the others. After that the
+pipe is silent: all traffic goes through the shared-memory rings named in the spec.
 Owns no state beyond the process-wide signal set-up of the stage it runs.
 """
 from __future__ import annotations
@@ -21,7 +25,7 @@ from multiprocessing.connection import Connection
 import msgspec
 
 from pipeline.ipc.errors import PeerDied
-from pipeline.runtime.spec import StageSpec
+from pipeline.runtime.spec import ModelInfo, StageSpec
 
 # A stage that stops because a peer died exits with this code, so the gateway can name
 # the stage that died first instead of the ones that followed it.
@@ -36,6 +40,9 @@ STAGE_MODULES = {
     "output": "pipeline.output.stage",
     "messager": "pipeline.cache.stage",
 }
+
+# Stages built from the worker's ModelInfo (KV blocks, max_model_len, vocabulary, ...).
+NEEDS_MODEL = frozenset({"engine", "tokenizer", "messager"})
 
 ReadyFn = Callable[[dict], None]
 
@@ -76,7 +83,10 @@ def stage_process(spec_bytes: bytes, ctrl: Connection) -> None:
     code = 0
     try:
         try:
-            importlib.import_module(STAGE_MODULES[spec.kind]).run(spec, ready)
+            module = importlib.import_module(STAGE_MODULES[spec.kind])
+            if spec.await_start:
+                spec = _await_start(spec, ctrl)
+            module.run(spec, ready)
         except PeerDied as exc:
             print(f"[{spec.name}] stopping: {exc}", file=sys.stderr, flush=True)
             code = EXIT_PEER_DIED
@@ -102,5 +112,24 @@ def stage_process(spec_bytes: bytes, ctrl: Connection) -> None:
     os._exit(code)
 
 
+def _await_start(spec: StageSpec, ctrl: Connection) -> StageSpec:
+    """``spec`` once the gateway says start (it stops us instead if start-up fails), with
+    the worker's ModelInfo for a stage of NEEDS_MODEL."""
+    try:
+        kind, model = ctrl.recv()
+    except EOFError:
+        raise PeerDied("the gateway closed the control pipe before it said start") from None
+    if kind != "start":
+        raise ValueError(f"control pipe: expected ('start', model info), got {kind!r}")
+    if model is not None:
+        return msgspec.structs.replace(spec, model=msgspec.convert(model, ModelInfo))
+    if spec.kind in NEEDS_MODEL and spec.model is None:
+        raise ValueError(f"stage {spec.kind} needs the worker's model info to start")
+    return spec
+
+
 def log(spec: StageSpec, msg: str) -> None:
-    print(f"[{spec.name}] {msg}", file=sys.stderr, flush=True)
+    # One write with its newline: the stages share stderr, and unbuffered (python -u,
+    # PYTHONUNBUFFERED) print() writes the text and the newline apart, so lines interleave.
+    sys.stderr.write(f"[{spec.name}] {msg}\n")
+    sys.stderr.flush()

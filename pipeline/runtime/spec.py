@@ -1,8 +1,10 @@
 """What a stage is told at start (`StageSpec`) and what the worker reports (`ModelInfo`).
 
-The gateway builds one StageSpec per stage process and hands it over msgspec-encoded. The
-worker stages are started first; what rank 0 learnt at load time (ModelInfo) goes into the
-spec of every stage started after them. Owns no state.
+The gateway builds one StageSpec per stage process and hands it over msgspec-encoded, and
+starts every stage at once. What worker rank 0 learnt at load time (ModelInfo) reaches the
+stages built from it (``runtime.process.NEEDS_MODEL``) over their control pipes when rank 0
+reports ready (``await_start``); they put it into their spec before their loop starts. Owns
+no state.
 """
 from __future__ import annotations
 
@@ -40,5 +42,8 @@ class StageSpec(msgspec.Struct, kw_only=True):
     config: EngineConfig
     rings: dict[str, str]  # role -> shared-memory name, see runtime.rings.RING_ROLES
     rank: int = 0
-    model: ModelInfo | None = None  # given to every stage started after the worker
+    # Wait for the gateway's ("start", model) on the control pipe after importing the stage's
+    # code: the gateway starts stages before the rings exist (runtime.process).
+    await_start: bool = False
+    model: ModelInfo | None = None  # set before run() for runtime.process.NEEDS_MODEL stages
     ring_timeout_s: float = 1.0  # how often a blocked stage re-checks its peers

@@ -4,11 +4,12 @@ Owns the cache memory. Layout of the one allocation (CPU shared memory or one CU
 tensor): ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``, so
 each layer's K and V are contiguous and a layer can be shipped as two slabs. On CPU it is a
 POSIX shared-memory segment ``/pipeline.<instance_id>.kv`` (rank > 0 adds ``.<rank>``) that
-the cache messager maps by name (``pipeline.ipc.segment.attach_segment``); it is named and
-created O_EXCL with mode 0600 (space reserved up front, pre-faulted) through
-``Instance.join(id)`` of ``pipeline.ipc.instance``: a view of the gateway's instance when
-served, or, in-process (``LLM``, benchmarks), an instance this process owns, so the segment
-always has an owner record. Unlinked on close() or at this process's exit (SIGTERM too), and
+the cache messager maps by name (``pipeline.ipc.segment.attach_segment``); it is named
+through ``Instance.join(id)`` of ``pipeline.ipc.instance`` (a view of the gateway's instance
+when served, or, in-process (``LLM``, benchmarks), an instance this process owns, so the
+segment always has an owner record) and created O_EXCL with mode 0600, its space reserved up
+front but its pages mapped at first touch (``create_lazy_segment``: no start-up time spent
+on a GiB of page tables). Unlinked on close() or at this process's exit (SIGTERM too), and
 swept by ``unlink_instance``/``sweep_stale`` as soon as its owner is dead if this process dies
 first (SIGKILL). On CUDA the one tensor is what the worker stage exports by CUDA IPC
 (``pipeline.ipc.cuda_ipc.export_pool``) on a prefill or decode instance: ``buffer`` must
@@ -16,11 +17,13 @@ stay this allocation (never reallocated) while peers may map it.
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
 
 from pipeline.ipc.instance import Instance
+from pipeline.ipc.segment import create_lazy_segment, unlink_segment
 
 
 @dataclass(slots=True, frozen=True)
@@ -64,7 +67,7 @@ class KVCache:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         nbytes = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) * num_blocks
-        self._segment = None
+        self._segment: mmap.mmap | None = None
         self._instance: Instance | None = None
         self.shm_name: str | None = None
         if device.type == "cpu":
@@ -73,7 +76,7 @@ class KVCache:
             self._instance = Instance.join(instance_id)
             self.shm_name = self._instance.name(kv_segment_what(rank))
             try:
-                self._segment = self._instance.create_segment(kv_segment_what(rank), nbytes)
+                self._segment = create_lazy_segment(self.shm_name, nbytes)
             except BaseException:
                 self.close()  # an owner record of our own must not outlive the failure
                 raise
@@ -101,9 +104,10 @@ class KVCache:
                 # A caller still holds a view; the mapping dies with it, the name dies now.
                 pass
             self._segment = None
+            assert self.shm_name is not None  # set with the segment
+            unlink_segment(self.shm_name)  # and off this process's exit list
         if self._instance is not None:
-            # Unlinks the segment (and takes it off this process's exit list), then the
-            # owner record when this process owns the instance.
+            # The owner record, when this process owns the instance (after the segment).
             self._instance.cleanup()
             self._instance = None
 

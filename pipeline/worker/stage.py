@@ -5,6 +5,8 @@ receives each step's SchedulerOutput from the engine's broadcast ring, runs it a
 only) sends the ModelRunnerOutput back to the engine. It never decides what runs. On CUDA,
 rank 0 of a prefill or decode instance exports its KV cache by CUDA IPC for the cache
 messager (ModelInfo.kv_cuda_ipc); the cache stays allocated, so exported, until it exits.
+Importing this module imports torch and the model code: the process does it while the gateway
+is still creating the rings and the other stages come up (``runtime.process``).
 """
 from __future__ import annotations
 
@@ -17,11 +19,10 @@ from pipeline.models.config import model_hash
 from pipeline.runtime import rings
 from pipeline.runtime.process import ReadyFn, log
 from pipeline.runtime.spec import ModelInfo, StageSpec
+from pipeline.worker.model_runner import ModelRunner
 
 
 def run(spec: StageSpec, ready: ReadyFn) -> None:
-    from pipeline.worker.model_runner import ModelRunner
-
     cfg = spec.config
     log(spec, f"loading weights from {cfg.model} (device {cfg.device}, dtype {cfg.dtype})")
     t0 = time.perf_counter()
