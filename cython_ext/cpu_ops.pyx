@@ -49,13 +49,15 @@ cdef extern from "cpu_ops_gemv.h":
 
 cdef extern from "cpu_ops_gemv_lp.h":
     int pipe_bf16_level(int64_t K) nogil
-    int pipe_i8_level(int64_t K) nogil
     void pipeline_cpu_set_isa(int cap) nogil
     void pipeline_cpu_gemv_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
                                 const uint16_t *W, const float *bias, int64_t M, int64_t K,
                                 int64_t N) nogil
+
+cdef extern from "cpu_ops_gemv_i8.h":
+    int pipe_i8_level(int64_t K) nogil
     int pipeline_cpu_gemv_i8(float *y, int64_t ldy, const float *x, int64_t ldx,
-                             const int8_t *Q, const float *scale, const int32_t *qsum,
+                             const int8_t *Q, const float *scale,
                              const float *bias, int64_t M, int64_t K, int64_t N) nogil
     void pipeline_cpu_dequant_i8(void *D, int dtype, const int8_t *Q, const float *scale,
                                  int64_t N, int64_t K) nogil
@@ -65,7 +67,6 @@ cdef extern from "cpu_ops_decoder.h":
         int fmt
         const void *w[4]
         const float *scale[4]
-        const int32_t *qsum[4]
         const float *bias[4]
         const float *ln_in
         const float *ln_post
@@ -255,20 +256,22 @@ def gemv_bf16(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t weig
 
 
 def gemv_i8(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t q, uintptr_t scale,
-            uintptr_t qsum, uintptr_t bias, int64_t m, int64_t k, int64_t n) -> None:
-    """float32 y [m, n] = x [m, k] @ (scale * Q)^T (+ bias), Q int8 [n, k] in [-127, 127],
-    scale float32 [n], qsum int32 [n] (row sums of Q); x quantised per row to int8."""
+            uintptr_t bias, int64_t m, int64_t k, int64_t n) -> None:
+    """float32 y [m, n] = x [m, k] @ (scale * Q)^T (+ bias), Q int8 in [-127, 127] packed
+    [ceil(n/16), ceil(k/4), 16, 4] (cpu_ops_gemv_i8.h), scale float32 with ceil(n/16) * 16
+    entries; x quantised per row to int8. Any m."""
     cdef int rc
     with nogil:
         rc = pipeline_cpu_gemv_i8(<float *>y, ldy, <const float *>x, ldx, <const int8_t *>q,
-                                  <const float *>scale, <const int32_t *>qsum,
+                                  <const float *>scale,
                                   <const float *>bias, m, k, n)
     if rc != 0:
         raise MemoryError(f"gemv_i8: no scratch for {m} rows of {k} values")
 
 
 def dequant_i8(uintptr_t out, int dtype, uintptr_t q, uintptr_t scale, int64_t n, int64_t k) -> None:
-    """out [n, k] = scale[:, None] * Q as float32 (dtype 0) or bfloat16 (dtype 1)."""
+    """out [n, k] = scale[:, None] * Q (packed as for gemv_i8) as float32 (dtype 0) or
+    bfloat16 (dtype 1)."""
     with nogil:
         pipeline_cpu_dequant_i8(<void *>out, dtype, <const int8_t *>q, <const float *>scale, n, k)
 
@@ -276,7 +279,7 @@ def dequant_i8(uintptr_t out, int dtype, uintptr_t q, uintptr_t scale, int64_t n
 cdef class DecoderLayers:
     """The layer table of ``pipeline_cpu_decoder_layers`` (cpu_ops_decoder.h): per layer the
     projection format (0 float32 [in, out], 1 bf16, 2 int8), the four projections' weight,
-    scale, row-sum and bias addresses (0: none), the two norms' weight addresses and eps, and
+    scale and bias addresses (0: none), the two norms' weight addresses and eps, and
     the layer's K/V cache addresses. Built once per model and KV cache; the model keeps the
     tensors alive."""
     cdef pipe_layer *layers
@@ -290,14 +293,13 @@ cdef class DecoderLayers:
         if self.layers == NULL:
             raise MemoryError("DecoderLayers: no memory for the layer table")
         for i, row in enumerate(rows):
-            fmt, w, scale, qsum, bias, ln_in, ln_post, eps_in, eps_post, k_cache, v_cache = row
-            if fmt not in (0, 1, 2) or not (len(w) == len(scale) == len(qsum) == len(bias) == 4):
+            fmt, w, scale, bias, ln_in, ln_post, eps_in, eps_post, k_cache, v_cache = row
+            if fmt not in (0, 1, 2) or not (len(w) == len(scale) == len(bias) == 4):
                 raise ValueError(f"layer {i}: bad row {row!r}")
             self.layers[i].fmt = fmt
             for p in range(4):
                 self.layers[i].w[p] = <const void *><uintptr_t>w[p]
                 self.layers[i].scale[p] = <const float *><uintptr_t>scale[p]
-                self.layers[i].qsum[p] = <const int32_t *><uintptr_t>qsum[p]
                 self.layers[i].bias[p] = <const float *><uintptr_t>bias[p]
             self.layers[i].ln_in = <const float *><uintptr_t>ln_in
             self.layers[i].ln_post = <const float *><uintptr_t>ln_post

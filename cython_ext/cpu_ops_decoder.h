@@ -20,6 +20,7 @@
 #include "cpu_ops_attn.h"
 #include "cpu_ops_fused.h"
 #include "cpu_ops_gemv.h"
+#include "cpu_ops_gemv_i8.h"
 #include "cpu_ops_gemv_lp.h"
 
 enum { PIPE_W_F32_KN = 0, PIPE_W_BF16 = 1, PIPE_W_INT8 = 2 };
@@ -29,7 +30,6 @@ typedef struct {
     int fmt;
     const void *w[4];
     const float *scale[4];
-    const int32_t *qsum[4];
     const float *bias[4];
     const float *ln_in, *ln_post;
     float eps_in, eps_post;
@@ -59,7 +59,7 @@ static int pipe_decoder_proj(const pipe_layer *L, int p, float *y, const float *
         pipeline_cpu_gemv_bf16(y, N, x, K, (const uint16_t *)L->w[p], L->bias[p], T, K, N);
         return 0;
     }
-    return pipeline_cpu_gemv_i8(y, N, x, K, (const int8_t *)L->w[p], L->scale[p], L->qsum[p],
+    return pipeline_cpu_gemv_i8(y, N, x, K, (const int8_t *)L->w[p], L->scale[p],
                                 L->bias[p], T, K, N);
 }
 

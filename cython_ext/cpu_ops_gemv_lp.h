@@ -1,19 +1,13 @@
-/* Worker stage, CPU ops: matrix products with bfloat16 or int8 weights, float32 activations.
+/* Worker stage, CPU ops: matrix products with bfloat16 weights, float32 activations, and the
+ * run-time instruction-set dispatch they share with the int8 ones (cpu_ops_gemv_i8.h).
  *
  *   pipeline_cpu_gemv_bf16: y [M, N] = x [M, K] @ W[N, K]^T (+ bias), W bfloat16
- *   pipeline_cpu_gemv_i8:   y [M, N] = x [M, K] @ (scale[n] * Q[N, K])^T (+ bias), Q int8
- *   pipeline_cpu_dequant_i8: D[N, K] = scale[n] * Q[N, K] as bfloat16 or float32
  *
- * For M <= PIPE_GEMV_MAX_M (decode at small batch) a step is bound by reading W, so these
- * stream W once, in memory order, two or one bytes per weight instead of four. bf16: with
- * AVX-512 BF16 the rows of x are rounded to bf16 once and each 32 weights take one
- * VDPBF16PS (float32 accumulate); on AVX2 the weights are widened in registers (a shift)
- * and multiplied with float32 x. int8: each row of x is quantised per token (symmetric, to
- * [-127, 127], scale absmax / 127) and the dot products are exact int32 sums: VPDPBUSD on
- * AVX-512 VNNI (x offset to unsigned by +128, corrected with the row sums of Q kept at
- * load), VPMADDUBSW on AVX2 (|q| times x with q's sign; no pair can saturate since
- * |q|, |x| <= 127), so every path gives the same integers. Larger M dequantises W (all
- * threads) for a BLAS/oneDNN GEMM, see layers/lowp.py.
+ * For M <= PIPE_GEMV_MAX_M (decode at small batch) a step is bound by reading W, so this
+ * streams W once, in memory order, two bytes per weight instead of four: with AVX-512 BF16
+ * the rows of x are rounded to bf16 once and each 32 weights take one VDPBF16PS (float32
+ * accumulate); on AVX2 the weights are widened in registers (a shift) and multiplied with
+ * float32 x. Larger M goes to a bf16 GEMM in torch (layers/lowp.py).
  *
  * Dispatch is at run time (the build may be -march=native elsewhere): each kernel has an
  * AVX-512 body, an AVX2 body (compiled with target attributes) and a portable one, and
@@ -182,161 +176,6 @@ static void pipeline_cpu_gemv_bf16(float *y, int64_t ldy, const float *x, int64_
             if (level == PIPE_ISA_AVX512) pipe_bf16_rows_avx512(y, ldy, xb, W, bias, M, K, lo, hi);
             else if (level == PIPE_ISA_AVX2) pipe_bf16_rows_avx2(y, ldy, x, ldx, W, bias, M, K, lo, hi);
             else pipe_bf16_rows_portable(y, ldy, x, ldx, W, bias, M, K, lo, hi);
-        }
-    }
-}
-
-/* ---- int8 ------------------------------------------------------------------------------ */
-
-/* Row m of x quantised to int8 in q (K values), returning its scale (0 for a zero row). */
-static float pipe_quantize_row(const float *x, int64_t K, int8_t *q) {
-    if (K <= 0) return 0.0f;
-    float amax = 0.0f;
-    int finite = 1;
-    for (int64_t k = 0; k < K; k++) {
-        amax = fmaxf(amax, fabsf(x[k]));
-        finite &= isfinite(x[k]);
-    }
-    if (!finite || !(amax > 0.0f)) { /* a zero row gives 0; NaN/inf poisons y as in float32 */
-        memset(q, 0, (size_t)K);
-        return finite ? 0.0f : NAN;
-    }
-    const float inv = 127.0f / amax;
-    for (int64_t k = 0; k < K; k++) q[k] = (int8_t)lrintf(x[k] * inv);
-    return amax / 127.0f;
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-static void pipe_i8_rows_avx512(int32_t *acc, const int8_t *xq, const int8_t *Q,
-                                const int32_t *qsum, int64_t M, int64_t K, int64_t N,
-                                int64_t n0, int64_t n1) {
-    /* x as unsigned (x + 128): sum (x + 128) q = sum x q + 128 * qsum[n]. */
-    const __m512i off = _mm512_set1_epi8((char)0x80);
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) {
-        const int8_t *q0 = Q + n * K, *q1 = q0 + K, *q2 = q1 + K, *q3 = q2 + K;
-        for (int64_t m = 0; m < M; m++) {
-            const int8_t *xr = xq + m * K;
-            __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t k = 0; k < K; k += 64) {
-                if (m == 0 && n + 8 <= n1) {
-                    _mm_prefetch((const char *)(q0 + 4 * K + k), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(q1 + 4 * K + k), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(q2 + 4 * K + k), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(q3 + 4 * K + k), _MM_HINT_T0);
-                }
-                const __m512i xv = _mm512_xor_si512(_mm512_loadu_si512(xr + k), off);
-                a0 = _mm512_dpbusd_epi32(a0, xv, _mm512_loadu_si512(q0 + k));
-                a1 = _mm512_dpbusd_epi32(a1, xv, _mm512_loadu_si512(q1 + k));
-                a2 = _mm512_dpbusd_epi32(a2, xv, _mm512_loadu_si512(q2 + k));
-                a3 = _mm512_dpbusd_epi32(a3, xv, _mm512_loadu_si512(q3 + k));
-            }
-            int32_t *ar = acc + m * N + n;
-            ar[0] = _mm512_reduce_add_epi32(a0) - 128 * qsum[n];
-            ar[1] = _mm512_reduce_add_epi32(a1) - 128 * qsum[n + 1];
-            ar[2] = _mm512_reduce_add_epi32(a2) - 128 * qsum[n + 2];
-            ar[3] = _mm512_reduce_add_epi32(a3) - 128 * qsum[n + 3];
-        }
-    }
-    for (; n < n1; n++)
-        for (int64_t m = 0; m < M; m++) {
-            __m512i a0 = _mm512_setzero_si512();
-            for (int64_t k = 0; k < K; k += 64)
-                a0 = _mm512_dpbusd_epi32(a0, _mm512_xor_si512(_mm512_loadu_si512(xq + m * K + k), off),
-                                         _mm512_loadu_si512(Q + n * K + k));
-            acc[m * N + n] = _mm512_reduce_add_epi32(a0) - 128 * qsum[n];
-        }
-}
-
-__attribute__((target("avx2,fma")))
-static void pipe_i8_rows_avx2(int32_t *acc, const int8_t *xq, const int8_t *Q, int64_t M,
-                              int64_t K, int64_t N, int64_t n0, int64_t n1) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t n = n0; n < n1; n += 2) {
-        const int two = n + 1 < n1;
-        const int8_t *q0 = Q + n * K, *q1 = two ? q0 + K : q0;
-        for (int64_t m = 0; m < M; m++) {
-            const int8_t *xr = xq + m * K;
-            __m256i a0 = _mm256_setzero_si256(), a1 = a0;
-            for (int64_t k = 0; k < K; k += 32) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + k));
-                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q0 + k));
-                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(q1 + k));
-                /* |q| * (x with q's sign): exact, |q|, |x| <= 127 so a pair fits int16 */
-                a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                         _mm256_sign_epi8(w0, w0), _mm256_sign_epi8(xv, w0)), ones));
-                a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                         _mm256_sign_epi8(w1, w1), _mm256_sign_epi8(xv, w1)), ones));
-            }
-            __m128i s0 = _mm_add_epi32(_mm256_castsi256_si128(a0), _mm256_extracti128_si256(a0, 1));
-            __m128i s1 = _mm_add_epi32(_mm256_castsi256_si128(a1), _mm256_extracti128_si256(a1, 1));
-            s0 = _mm_hadd_epi32(s0, s1); /* a0 pairs, a1 pairs */
-            s0 = _mm_hadd_epi32(s0, s0);
-            acc[m * N + n] = _mm_cvtsi128_si32(s0);
-            if (two) acc[m * N + n + 1] = _mm_extract_epi32(s0, 1);
-        }
-    }
-}
-
-static void pipe_i8_rows_portable(int32_t *acc, const int8_t *xq, const int8_t *Q, int64_t M,
-                                  int64_t K, int64_t N, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++)
-        for (int64_t m = 0; m < M; m++) {
-            int32_t s = 0;
-            for (int64_t k = 0; k < K; k++) s += (int32_t)xq[m * K + k] * Q[n * K + k];
-            acc[m * N + n] = s;
-        }
-}
-
-static int pipe_i8_level(int64_t K) {
-    int level = pipe_lp_level(1);
-    if (level == PIPE_ISA_AVX512 && K % 64) level = PIPE_ISA_AVX2;
-    if (level == PIPE_ISA_AVX2 && K % 32) level = PIPE_ISA_PORTABLE;
-    return level;
-}
-
-/* Q values must lie in [-127, 127] (the quantiser never makes -128); qsum[n] = sum_k Q[n, k]. */
-static int pipeline_cpu_gemv_i8(float *y, int64_t ldy, const float *x, int64_t ldx,
-                                const int8_t *Q, const float *scale, const int32_t *qsum,
-                                const float *bias, int64_t M, int64_t K, int64_t N) {
-    const int level = pipe_i8_level(K);
-    const size_t xbytes = ((size_t)(M * K) + 63) / 64 * 64;
-    char *buf = (char *)pipe_lp_buffer(xbytes + (size_t)(M * N) * 4 + (size_t)M * 4);
-    if (buf == NULL) return -1;
-    int8_t *xq = (int8_t *)buf;
-    int32_t *acc = (int32_t *)(buf + xbytes);
-    float *xs = (float *)(acc + M * N);
-    for (int64_t m = 0; m < M; m++) xs[m] = pipe_quantize_row(x + m * ldx, K, xq + m * K);
-    const int par = K * N >= PIPE_GEMV_PAR_MIN_BYTES && omp_get_max_threads() > 1;
-    #pragma omp parallel if (par)
-    {
-        int64_t lo, hi;
-        pipe_split_cols(N, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);
-        if (lo < hi) {
-            if (level == PIPE_ISA_AVX512) pipe_i8_rows_avx512(acc, xq, Q, qsum, M, K, N, lo, hi);
-            else if (level == PIPE_ISA_AVX2) pipe_i8_rows_avx2(acc, xq, Q, M, K, N, lo, hi);
-            else pipe_i8_rows_portable(acc, xq, Q, M, K, N, lo, hi);
-            for (int64_t m = 0; m < M; m++)
-                for (int64_t n = lo; n < hi; n++)
-                    y[m * ldy + n] = (float)acc[m * N + n] * (xs[m] * scale[n]) + (bias ? bias[n] : 0.0f);
-        }
-    }
-    return 0;
-}
-
-/* D = scale[n] * Q[n, :] for rows [0, N), as bf16 (dtype PIPE_BF16) or float32 (PIPE_F32). */
-static void pipeline_cpu_dequant_i8(void *D, int dtype, const int8_t *Q, const float *scale,
-                                    int64_t N, int64_t K) {
-    #pragma omp parallel for if (N * K >= PIPE_GEMV_PAR_MIN_BYTES) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float s = scale[n];
-        const int8_t *q = Q + n * K;
-        if (dtype == PIPE_F32) {
-            float *d = (float *)D + n * K;
-            for (int64_t k = 0; k < K; k++) d[k] = s * (float)q[k];
-        } else {
-            uint16_t *d = (uint16_t *)D + n * K;
-            for (int64_t k = 0; k < K; k++) d[k] = pipe_f32_to_bf16(s * (float)q[k]);
         }
     }
 }

@@ -138,9 +138,8 @@ def _layer_table(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Ten
             return None
         fmt = 0 if not lowp[0] else 1 if ws[0].fmt == "bf16" else 2
         scale = [w.scale.data_ptr() if fmt == 2 else 0 for w in ws]
-        qsum = [w.qsum.data_ptr() if fmt == 2 else 0 for w in ws]
         biases = [getattr(layer, n) for n in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")]
-        rows.append((fmt, [w.weight.data_ptr() if fmt else w.data_ptr() for w in ws], scale, qsum,
+        rows.append((fmt, [w.weight.data_ptr() if fmt else w.data_ptr() for w in ws], scale,
                      [0 if b is None else b.data_ptr() for b in biases],
                      layer.input_layernorm.weight.data_ptr(),
                      layer.post_attention_layernorm.weight.data_ptr(),

@@ -5,7 +5,7 @@ of a CPU model when the worker runs ``--dtype bfloat16`` or ``--quantization int
 
 - ``bf16``: the weight rounded to bfloat16.
 - ``int8``: quantised per output channel (symmetric: ``scale = absmax / 127``, values in
-  [-127, 127]), with each row's sum kept for the VNNI kernel. Per channel rather than per
+  [-127, 127]), packed in blocks of 16 channels (``pack_int8``) for the kernel. Per channel rather than per
   group of 32-128: the GEMV stays one int32 dot product per output (a group scale would cost
   a float conversion and FMA per group per output), and the perplexity tests
   (tests/test_lowp_quality.py) show the per-channel loss is within the issue's bounds.
@@ -27,7 +27,10 @@ from torch import nn
 from pipeline.layers.ops import backend
 
 FORMATS = ("bf16", "int8")
-GEMV_MAX_M = 8  # pipeline._ext.cpu_ops.GEMV_MAX_M
+GEMV_MAX_M = 8  # pipeline._ext.cpu_ops.GEMV_MAX_M: the bf16 GEMV's limit
+# The int8 kernel keeps Q's blocks in L1 for every group of rows of x, so it beats
+# dequantise + GEMM up to this many rows (measured: docs/cpu.md).
+INT8_GEMV_MAX_M = 32
 _DEQUANT_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -44,15 +47,33 @@ def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
     return buf[:numel]
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel symmetric int8 of a float ``[out, in]`` weight: (q int8 [out, in]
-    in [-127, 127], scale float32 [out], row sums of q int32 [out]). An all-zero row gets
-    scale 1 and zeros."""
+    in [-127, 127], scale float32 [out]). An all-zero row gets scale 1 and zeros."""
     w = w.float()
     amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale.contiguous(), q.sum(dim=1, dtype=torch.int32)
+    return q, scale.contiguous()
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 ``[out, in]`` -> the kernels' blocks ``[ceil(out/16), ceil(in/4), 16, 4]``
+    (cpu_ops_gemv_i8.h: 4 inputs of 16 outputs per 64 bytes), zero-padded."""
+    n, k = q.shape
+    nb, k4 = -(-n // 16), -(-k // 4)
+    padded = torch.zeros((nb * 16, k4 * 4), dtype=torch.int8)
+    padded[:n, :k] = q
+    return padded.view(nb, 16, k4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows ``rows`` of the ``[out, in]`` matrix that ``pack_int8`` packed, as int8 [len, k]."""
+    return packed[rows // 16, :, rows % 16, :].reshape(rows.shape[0], -1)[:, :k]
+
+
+def _pad(t: torch.Tensor, n: int, value: float | int) -> torch.Tensor:
+    return torch.cat([t, t.new_full((n - t.shape[0],), value)]) if n > t.shape[0] else t
 
 
 class LowpWeight(nn.Module):
@@ -70,15 +91,16 @@ class LowpWeight(nn.Module):
         # The dtype x (and a dequantised int8 weight) takes in a GEMM of more than GEMV_MAX_M rows.
         self.gemm_dtype = gemm_dtype
         if fmt == "bf16":
-            weight, scale, qsum = weight.to(torch.bfloat16).contiguous(), None, None
-        else:
-            weight, scale, qsum = quantize_int8(weight)
+            weight, scale = weight.to(torch.bfloat16).contiguous(), None
+        else:  # packed in blocks of 16 channels; scale padded to match
+            q, scale = quantize_int8(weight)
+            weight = pack_int8(q)
+            rows = weight.shape[0] * 16
+            scale = _pad(scale, rows, 1.0).contiguous()
         self.weight: torch.Tensor
         self.scale: torch.Tensor | None
-        self.qsum: torch.Tensor | None
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)  # None: not a buffer (bf16)
-        self.register_buffer("qsum", qsum)
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, out={self.out_features}, in={self.in_features}"
@@ -89,21 +111,25 @@ class LowpWeight(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` as float32 (the embedding lookup of a tied or packed table)."""
-        rows = self.weight[ids].float()
-        return rows if self.scale is None else rows.mul_(self.scale[ids, None])
+        if self.scale is None:
+            return self.weight[ids].float()
+        return unpack_int8(self.weight, ids, self.in_features).float().mul_(self.scale[ids, None])
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole weight ``[out, in]`` in ``dtype`` (float32 or bfloat16): a bf16 weight
         itself, else the shared scratch, valid until the next ``dense`` of any LowpWeight."""
         if self.fmt == "bf16" and dtype == torch.bfloat16:
             return self.weight
-        scratch = _scratch(dtype, self.weight.numel()).view(self.weight.shape)
+        shape = (self.out_features, self.in_features)
+        scratch = _scratch(dtype, shape[0] * shape[1]).view(shape)
         if self.fmt == "bf16":  # a CPU without native bf16 GEMMs: float32 for BLAS
             return scratch.copy_(self.weight)
         assert self.scale is not None
         ext = backend(self.weight.device)
         if ext is None:
-            return scratch.copy_(self.weight.float() * self.scale[:, None])
+            rows = torch.arange(self.out_features)
+            return scratch.copy_(unpack_int8(self.weight, rows, self.in_features).float()
+                                 * self.scale[:self.out_features, None])
         ext.dequant_i8(scratch.data_ptr(), _DEQUANT_CODE[dtype], self.weight.data_ptr(),
                        self.scale.data_ptr(), self.out_features, self.in_features)
         return scratch
@@ -123,16 +149,16 @@ class LowpWeight(nn.Module):
         elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
             raise ValueError(f"out must be float32 [{m}, {n}] with dense rows")
         ext = backend(x.device)
-        if 0 < m <= GEMV_MAX_M and ext is not None:
+        if 0 < m <= (GEMV_MAX_M if self.fmt == "bf16" else INT8_GEMV_MAX_M) and ext is not None:
             b = 0 if bias is None else bias.data_ptr()
             if self.fmt == "bf16":
                 ext.gemv_bf16(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0),
                               self.weight.data_ptr(), b, m, k, n)
             else:
-                assert self.scale is not None and self.qsum is not None
+                assert self.scale is not None
                 ext.gemv_i8(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0),
                             self.weight.data_ptr(), self.scale.data_ptr(),
-                            self.qsum.data_ptr(), b, m, k, n)
+                            b, m, k, n)
             return out
         if m == 0:
             return out

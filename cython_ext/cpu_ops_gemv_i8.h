@@ -1,0 +1,227 @@
+/* Worker stage, CPU ops: products with int8 weights (per output channel), float32 activations.
+ *
+ *   pipeline_cpu_gemv_i8:    y [M, N] = x [M, K] @ (scale[n] * Q[n, :])^T (+ bias)
+ *   pipeline_cpu_dequant_i8: D [N, K] = scale[n] * Q[n, :] as bfloat16 or float32
+ *
+ * Q is packed in blocks of 16 output channels, 4 inputs deep: P[N/16][K4][16][4] (K4 = K/4
+ * rounded up, N and K zero-padded), so one 64-byte load holds 4 inputs of 16 outputs and
+ * the 16 sums of a block stay in the 16 lanes of one register: no horizontal reduction per
+ * output, and each block of P (16 K bytes) is read from memory once per call and from L1
+ * for every group of rows of x. Each row of x is quantised per token (symmetric, to
+ * [-127, 127], scale absmax / 127); the dot products are exact int32 sums: VPDPBUSD on
+ * AVX-512 VNNI (q offset to unsigned by +128, corrected with each row's sum of x),
+ * VPMADDUBSW on AVX2 (|q| times x with q's sign: with |q|, |x| <= 127 no pair saturates),
+ * plain C otherwise; so every path gives the same floats. Rows of x go in groups of up to
+ * 8 (AVX-512) or 4 (AVX2) whose accumulators stay in registers, so a batch-32 step costs
+ * about 32 VPDPBUSD per 64 weight bytes instead of re-reading Q. Threads split the blocks.
+ * Dispatch and scratch: cpu_ops_gemv_lp.h. No state of its own.
+ */
+#ifndef PIPELINE_CPU_OPS_GEMV_I8_H
+#define PIPELINE_CPU_OPS_GEMV_I8_H
+
+#include "cpu_ops_gemv_lp.h"
+
+#define PIPE_I8_BLOCK 16
+
+/* Row x (K values) quantised into q (K4 * 4 bytes, zero-padded); returns its scale (0 for a
+ * zero row, NaN for a row with NaN/inf, which then poisons its outputs as in float32). */
+static float pipe_quantize_row(const float *x, int64_t K, int64_t K4, int8_t *q) {
+    float amax = 0.0f;
+    int finite = 1;
+    for (int64_t k = 0; k < K; k++) {
+        amax = fmaxf(amax, fabsf(x[k]));
+        finite &= isfinite(x[k]);
+    }
+    memset(q, 0, (size_t)(K4 * 4));
+    if (!finite || !(amax > 0.0f)) return finite ? 0.0f : NAN;
+    const float inv = 127.0f / amax;
+    for (int64_t k = 0; k < K; k++) q[k] = (int8_t)lrintf(x[k] * inv);
+    return amax / 127.0f;
+}
+
+/* y[m, b*16 + j] for j < 16 (and < N) from the 16 int32 sums of block b. Not inlined: one
+ * compiled copy for every path, so -ffast-math cannot reorder the scaling differently in
+ * each and the paths stay bit-identical. */
+static __attribute__((noinline)) void pipe_i8_store(float *y, int64_t ldy, const int32_t *sums, int64_t m,
+                                 int64_t b, int64_t N, const float *xs, const float *scale,
+                                 const float *bias) {
+    const int64_t n0 = b * PIPE_I8_BLOCK;
+    const int64_t n1 = n0 + PIPE_I8_BLOCK < N ? n0 + PIPE_I8_BLOCK : N;
+    for (int64_t n = n0; n < n1; n++)
+        y[m * ldy + n] = (float)sums[n - n0] * (xs[m] * scale[n]) + (bias ? bias[n] : 0.0f);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static inline __attribute__((always_inline))
+void pipe_i8_group_avx512(const int R, int64_t m0, const int8_t *P, const int8_t *xq, int64_t K4,
+                          const int32_t *xsum, int64_t b, int32_t (*sums)[PIPE_I8_BLOCK]) {
+    /* VPDPBUSD multiplies unsigned by signed bytes and can broadcast only the signed operand
+     * from memory: so q goes unsigned (q + 128, one XOR per 64 bytes, shared by the R rows),
+     * x stays signed and is broadcast straight from memory, and the sums are corrected by
+     * 128 * sum_k x[k]. */
+    const int8_t *pb = P + b * PIPE_I8_BLOCK * 4 * K4;
+    const __m512i off = _mm512_set1_epi8((char)0x80);
+    __m512i acc[8];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
+    for (int64_t k4 = 0; k4 < K4; k4++) {
+        const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(pb + k4 * 64), off);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_dpbusd_epi32(acc[r], w, _mm512_set1_epi32(
+                *(const int32_t *)(xq + (m0 + r) * K4 * 4 + k4 * 4)));
+    }
+    for (int r = 0; r < R; r++)
+        _mm512_storeu_si512(sums[r], _mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * xsum[m0 + r])));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+static void pipe_i8_blocks_avx512(float *y, int64_t ldy, const int8_t *P, const int8_t *xq,
+                                  const float *xs, const float *scale, const int32_t *xsum,
+                                  const float *bias, int64_t M, int64_t K4, int64_t N,
+                                  int64_t b0, int64_t b1) {
+    int32_t sums[8][PIPE_I8_BLOCK];
+    for (int64_t b = b0; b < b1; b++) {
+        if (b + 1 < b1) /* the next block: the hardware prefetcher stops at page ends */
+            for (int64_t off = 0; off < PIPE_I8_BLOCK * 4 * K4; off += 64)
+                _mm_prefetch((const char *)(P + (b + 1) * PIPE_I8_BLOCK * 4 * K4 + off), _MM_HINT_T1);
+        int64_t m0 = 0;
+        for (; m0 + 8 <= M; m0 += 8) {
+            pipe_i8_group_avx512(8, m0, P, xq, K4, xsum, b, sums);
+            for (int r = 0; r < 8; r++) pipe_i8_store(y, ldy, sums[r], m0 + r, b, N, xs, scale, bias);
+        }
+        for (; m0 + 4 <= M; m0 += 4) {
+            pipe_i8_group_avx512(4, m0, P, xq, K4, xsum, b, sums);
+            for (int r = 0; r < 4; r++) pipe_i8_store(y, ldy, sums[r], m0 + r, b, N, xs, scale, bias);
+        }
+        for (; m0 < M; m0++) {
+            pipe_i8_group_avx512(1, m0, P, xq, K4, xsum, b, sums);
+            pipe_i8_store(y, ldy, sums[0], m0, b, N, xs, scale, bias);
+        }
+    }
+}
+
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
+void pipe_i8_group_avx2(const int R, int64_t m0, const int8_t *P, const int8_t *xq, int64_t K4,
+                        int64_t b, int32_t (*sums)[PIPE_I8_BLOCK]) {
+    const int8_t *pb = P + b * PIPE_I8_BLOCK * 4 * K4;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i lo[4], hi[4];
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();
+    for (int64_t k4 = 0; k4 < K4; k4++) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(pb + k4 * 64));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(pb + k4 * 64 + 32));
+        const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
+        for (int r = 0; r < R; r++) {
+            int32_t xv;
+            memcpy(&xv, xq + (m0 + r) * K4 * 4 + k4 * 4, 4);
+            const __m256i xb = _mm256_set1_epi32(xv);
+            lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones));
+            hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_si256((__m256i *)sums[r], lo[r]);
+        _mm256_storeu_si256((__m256i *)(sums[r] + 8), hi[r]);
+    }
+}
+
+__attribute__((target("avx2,fma")))
+static void pipe_i8_blocks_avx2(float *y, int64_t ldy, const int8_t *P, const int8_t *xq,
+                                const float *xs, const float *scale, const float *bias,
+                                int64_t M, int64_t K4, int64_t N, int64_t b0, int64_t b1) {
+    int32_t sums[4][PIPE_I8_BLOCK];
+    for (int64_t b = b0; b < b1; b++) {
+        int64_t m0 = 0;
+        for (; m0 + 4 <= M; m0 += 4) {
+            pipe_i8_group_avx2(4, m0, P, xq, K4, b, sums);
+            for (int r = 0; r < 4; r++) pipe_i8_store(y, ldy, sums[r], m0 + r, b, N, xs, scale, bias);
+        }
+        for (; m0 < M; m0++) {
+            pipe_i8_group_avx2(1, m0, P, xq, K4, b, sums);
+            pipe_i8_store(y, ldy, sums[0], m0, b, N, xs, scale, bias);
+        }
+    }
+}
+
+static void pipe_i8_blocks_portable(float *y, int64_t ldy, const int8_t *P, const int8_t *xq,
+                                    const float *xs, const float *scale, const float *bias,
+                                    int64_t M, int64_t K4, int64_t N, int64_t b0, int64_t b1) {
+    int32_t sums[PIPE_I8_BLOCK];
+    for (int64_t b = b0; b < b1; b++) {
+        const int8_t *pb = P + b * PIPE_I8_BLOCK * 4 * K4;
+        for (int64_t m = 0; m < M; m++) {
+            memset(sums, 0, sizeof sums);
+            for (int64_t k4 = 0; k4 < K4; k4++)
+                for (int j = 0; j < PIPE_I8_BLOCK; j++)
+                    for (int t = 0; t < 4; t++)
+                        sums[j] += (int32_t)pb[k4 * 64 + j * 4 + t] * xq[m * K4 * 4 + k4 * 4 + t];
+            pipe_i8_store(y, ldy, sums, m, b, N, xs, scale, bias);
+        }
+    }
+}
+
+static int pipe_i8_level(int64_t K) {
+    (void)K; /* the packed layout has no alignment needs */
+    return pipe_lp_level(1);
+}
+
+/* P packed as above (N rounded up to 16, K to 4, padding zero), scale for NB * 16 rows.
+ * Returns -1 without scratch memory. */
+static int pipeline_cpu_gemv_i8(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                const int8_t *P, const float *scale, const float *bias, int64_t M, int64_t K, int64_t N) {
+    if (M <= 0 || N <= 0) return 0;
+    const int level = pipe_i8_level(K);
+    const int64_t K4 = (K + 3) / 4, NB = (N + PIPE_I8_BLOCK - 1) / PIPE_I8_BLOCK;
+    const size_t xbytes = ((size_t)(M * K4 * 4) + 63) / 64 * 64;
+    char *buf = (char *)pipe_lp_buffer(xbytes + (size_t)M * 8);
+    if (buf == NULL) return -1;
+    int8_t *xq = (int8_t *)buf;
+    float *xs = (float *)(buf + xbytes);
+    int32_t *xsum = (int32_t *)(xs + M);
+    for (int64_t m = 0; m < M; m++) {
+        const int8_t *row = xq + m * K4 * 4;
+        xs[m] = pipe_quantize_row(x + m * ldx, K, K4, xq + m * K4 * 4);
+        int32_t t = 0;
+        for (int64_t k = 0; k < K; k++) t += row[k];
+        xsum[m] = t;
+    }
+    const int par = NB * PIPE_I8_BLOCK * K4 * 4 * (M > 8 ? 8 : 1) >= PIPE_GEMV_PAR_MIN_BYTES
+                    && omp_get_max_threads() > 1;
+    #pragma omp parallel if (par)
+    {
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t b0 = NB * t / nt, b1 = NB * (t + 1) / nt;
+        if (level == PIPE_ISA_AVX512)
+            pipe_i8_blocks_avx512(y, ldy, P, xq, xs, scale, xsum, bias, M, K4, N, b0, b1);
+        else if (level == PIPE_ISA_AVX2)
+            pipe_i8_blocks_avx2(y, ldy, P, xq, xs, scale, bias, M, K4, N, b0, b1);
+        else
+            pipe_i8_blocks_portable(y, ldy, P, xq, xs, scale, bias, M, K4, N, b0, b1);
+    }
+    return 0;
+}
+
+/* D [N, K] = scale[n] * Q[n, :] from the packed P, as bf16 (PIPE_BF16) or float32 (PIPE_F32). */
+static void pipeline_cpu_dequant_i8(void *D, int dtype, const int8_t *P, const float *scale,
+                                    int64_t N, int64_t K) {
+    const int64_t K4 = (K + 3) / 4, NB = (N + PIPE_I8_BLOCK - 1) / PIPE_I8_BLOCK;
+    #pragma omp parallel for if (N * K >= PIPE_GEMV_PAR_MIN_BYTES) schedule(static)
+    for (int64_t b = 0; b < NB; b++) {
+        const int8_t *pb = P + b * PIPE_I8_BLOCK * 4 * K4;
+        int8_t row[K4 * 4]; /* one row gathered from the block, then widened in one pass */
+        for (int j = 0; j < PIPE_I8_BLOCK && b * PIPE_I8_BLOCK + j < N; j++) {
+            const int64_t n = b * PIPE_I8_BLOCK + j;
+            for (int64_t k4 = 0; k4 < K4; k4++) memcpy(row + k4 * 4, pb + k4 * 64 + j * 4, 4);
+            const float s = scale[n];
+            if (dtype == PIPE_F32) {
+                float *d = (float *)D + n * K;
+                for (int64_t k = 0; k < K; k++) d[k] = s * (float)row[k];
+            } else {
+                uint16_t *d = (uint16_t *)D + n * K;
+                for (int64_t k = 0; k < K; k++) d[k] = pipe_f32_to_bf16(s * (float)row[k]);
+            }
+        }
+    }
+}
+
+#endif
