@@ -185,7 +185,7 @@ static int pipeline_cpu_gemv_i8(float *y, int64_t ldy, const float *x, int64_t l
         for (int64_t k = 0; k < K; k++) t += row[k];
         xsum[m] = t;
     }
-    const int par = NB * PIPE_I8_BLOCK * K4 * 4 * (M > 8 ? 8 : 1) >= PIPE_GEMV_PAR_MIN_BYTES
+    const int par = NB * PIPE_I8_BLOCK * K4 * 4 * (M > 8 ? 8 : 1) >= PIPE_LP_PAR_MIN_BYTES
                     && omp_get_max_threads() > 1;
     #pragma omp parallel if (par)
     {

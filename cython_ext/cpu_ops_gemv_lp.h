@@ -28,6 +28,12 @@
 #include "cpu_ops_gemv.h"
 
 enum { PIPE_ISA_PORTABLE = 0, PIPE_ISA_AVX2 = 1, PIPE_ISA_AVX512 = 2 };
+/* Weight bytes from which the bf16/int8 GEMVs use every thread; lower than the float32
+ * GEMV's since a 2- or 1-byte weight is read in a half or a quarter of the time. Tunable
+ * (PIPE_LP_PAR_MIN_BYTES) for the measurement in docs/cpu.md. */
+#ifndef PIPE_LP_PAR_MIN_BYTES
+#define PIPE_LP_PAR_MIN_BYTES (1 << 17)
+#endif
 static int pipe_isa_cap = PIPE_ISA_AVX512;
 
 /* The best level the CPU has for kernel `kind` (0: bf16, 1: int8), capped. */
@@ -167,7 +173,7 @@ static void pipeline_cpu_gemv_bf16(float *y, int64_t ldy, const float *x, int64_
         for (int64_t m = 0; m < M; m++)
             for (int64_t k = 0; k < K; k++) xb[m * K + k] = pipe_f32_to_bf16(x[m * ldx + k]);
     }
-    const int par = K * N * 2 >= PIPE_GEMV_PAR_MIN_BYTES && omp_get_max_threads() > 1;
+    const int par = K * N * 2 >= PIPE_LP_PAR_MIN_BYTES && omp_get_max_threads() > 1;
     #pragma omp parallel if (par)
     {
         int64_t lo, hi;
