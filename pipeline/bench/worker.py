@@ -138,53 +138,73 @@ def step_weight_bytes(model: torch.nn.Module, tied: bool) -> int:
                        if isinstance(m, LowpWeight) and (n != "embed_tokens" or tied))
 
 
-def bench_ours(model_dir: str, batches: list[int], steps: int, prefill_tokens: int,
-               vocab: int, repeats: int, fmt: str = "float32") -> tuple[dict[int, float], float, int]:
+def bench_formats(model_dir: str, formats: list[str], batches: list[int], steps: int,
+                  prefill_tokens: int, vocab: int, repeats: int
+                  ) -> dict[str, tuple[dict[int, float], float, int]]:
+    """Per format: (decode tok/s per batch size, prefill tok/s, weight bytes per step). One
+    ModelRunner per format, all loaded at once; every timed window alternates the formats,
+    so a machine whose speed drifts (a shared VM) weighs on all of them alike."""
     from pipeline.worker.model_runner import ModelRunner
     max_b = max(batches)
-    dtype, quantization = FORMAT_FLAGS[fmt]
-    cfg = EngineConfig(model=model_dir, device="cpu", dtype=dtype, quantization=quantization,
-                       block_size=16,
-                       max_num_seqs=max(max_b, 4),  # the prefill step admits 4 max_model_len=1024,
-                       num_blocks=max(max_b * -(-(PROMPT_LEN + repeats * steps + 4) // 16),
-                                      1024 // 16 * 4) + 8,
-                       max_num_batched_tokens=max(prefill_tokens, 256))
-    runner = ModelRunner(cfg)
-    runner.load()
-    rng = np.random.default_rng(0)
-    decode: dict[int, float] = {}
+    runners: dict[str, ModelRunner] = {}
     try:
-        s = _Steps(runner)
+        for fmt in formats:
+            dtype, quantization = FORMAT_FLAGS[fmt]
+            runners[fmt] = ModelRunner(EngineConfig(
+                model=model_dir, device="cpu", dtype=dtype, quantization=quantization,
+                block_size=16, max_num_seqs=max(max_b, 4),  # the prefill step admits 4
+                num_blocks=max(max_b * -(-(PROMPT_LEN + repeats * steps + 4) // 16),
+                               1024 // 16 * 4) + 8,
+                max_num_batched_tokens=max(prefill_tokens, 256)))
+            runners[fmt].load()
+        rng = np.random.default_rng(0)
+        decode: dict[str, dict[int, float]] = {f: {} for f in formats}
+        s = {f: _Steps(r) for f, r in runners.items()}
         for b in batches:
             prompts = rng.integers(3, vocab, (b, PROMPT_LEN)).tolist()
-            _, ids = s.admit(prompts, repeats * steps + 2, f"d{b}-")
+            ids = {f: s[f].admit(prompts, repeats * steps + 2, f"d{b}-")[1] for f in formats}
             computed = PROMPT_LEN
             for _ in range(2):  # warm-up
-                s.decode(ids, computed)
+                for f in formats:
+                    s[f].decode(ids[f], computed)
                 computed += 1
-            best = float("inf")
+            best = dict.fromkeys(formats, float("inf"))
             for _ in range(repeats):
-                t = _clock()
-                for _ in range(steps):
-                    s.decode(ids, computed)
-                    computed += 1
-                best = min(best, _clock() - t)
-            decode[b] = b * steps / best
-            s.finish(ids)
+                for f in formats:
+                    c = computed
+                    t = _clock()
+                    for _ in range(steps):
+                        s[f].decode(ids[f], c)
+                        c += 1
+                    best[f] = min(best[f], _clock() - t)
+                computed += steps
+            for f in formats:
+                decode[f][b] = b * steps / best[f]
+                s[f].finish(ids[f])
         n_seq = 4
         plen = prefill_tokens // n_seq
-        best = float("inf")
+        prefill = dict.fromkeys(formats, float("inf"))
         for rep in range(repeats):
             prompts = rng.integers(3, vocab, (n_seq, plen)).tolist()
-            t = _clock()
-            _, ids = s.admit(prompts, 1, f"p{rep}-")
-            best = min(best, _clock() - t)
-            s.finish(ids)
-        assert runner.model is not None  # set by runner.load()
-        weight_bytes = step_weight_bytes(runner.model, runner.model_config.tie_word_embeddings)
-        return decode, n_seq * plen / best, weight_bytes
+            for f in formats:
+                t = _clock()
+                _, pids = s[f].admit(prompts, 1, f"p{rep}-")
+                prefill[f] = min(prefill[f], _clock() - t)
+                s[f].finish(pids)
+        out = {}
+        for f, r in runners.items():
+            assert r.model is not None  # set by load()
+            out[f] = (decode[f], n_seq * plen / prefill[f],
+                      step_weight_bytes(r.model, r.model_config.tie_word_embeddings))
+        return out
     finally:
-        runner.close()
+        for r in runners.values():
+            r.close()
+
+
+def bench_ours(model_dir: str, batches: list[int], steps: int, prefill_tokens: int,
+               vocab: int, repeats: int, fmt: str = "float32") -> tuple[dict[int, float], float, int]:
+    return bench_formats(model_dir, [fmt], batches, steps, prefill_tokens, vocab, repeats)[fmt]
 
 
 def bench_hf(model_dir: str, batches: list[int], steps: int, prefill_tokens: int,
@@ -240,8 +260,8 @@ def main(args: argparse.Namespace) -> int:
         for f in formats:
             if f not in FORMAT_FLAGS:
                 raise SystemExit(f"--formats: {f!r} is not one of {', '.join(FORMAT_FLAGS)}")
-        runs = {f: bench_ours(model_dir, batches, args.decode_steps, args.prefill_tokens, vocab,
-                              args.repeats, f) for f in formats}
+        runs = bench_formats(model_dir, formats, batches, args.decode_steps,
+                             args.prefill_tokens, vocab, args.repeats)
         hf, hf_prefill = ({}, 0.0) if args.skip_hf else bench_hf(
             model_dir, batches, args.decode_steps, args.prefill_tokens, vocab, args.repeats)
     bw = max(bw, read_bandwidth())  # best of two, apart in time: the cores are shared

@@ -18,7 +18,8 @@ passive waiting survives that but costs a quarter to a third of the quiet speed.
   window just before it.
 
 An explicit ``--worker-threads N`` (or ``PIPELINE_WORKER_THREADS``) fixes the team: no
-governor. Owns: the team size (``torch.set_num_threads``) and the step measurements.
+governor. Owns: the team size (``torch.set_num_threads``) and the step measurements; the
+module keeps the size last applied in the process.
 """
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ GAIN = 0.97  # a probe's size is kept when its time per token is below this x th
 WINDOW = 8  # steps per measurement window
 MIN_PROBE_S = 1.0
 MAX_PROBE_S = 32.0
+
+
+# The team size last applied in this process: the OpenMP team is per process, so a governor
+# re-applies its own size when another one (several runners in one bench) changed it.
+_applied = [0]
 
 
 def usable_cores() -> int:
@@ -56,6 +62,7 @@ class ThreadGovernor:
         self._clock = clock
         self.threads = max_threads
         self._set(max_threads)
+        _applied[0] = max_threads
         self.probe_s = MIN_PROBE_S
         self.next_probe = clock() + self.probe_s
         self._window: list[tuple[float, float, int]] = []  # (wall s, cpu s, tokens) per step
@@ -65,6 +72,9 @@ class ThreadGovernor:
         self.changes = 0
 
     def begin(self) -> None:
+        if _applied[0] != self.threads:  # another governor in this process (benches) moved it
+            self._set(self.threads)
+            _applied[0] = self.threads
         self._t0, self._c0 = time.perf_counter(), _cpu_seconds()
 
     def end(self, tokens: int) -> None:
@@ -84,6 +94,7 @@ class ThreadGovernor:
     def _resize(self, n: int) -> None:
         self.threads = n
         self._set(n)
+        _applied[0] = n
         self.changes += 1
 
     def _decide(self) -> None:
