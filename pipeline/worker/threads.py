@@ -8,9 +8,9 @@ down several times (a batch-32 step on two shared cores went 5x slower than one 
 passive waiting survives that but costs a quarter to a third of the quiet speed. So
 ``ThreadGovernor`` keeps libgomp's spinning and watches each step instead:
 
-- down, at once: over a window of steps, the process's CPU time per wall second per team
-  member (``getrusage``) falls below ``STARVED``: members are waiting for a core, so the
-  team shrinks by one;
+- down, at once: over ``STARVED_WINDOWS`` windows of steps in a row, the process's CPU time
+  per wall second per team member (``getrusage``) falls below ``STARVED``: members are
+  waiting for a core, so the team shrinks by one;
 - probe: every ``probe_s`` (doubling after each probe that lost, up to ``MAX_PROBE_S``) the
   team tries one thread more, or one fewer when at the top, for a window, and keeps the size
   whose median step time per scheduled token was lower (by ``GAIN``); otherwise it goes
@@ -31,7 +31,10 @@ from collections.abc import Callable
 
 import torch
 
-STARVED = 0.55  # CPU seconds per wall second per thread below this: members wait for cores
+STARVED = 0.8  # CPU seconds per wall second per thread below this: members wait for cores
+# (measured on 2 vCPUs: 0.88-1.02 with the cores free, 0.58-0.75 with one taken)
+# Windows in a row: one starved window can be a hiccup of a shared VM; a taken core is not.
+STARVED_WINDOWS = 2
 GAIN = 0.97  # a probe's size is kept when its time per token is below this x the old one's
 WINDOW = 8  # steps per measurement window
 MIN_PROBE_S = 1.0
@@ -68,6 +71,7 @@ class ThreadGovernor:
         self._window: list[tuple[float, float, int]] = []  # (wall s, cpu s, tokens) per step
         self._baseline: float | None = None  # s/token of the window before a probe
         self._probe_from: int | None = None  # the size a probe left (None: no probe running)
+        self._starved = 0  # consecutive starved windows
         self._t0 = self._c0 = 0.0
         self.changes = 0
 
@@ -112,7 +116,10 @@ class ThreadGovernor:
             self._probe_from = self._baseline = None
             self.next_probe = now + self.probe_s
             return
-        if self.threads > 1 and wall > 0 and cpu / (wall * self.threads) < STARVED:
+        starved = self.threads > 1 and wall > 0 and cpu / (wall * self.threads) < STARVED
+        self._starved = self._starved + 1 if starved else 0
+        if self._starved >= STARVED_WINDOWS:
+            self._starved = 0
             self._resize(self.threads - 1)
             self.next_probe = now + self.probe_s
             return
