@@ -79,6 +79,20 @@ def test_probe_keeps_a_faster_size_and_backs_off_after_a_slower_one():
     assert gov.threads == 2 and gov.probe_s == 2 * T.MIN_PROBE_S
 
 
+def test_a_probe_across_a_change_of_batch_size_is_not_counted():
+    gov, clock, _ = make(2)
+    clock.now += T.MIN_PROBE_S
+    feed(gov, 4e-3, tokens=1)  # batch 1; the probe (1 thread) starts
+    assert gov.threads == 1
+    feed(gov, 1e-3, tokens=32)  # batch 32 now: cheaper per token, but not because of 1 thread
+    assert gov.threads == 2 and gov.probe_s == T.MIN_PROBE_S
+    clock.now += T.MIN_PROBE_S
+    feed(gov, 1e-3, tokens=32)
+    assert gov.threads == 1  # tried again, on steps of one size
+    feed(gov, 2e-3, tokens=32)
+    assert gov.threads == 2 and gov.probe_s == 2 * T.MIN_PROBE_S
+
+
 def test_backoff_is_capped():
     gov, clock, _ = make(2)
     for _ in range(12):

@@ -15,7 +15,9 @@ passive waiting survives that but costs a quarter to a third of the quiet speed.
   team tries one thread more, or one fewer when at the top, for a window, and keeps the size
   whose median step time per scheduled token was lower (by ``GAIN``); otherwise it goes
   back. Only steps of similar size are compared: a probe window is measured against the
-  window just before it.
+  window just before it, and not at all when the median step size moved by more than
+  ``SAME_SIZE`` (batch 8 tokens cost less each than batch 1's: a probe across such a change
+  would keep whichever size it happened to test second).
 
 An explicit ``--worker-threads N`` (or ``PIPELINE_WORKER_THREADS``) fixes the team: no
 governor. Owns: the team size (``torch.set_num_threads``) and the step measurements; the
@@ -36,6 +38,7 @@ STARVED = 0.8  # CPU seconds per wall second per thread below this: members wait
 # Windows in a row: one starved window can be a hiccup of a shared VM; a taken core is not.
 STARVED_WINDOWS = 2
 GAIN = 0.97  # a probe's size is kept when its time per token is below this x the old one's
+SAME_SIZE = 1.25  # a probe counts only if the median step size stayed within this factor
 WINDOW = 8  # steps per measurement window
 MIN_PROBE_S = 1.0
 MAX_PROBE_S = 32.0
@@ -72,6 +75,7 @@ class ThreadGovernor:
         self._baseline: float | None = None  # s/token of the window before a probe
         self._probe_from: int | None = None  # the size a probe left (None: no probe running)
         self._starved = 0  # consecutive starved windows
+        self._baseline_tokens = 0.0
         self._t0 = self._c0 = 0.0
         self.changes = 0
 
@@ -105,10 +109,18 @@ class ThreadGovernor:
         wall = sum(w for w, _, _ in self._window)
         cpu = sum(c for _, c, _ in self._window)
         per_token = self._per_token()
+        tokens = statistics.median(t for _, _, t in self._window)
         self._window.clear()
         now = self._clock()
         if self._probe_from is not None:  # a probe window just ended: keep it or go back
             assert self._baseline is not None
+            if not 1 / SAME_SIZE <= tokens / self._baseline_tokens <= SAME_SIZE:
+                # The batch changed under the probe: its time per token says nothing. Go
+                # back and try again soon, without counting it either way.
+                self._resize(self._probe_from)
+                self._probe_from = self._baseline = None
+                self.next_probe = now + MIN_PROBE_S
+                return
             won = per_token < GAIN * self._baseline
             if not won:
                 self._resize(self._probe_from)
@@ -125,4 +137,5 @@ class ThreadGovernor:
             return
         if now >= self.next_probe and self.max_threads > 1:
             self._probe_from, self._baseline = self.threads, per_token
+            self._baseline_tokens = tokens
             self._resize(self.threads + 1 if self.threads < self.max_threads else self.threads - 1)
