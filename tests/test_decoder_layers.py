@@ -56,3 +56,25 @@ def test_one_c_call_matches_the_python_loop_bit_for_bit(model_dir, fmt):
     assert len(c_logits) == len(py_logits) > 8
     for a, b in zip(c_logits, py_logits):
         assert torch.equal(a, b)
+
+
+def test_a_bad_slot_still_gets_the_checked_error(model_dir):
+    """The one C call checks index values itself; a bad one fails in layer 0 and the checked
+    Python path then names it, as it did before."""
+    from pipeline.messages import NewRequestData, SchedulerOutput, ids_to_bytes
+    from pipeline.sampling_params import SamplingParams
+
+    runner = make_runner(model_dir, worker_threads=1)
+    try:
+        sched = SchedulerOutput(1, [NewRequestData("r", ids_to_bytes([5, 6, 7]), 3,
+                                                   SamplingParams(max_tokens=2), [0], 0)],
+                                [], {"r": 3}, 3, [], [])
+        runner._apply_diff(sched)
+        inp = runner.prepare_inputs(sched)
+        inp.meta.slot_mapping[1] = 10**9
+        with pytest.raises(ValueError, match=r"token 1: position .* and slot 1000000000 below"):
+            with torch.inference_mode():
+                runner.model(inp.input_ids, inp.positions, inp.meta, runner.kv_cache.layers)
+        assert runner.model._c_layer_table[1] is not None  # the C call ran first
+    finally:
+        runner.close()

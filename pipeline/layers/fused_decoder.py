@@ -28,9 +28,9 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     once per step. Layer 0 goes through the checked ``ops`` wrappers; every later layer
     has the same shapes, dtypes and metadata, so it calls the kernels directly (their
     index checks still run in C). At batch 1 this is most of what is left of a step
-    besides reading the weights; so for up to ``GEMV_MAX_M`` tokens the layers after layer 0
-    run in one C call instead (``cpu_ops_decoder.h``: the same kernels in the same order, so
-    the same floats), unless a layer needs Python (q/k norms, a layer-signal callback)."""
+    besides reading the weights; so for up to ``GEMV_MAX_M`` tokens all layers run in one C
+    call instead (``cpu_ops_decoder.h``: the same kernels in the same order, so the same
+    floats), unless a layer needs Python (q/k norms, a layer-signal callback)."""
     ext = ops.backend(x.device)
     assert ext is not None, "the model calls this only when the C ops are built"
     layer0 = model.layers[0]
@@ -73,18 +73,27 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
 
     ops_fused.rms_norm(residual, layer0.input_layernorm.weight, layer0.input_layernorm.eps, out=h)
     last = len(model.layers) - 1
-    # Small batches: after layer 0 (checked), the other layers in one C call (same kernels).
+    # Small batches: every layer in one C call (same kernels, same order). The buffers are
+    # made here; the metadata's types and shapes are checked first and its values in C. A
+    # value that fails there fails in layer 0, before the residual changes: the Python loop
+    # then runs and raises the checked wrappers' error.
     table = _layer_table(model, kv_caches) if gemv and on_kv_written is None else None
-    for i, layer in enumerate(model.layers):
-        if i == 1 and table is not None:
-            rc = table.run(1, (t, hidden, qs, kvs, nh, nkv, hd, inter),
-                           (rp, hp, op, dp, qkvp, ap, gup, actp), posp, slp, cosp, sinp,
-                           cos.shape[0], nb * bs, dcode, cup, slp2, btp, nseq, nb, bs, maxb,
-                           float(layer0.scale))
-            if rc != -1:  # layer 0 passed the same checks: not expected
-                what = ("scratch memory", "RoPE/KV-cache index", "paged attention")[rc % 4]
-                raise RuntimeError(f"decoder layer {rc // 4}: {what} failed")
+    if table is not None:
+        ops._check_metadata(cu, sl, bt, x.device)
+        for name, idx in (("positions", positions), ("slot_mapping", slots)):
+            ops._check_index(name, idx, torch.int64, 1, x.device)
+            if idx.shape[0] != t:
+                raise ValueError(f"{name} has {idx.shape[0]} entries for {t} tokens")
+        rc = table.run(0, (t, hidden, qs, kvs, nh, nkv, hd, inter),
+                       (rp, hp, op, dp, qkvp, ap, gup, actp), posp, slp, cosp, sinp,
+                       cos.shape[0], nb * bs, dcode, cup, slp2, btp, nseq, nb, bs, maxb,
+                       float(layer0.scale))
+        if rc == -1:
             return residual
+        if rc >= 4 or rc % 4 == 0:  # past layer 0, or out of memory: nothing to redo
+            what = ("scratch memory", "RoPE/KV-cache index", "paged attention")[rc % 4]
+            raise RuntimeError(f"decoder layer {rc // 4}: {what} failed")
+    for i, layer in enumerate(model.layers):
         k_cache, v_cache = kv_caches[i]
         proj(h, hp, layer.qkv_weight, layer.qkv_bias, qkv, qkvp, layer.kn)
         if layer.q_norm is not None or i == 0:
