@@ -134,7 +134,7 @@ def _layer_table(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Ten
     """The C layer table of ``model`` over ``kv_caches`` (cpu_ops.DecoderLayers), built once
     and kept on the model; None when a layer needs the Python loop (q/k norms, or float32
     projections not stored [in, out])."""
-    key = tuple(k.data_ptr() for k, _ in kv_caches)
+    key = (id(kv_caches), kv_caches[0][0].data_ptr())  # the runner's one list of caches
     cached = getattr(model, "_c_layer_table", None)
     if cached is not None and cached[0] == key:
         return cached[1]

@@ -79,7 +79,8 @@ def _pad(t: torch.Tensor, n: int, value: float | int) -> torch.Tensor:
 class LowpWeight(nn.Module):
     """A projection weight ``[out, in]`` packed as bf16 or int8 (see the module docstring)."""
 
-    def __init__(self, weight: torch.Tensor, fmt: str, gemm_dtype: torch.dtype) -> None:
+    def __init__(self, weight: torch.Tensor, fmt: str, gemm_dtype: torch.dtype,
+                 table_only: bool = False) -> None:
         super().__init__()
         if fmt not in FORMATS:
             raise ValueError(f"weight format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -87,6 +88,8 @@ class LowpWeight(nn.Module):
             raise ValueError(f"a low-precision weight must be a 2-D CPU tensor, got "
                              f"{tuple(weight.shape)} on {weight.device}")
         self.fmt = fmt
+        # An untied embedding is only looked up: int8 rows stay [out, in], not in kernel blocks.
+        self.table_only = table_only
         self.out_features, self.in_features = weight.shape
         # The dtype x (and a dequantised int8 weight) takes in a GEMM of more than GEMV_MAX_M rows.
         self.gemm_dtype = gemm_dtype
@@ -94,9 +97,11 @@ class LowpWeight(nn.Module):
             weight, scale = weight.to(torch.bfloat16).contiguous(), None
         else:  # packed in blocks of 16 channels; scale padded to match
             q, scale = quantize_int8(weight)
-            weight = pack_int8(q)
-            rows = weight.shape[0] * 16
-            scale = _pad(scale, rows, 1.0).contiguous()
+            if not table_only:
+                weight = pack_int8(q)
+                scale = _pad(scale, weight.shape[0] * 16, 1.0).contiguous()
+            else:
+                weight = q
         self.weight: torch.Tensor
         self.scale: torch.Tensor | None
         self.register_buffer("weight", weight)
@@ -113,7 +118,8 @@ class LowpWeight(nn.Module):
         """Rows ``ids`` as float32 (the embedding lookup of a tied or packed table)."""
         if self.scale is None:
             return self.weight[ids].float()
-        return unpack_int8(self.weight, ids, self.in_features).float().mul_(self.scale[ids, None])
+        rows = self.weight[ids] if self.table_only else unpack_int8(self.weight, ids, self.in_features)
+        return rows.float().mul_(self.scale[ids, None])
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole weight ``[out, in]`` in ``dtype`` (float32 or bfloat16): a bf16 weight
@@ -138,6 +144,8 @@ class LowpWeight(nn.Module):
                out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 ``x [M, in] @ W^T (+ bias)`` -> ``out`` (float32 [M, out], dense rows)."""
         m, n, k = x.shape[0], self.out_features, self.in_features
+        if self.table_only:
+            raise ValueError("an embedding packed for lookups only has no linear()")
         if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or x.stride(1) != 1:
             raise ValueError(f"x must be float32 [num_tokens, {k}] with dense rows, got "
                              f"{x.dtype} {tuple(x.shape)}")

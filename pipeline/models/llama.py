@@ -129,18 +129,18 @@ class CausalLM(nn.Module):
         """Replace the float32 projections, the embedding and lm_head (still [out, in]: call
         instead of ``transpose_weights``) by ``LowpWeight``s of format ``fmt`` (bf16 or int8);
         norms, biases and activations stay float32. A tied lm_head stays the embedding's."""
-        def pack(owner: nn.Module, name: str) -> LowpWeight:
+        def pack(owner: nn.Module, name: str, table_only: bool = False) -> LowpWeight:
             w = getattr(owner, name)
             if isinstance(w, LowpWeight):
                 return w
-            packed = LowpWeight(w, fmt, gemm_dtype)
+            packed = LowpWeight(w, fmt, gemm_dtype, table_only)
             delattr(owner, name)
             setattr(owner, name, packed)
             return packed
         for layer in self.layers:
             for name in _PROJECTIONS:
                 pack(layer, name)
-        embed = pack(self, "embed_tokens")
+        embed = pack(self, "embed_tokens", table_only=not self.config.tie_word_embeddings)
         if self.config.tie_word_embeddings:
             delattr(self, "lm_head")
             self.lm_head = embed
