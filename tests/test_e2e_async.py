@@ -14,10 +14,10 @@ ever streamed.
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-from e2e_helpers import ENGINE_FLAGS, PIPELINE, ROOT, env, make_tiny_model, shm_entries
+from e2e_helpers import ENGINE_FLAGS, make_tiny_model, shm_entries
+from test_e2e_pipe import pipe as run_pipe
 
 NUM_BLOCKS = 20  # of 16 tokens: 20 requests of up to ~70 tokens need ~100
 
@@ -55,20 +55,6 @@ def reference(model, reqs: list[dict]) -> dict[str, list[tuple[list[int], str, s
     assert shm_entries(llm.config.instance_id) == []
     return {r["id"]: [(list(c.token_ids), c.text, c.finish_reason) for c in o.outputs]
             for r, o in zip(reqs, outs)}
-
-
-def run_pipe(model, lines: list[str], *flags: str) -> tuple[int, list[dict], str]:
-    p = subprocess.Popen([*PIPELINE, "run", "--model", str(model), *ENGINE_FLAGS, *flags],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, cwd=ROOT, env=env())
-    try:
-        out, err = p.communicate("\n".join(lines) + "\n", timeout=240)
-    finally:
-        if p.poll() is None:  # a hung run: leave nothing behind
-            p.kill()
-            p.wait()
-    assert shm_entries(f"{p.pid:x}") == [], "shared memory outlived the run"
-    return p.returncode, [json.loads(x) for x in out.splitlines()], err
 
 
 def test_async_pipeline_equals_the_sync_engine_token_for_token(model, tmp_path):

@@ -16,6 +16,7 @@ from collections import deque
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_scheduler_workload import expected
 
 from pipeline.config import EngineConfig
 from pipeline.engine.fake_worker import FakeWorker
@@ -109,15 +110,7 @@ class Driver:
 
 
 def reference(worker: FakeWorker, prompt: list[int], sp: SamplingParams) -> tuple[list[int], str]:
-    toks, out = list(prompt), []
-    while True:
-        t = worker.next_token(toks)
-        toks.append(t)
-        out.append(t)
-        if len(out) >= sp.min_tokens and ((not sp.ignore_eos and t == EOS) or t in sp.stop_token_ids):
-            return out, "stop"
-        if len(out) >= sp.max_tokens or len(toks) >= MAX_LEN:
-            return out, "length"
+    return expected(worker, prompt, sp, MAX_LEN)
 
 
 def test_decode_runs_ahead_of_its_result():

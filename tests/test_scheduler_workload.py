@@ -42,7 +42,9 @@ def request_specs(draw):
     }
 
 
-def expected(worker: FakeWorker, prompt: list[int], sp: SamplingParams) -> tuple[list[int], str]:
+def expected(worker: FakeWorker, prompt: list[int], sp: SamplingParams,
+             max_len: int = MAX_MODEL_LEN) -> tuple[list[int], str]:
+    """What a request must get: the fake worker's tokens until a stop or the length limit."""
     toks, out = list(prompt), []
     while True:
         t = worker.next_token(toks)
@@ -50,7 +52,7 @@ def expected(worker: FakeWorker, prompt: list[int], sp: SamplingParams) -> tuple
         out.append(t)
         if len(out) >= sp.min_tokens and ((not sp.ignore_eos and t == EOS) or t in sp.stop_token_ids):
             return out, "stop"
-        if len(out) >= sp.max_tokens or len(toks) >= MAX_MODEL_LEN:
+        if len(out) >= sp.max_tokens or len(toks) >= max_len:
             return out, "length"
 
 

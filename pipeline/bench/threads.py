@@ -16,10 +16,9 @@ import os
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 from pipeline.bench.report import Report
-from pipeline.bench.worker import bench_ours, make_bench_model
+from pipeline.bench.worker import bench_model, bench_ours
 
 HOG = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass\n"
 
@@ -57,12 +56,7 @@ def main(args: argparse.Namespace) -> int:
     phases = [p for p in args.phases.split(",") if p]
     best: dict[tuple[str, int], dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="pipeline-bench-threads-") as tmp:
-        model_dir = args.model
-        if not model_dir:
-            model_dir = str(Path(tmp) / "model")
-            make_bench_model(Path(model_dir))
-        from pipeline.models.config import load_model_config
-        vocab = min(load_model_config(model_dir).vocab_size, 512)
+        model_dir, vocab = bench_model(args.model, tmp)
         for phase in phases:
             hog = (subprocess.Popen([sys.executable, "-c", HOG, str(cores[-1])])
                    if phase == "busy" else None)

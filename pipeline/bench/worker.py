@@ -56,6 +56,16 @@ def make_bench_model(out: Path) -> None:
     make_model.main(ns)
 
 
+def bench_model(model: str, tmp: str) -> tuple[str, int]:
+    """(checkpoint dir, vocab to draw prompt ids from): ``model``, or the 25M checkpoint
+    written under ``tmp``."""
+    from pipeline.models.config import load_model_config
+    if not model:
+        model = str(Path(tmp) / "model")
+        make_bench_model(Path(model))
+    return model, min(load_model_config(model).vocab_size, 512)
+
+
 def memcpy_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
     """Bytes moved per second (read + write) by a large tensor copy, best of ``reps``."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)
@@ -250,12 +260,7 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(worker_threads() or usable_cores())
     bw = read_bandwidth()
     with tempfile.TemporaryDirectory(prefix="pipeline-bench-worker-") as tmp:
-        model_dir = args.model
-        if not model_dir:
-            model_dir = str(Path(tmp) / "model")
-            make_bench_model(Path(model_dir))
-        from pipeline.models.config import load_model_config
-        vocab = min(load_model_config(model_dir).vocab_size, 512)
+        model_dir, vocab = bench_model(args.model, tmp)
         formats = [f for f in args.formats.split(",") if f]
         for f in formats:
             if f not in FORMAT_FLAGS:
