@@ -355,15 +355,19 @@ def test_client_gone_mid_stream_aborts_and_frees_blocks(oai, daemon, name):
 
 def test_client_gone_before_a_whole_answer_aborts_it(daemon, name):
     before = finished(wait_idle(daemon))
-    body = {"model": name, "prompt": [f"prompt {i}" for i in range(8)], "max_tokens": LONG_GEN,
+    # 32 x 240 tokens: twice what the 256 KV blocks hold, so they are preempted and recomputed
+    # in turn; the tiny model decodes 8 x 240 in under 0.3 s now, 32 of them take seconds.
+    body = {"model": name, "prompt": [f"prompt {i}" for i in range(32)], "max_tokens": LONG_GEN,
             "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):  # 8 x 240 tokens take seconds
+    with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{daemon.http_url}/v1/completions", json=body,
                    headers={"Authorization": f"Bearer {KEY}"},
                    timeout=httpx.Timeout(10.0, read=0.3))
     wait_idle(daemon)
     done = finished(stats(daemon))
-    assert done["abort"] - before["abort"] == 8 and done["length"] == before["length"]
+    aborted, ended = done["abort"] - before["abort"], done["length"] - before["length"]
+    # Every request got one final answer; those not done when the client left were aborted.
+    assert aborted + ended == 32 and aborted >= 1, (aborted, ended)
 
 
 def test_body_over_32_mib_is_413(daemon):
