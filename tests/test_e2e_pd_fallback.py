@@ -25,7 +25,11 @@ from pipeline.gateway import protocol as P
 from pipeline.messages import RequestResult
 from pipeline.messages.kv import KVReservation, KVTransferParams
 
-CHUNKED = ["--max-num-batched-tokens", "32"]  # long prompts run in several steps
+# Long prompts run in several steps. One worker thread each: four instances share the
+# machine's cores, and the failure test needs the prefill messager's report to arrive while the
+# prompt's later chunks still run (an adaptive team of every core per instance starves the
+# messagers on two cores; a failure reported after the first token cannot fail the request).
+CHUNKED = ["--max-num-batched-tokens", "32", "--worker-threads", "1"]
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 D_TIMEOUT_S = 5.0  # D's reservations (and the quarantine of an aborted one: at most this)
 WAIT_S = 60
@@ -42,6 +46,7 @@ def cluster(model):
     daemons = {
         "mixed": Daemon(model, *CHUNKED),
         "dec": Daemon(model, "--role", "decode", "--kv-listen", f"tcp://127.0.0.1:{free_port()}",
+                      "--worker-threads", "1",
                       "--kv-transfer-timeout", str(D_TIMEOUT_S)),
         # --kv-transfer-timeout bounds the prefill messager's handshake with a dead peer.
         "local": Daemon(model, "--role", "prefill", "--kv-transfer", "tcp", "--pd-fallback", "local",
