@@ -258,6 +258,9 @@ class _Peer:
 DoneFn = Callable[[str, int, str], None]
 
 
+CLOSE_JOIN_S = 10.0  # KVReceiver.close: how long the receiver thread gets to end
+
+
 class KVReceiver:
     """Decode side: receives runs of blocks into `pool` (laid out as `layout`) on a thread.
 
@@ -406,8 +409,9 @@ class KVReceiver:
             return
         self.stopping = True
         self._stop_tx.send(b"")
-        self._thread.join()
-        for s in (self._sock, self._stop_rx, self._stop_tx):
-            s.close()
-        self._ctx.term()
+        self._thread.join(CLOSE_JOIN_S)
+        # destroy(): close every socket left, then terminate without waiting on them. A
+        # plain term() blocks for good on a socket still open (a thread that did not end),
+        # and a stage exits right after this (a messager stop once hung here in CI).
+        self._ctx.destroy(linger=0)
         self._dst = None
