@@ -24,10 +24,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.layers.ops import backend
+from pipeline.layers.ops import GEMV_MAX_M, backend
 
 FORMATS = ("bf16", "int8")
-GEMV_MAX_M = 8  # pipeline._ext.cpu_ops.GEMV_MAX_M: the bf16 GEMV's limit
 # The int8 kernel keeps Q's blocks in L1 for every group of rows of x, so it beats
 # dequantise + GEMM up to this many rows (measured: docs/cpu.md).
 INT8_GEMV_MAX_M = 32

@@ -44,6 +44,11 @@ def _load(name: str) -> ModuleType | None:
     return _ext[name]
 
 
+# Rows up to which the C GEMVs run instead of a GEMM (pipeline._ext.cpu_ops.GEMV_MAX_M; a
+# constant here keeps the callers' checks cheap).
+GEMV_MAX_M = 8
+
+
 def backend(device: torch.device) -> ModuleType | None:
     """The extension module serving ``device``, or None when only ops_ref is available."""
     if device.type == "cpu":

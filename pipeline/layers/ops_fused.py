@@ -18,9 +18,7 @@ import torch
 
 from pipeline.layers import ops_ref
 from pipeline.layers.lowp import LowpWeight
-from pipeline.layers.ops import _DTYPE_CODE, _check_cache, _check_index, _check_rows, backend
-
-GEMV_MAX_M = 8  # pipeline._ext.cpu_ops.GEMV_MAX_M; a constant here keeps the check cheap
+from pipeline.layers.ops import _DTYPE_CODE, GEMV_MAX_M, _check_cache, _check_index, _check_rows, backend
 
 
 def _rows2d(name: str, t: torch.Tensor, width: int) -> None:
