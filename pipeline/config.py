@@ -17,7 +17,8 @@ MAX_CHAT_TEMPLATE_BYTES = 1 << 20  # --chat-template: the file travels to every 
 CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16", "float16"),
            "quantization": ("none", "int8"),
            "preemption_policy": ("newest", "lowest_priority"), "role": ("mixed", "prefill", "decode"),
-           "kv_transfer": ("auto", "ipc", "tcp"), "pd_fallback": ("none", "local")}
+           "kv_transfer": ("auto", "ipc", "tcp"), "pd_fallback": ("none", "local"),
+           "distributed_backend": ("auto", "nccl", "gloo")}
 
 
 def _flag(field: str) -> str:
@@ -41,6 +42,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool = True
     preemption_policy: str = "newest"  # newest | lowest_priority
     tensor_parallel_size: int = 1
+    # Tensor parallelism (models/parallel.py): torch.distributed's backend (auto: nccl on
+    # CUDA, gloo on CPU) and, across hosts, torchrun's names: node 0 runs the gateway, every
+    # stage and its ranks; node R > 0 only its ranks (tensor_parallel_size / nnodes each).
+    distributed_backend: str = "auto"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0 on one node: the gateway picks a free one
     worker_threads: int = 0  # CPU: 0 = PIPELINE_WORKER_THREADS, else adaptive from all cores
     seed: int = 0
     instance_id: str = ""
@@ -62,6 +71,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         (called by ``config_from_args``, before the model loads)."""
         ranges = (("max_num_seqs", 1, None), ("max_num_batched_tokens", 1, None),
                   ("tensor_parallel_size", 1, None), ("num_blocks", 0, None),
+                  ("nnodes", 1, None), ("node_rank", 0, self.nnodes - 1), ("master_port", 0, 65535),
                   ("kv_cache_memory", 0, None), ("max_model_len", 0, None),
                   ("long_prefill_token_threshold", 0, None), ("worker_threads", 0, None),
                   ("seed", 0, 2**64 - 1), ("max_queued_requests", 0, None))
@@ -85,6 +95,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.role != "mixed" and self.tensor_parallel_size > 1:
             raise ValueError(f"--role {self.role} needs --tensor-parallel-size 1 (the cache messager "
                              f"ships one rank's KV pool), got {self.tensor_parallel_size}")
+        tp, nodes = self.tensor_parallel_size, self.nnodes
+        if tp % nodes:
+            raise ValueError(f"--tensor-parallel-size {tp} must be a multiple of --nnodes {nodes} "
+                             f"(each node runs tensor_parallel_size / nnodes ranks)")
+        if nodes > 1 and not self.master_port:
+            raise ValueError("--nnodes > 1 needs --master-port (and --master-addr: node 0's address)")
         if self.kv_listen and self.role != "decode":
             raise ValueError(f"--kv-listen is for --role decode (where KV is received), not {self.role}")
         if self.kv_listen and not self.kv_listen.startswith(("tcp://", "ipc://")):
@@ -108,6 +124,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return self.device
         import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_backend(self) -> str:
+        if self.distributed_backend != "auto":
+            return self.distributed_backend
+        return "nccl" if self.resolved_device() == "cuda" else "gloo"
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
 
     def resolved_block_size(self) -> int:
         if self.block_size:
@@ -134,7 +159,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--preemption-policy", default=d.preemption_policy, choices=CHOICES["preemption_policy"])
-    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
+    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                   help="worker ranks that split every layer (torch.distributed), on this host or "
+                        "across --nnodes hosts")
+    p.add_argument("--distributed-backend", default=d.distributed_backend,
+                   choices=CHOICES["distributed_backend"], help="auto: nccl on CUDA, gloo on CPU")
     p.add_argument("--worker-threads", type=int, default=d.worker_threads,
                    help="CPU threads of the worker, fixed (0: PIPELINE_WORKER_THREADS if set, else a team "
                         "that starts with every core and shrinks while cores are busy)")
@@ -165,6 +194,20 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pd-fallback", default=d.pd_fallback, choices=CHOICES["pd_fallback"],
                    help="prefill: a request whose KV cannot reach its decode peer fails (none, "
                         "default) or is decoded here instead (local)")
+
+
+def add_node_args(p: argparse.ArgumentParser) -> None:
+    """`pipeline serve` only: tensor parallelism across hosts (torchrun's flag names)."""
+    d = EngineConfig()
+    g = p.add_argument_group("tensor parallelism across hosts (docs/tensor_parallel.md)")
+    g.add_argument("--nnodes", type=int, default=d.nnodes,
+                   help="hosts the --tensor-parallel-size ranks are spread over (as many on each)")
+    g.add_argument("--node-rank", type=int, default=d.node_rank,
+                   help="0: the host that serves (gateway, every stage, its ranks); R > 0: a host "
+                        "that runs only its worker ranks")
+    g.add_argument("--master-addr", default=d.master_addr, help="node 0's address, as the others reach it")
+    g.add_argument("--master-port", type=int, default=d.master_port,
+                   help="node 0's rendezvous port (torch.distributed; the step plans use the next one)")
 
 
 def read_chat_template(path: str | os.PathLike[str]) -> str:

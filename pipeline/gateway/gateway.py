@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import sys
 import tempfile
 import threading
@@ -80,6 +81,12 @@ def sweep_kv_sockets(run_dir: Path) -> None:
             path.unlink(missing_ok=True)
 
 
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 class Gateway:
     def __init__(self, config: EngineConfig, on_output: OnOutput,
                  log: Callable[[str], None] | None = None) -> None:
@@ -127,7 +134,10 @@ class Gateway:
             # and for those built from the worker's ModelInfo (NEEDS_MODEL) once rank 0 sent it.
             self._names = self._ring_names()
             kinds = ["engine", "tokenizer", "output"] + (["messager"] if self.config.role != "mixed" else [])
-            for r in range(self.config.tensor_parallel_size):
+            if self.config.tensor_parallel_size > 1 and not self.config.master_port:
+                # One host: the ranks meet on loopback at a port free now.
+                self.config = msgspec.structs.replace(self.config, master_port=free_tcp_port())
+            for r in range(self.config.ranks_per_node):  # node 0's ranks; other nodes run theirs
                 self._spawn(f"worker{r}", "worker", r)
             for k in kinds:
                 self._spawn(k, k)
@@ -163,7 +173,7 @@ class Gateway:
                 self.instance, role, capacity(limits[role]), doorbell=bells.get(consumer),
                 role="writer" if producer == "gateway" else "reader", claim=mine), role)
         self.steps = BroadcastRing.create(self.instance, STEPS_ROLE, capacity(limits[STEPS_ROLE]),
-                                          self.config.tensor_parallel_size)
+                                          self.config.ranks_per_node)
         made = {r: ch.ring.name for r, ch in self.rings.items()} | {STEPS_ROLE: self.steps.name}
         if self.config.role == "prefill":
             # Worker rank 0 publishes each layer's "KV written" on it; the cache messager

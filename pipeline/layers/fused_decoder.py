@@ -28,16 +28,21 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     once per step. Layer 0 goes through the checked ``ops`` wrappers; every later layer
     has the same shapes, dtypes and metadata, so it calls the kernels directly (their
     index checks still run in C). At batch 1 this is most of what is left of a step
-    besides reading the weights; so for up to ``GEMV_MAX_M`` tokens all layers run in one C
+    besides reading the weights; so for up to ``GEMV_MAX_M`` tokens (fewer for bf16 weights
+    that oneDNN multiplies faster: ``LowpWeight.gemv_max_m``) all layers run in one C
     call instead (``cpu_ops_decoder.h``: the same kernels in the same order, so the same
-    floats), unless a layer needs Python (q/k norms, a layer-signal callback)."""
+    floats), unless a layer needs Python (q/k norms, a layer-signal callback, the all-reduces
+    of tensor parallelism)."""
     ext = ops.backend(x.device)
     assert ext is not None, "the model calls this only when the C ops are built"
+    tp = model.tp  # tensor parallel: o and down are row-parallel, summed over the ranks
     layer0 = model.layers[0]
     t, hidden = x.shape
     qs, kvs, nh, nkv, hd = layer0.q_size, layer0.kv_size, layer0.num_heads, layer0.num_kv_heads, layer0.head_dim
     inter = layer0.intermediate_size
-    gemv = 0 < t <= ops_fused.GEMV_MAX_M
+    w0 = layer0.qkv_weight  # packed bf16 weights leave the GEMV sooner (LowpWeight.gemv_max_m)
+    gemv = 0 < t <= (min(ops_fused.GEMV_MAX_M, w0.gemv_max_m) if isinstance(w0, LowpWeight)
+                     else ops_fused.GEMV_MAX_M)
     residual = x
     h, o, down = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
     qkv = torch.empty((t, qs + 2 * kvs), dtype=torch.float32)
@@ -77,7 +82,7 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     # made here; the metadata's types and shapes are checked first and its values in C. A
     # value that fails there fails in layer 0, before the residual changes: the Python loop
     # then runs and raises the checked wrappers' error.
-    table = _layer_table(model, kv_caches) if gemv and on_kv_written is None else None
+    table = _layer_table(model, kv_caches) if gemv and on_kv_written is None and tp is None else None
     if table is not None:
         ops._check_metadata(cu, sl, bt, x.device)
         for name, idx in (("positions", positions), ("slot_mapping", slots)):
@@ -117,11 +122,15 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
             if bad != -1:
                 ops.paged_attention(q, k_cache, v_cache, cu, sl, bt, layer.scale, out=attn)
         proj(attn.view(t, qs), ap, layer.o_weight, layer.o_bias, o, op, layer.kn)
+        if tp is not None:
+            tp.all_reduce(o)
         post = layer.post_attention_layernorm
         ext.rms_norm(hp, op, rp, post.weight.data_ptr(), t, hidden, hidden, hidden, hidden, post.eps)
         proj(h, hp, layer.gate_up_weight, layer.gate_up_bias, gate_up, gup, layer.kn)
         ext.silu_and_mul(actp, gup, t, inter, 2 * inter)
         proj(act, actp, layer.down_weight, layer.down_bias, down, dp, layer.kn)
+        if tp is not None:
+            tp.all_reduce(down)
         if i < last:
             nxt = model.layers[i + 1].input_layernorm
             ext.rms_norm(hp, dp, rp, nxt.weight.data_ptr(), t, hidden, hidden, hidden, hidden, nxt.eps)

@@ -8,6 +8,9 @@ decoder of ``layers.fused_decoder`` (four element-wise C calls per layer, a C GE
 batches), elsewhere (CUDA, half types) the layers below one op at a time in torch, whose
 rounding sequence matches transformers'. On CPU the projections and the embedding may be
 packed as bfloat16 or int8 (``pack_weights``, ``layers.lowp``) under float32 activations.
+Under tensor parallelism (``models.parallel``) the model is built from the rank's shard of
+the config and holds the rank's slices; ``tp`` sums the o/down projections and the embedding
+lookup over the ranks and gathers the logits.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from pipeline.layers.lowp import LowpWeight
 from pipeline.layers.norm import RMSNorm
 from pipeline.layers.rotary import RotaryEmbedding
 from pipeline.models.config import ModelConfig, rope_inv_freq
+from pipeline.models.parallel import TPGroup
 
 
 def _empty(*shape: int) -> nn.Parameter:
@@ -108,6 +112,7 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, max_positions,
                                       functools.partial(rope_inv_freq, config.rope, config.head_dim))
         self.lm_head_kn = False
+        self.tp: TPGroup | None = None  # set by the model runner under tensor parallelism
 
     @torch.no_grad()
     def transpose_weights(self) -> None:
@@ -148,9 +153,20 @@ class CausalLM(nn.Module):
             pack(self, "lm_head")
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        outside = None
+        if tp is not None:  # this rank's rows of the vocabulary; the others' sum in
+            input_ids = input_ids - tp.shard.vocab_start
+            outside = (input_ids < 0) | (input_ids >= tp.shard.vocab_per_rank)
+            input_ids = input_ids.masked_fill(outside, 0)
         if isinstance(self.embed_tokens, LowpWeight):
-            return self.embed_tokens.embed(input_ids)
-        return F.embedding(input_ids, self.embed_tokens)
+            x = self.embed_tokens.embed(input_ids)
+        else:
+            x = F.embedding(input_ids, self.embed_tokens)
+        if tp is not None:
+            assert outside is not None
+            tp.all_reduce(x.masked_fill_(outside[:, None], 0))
+        return x
 
     def tie_weights(self) -> None:
         """Re-share lm_head with the embedding (module moves can split shared parameters)."""
@@ -167,8 +183,10 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_caches[i]
             signal = (lambda i=i: on_kv_written(i)) if on_kv_written is not None else None
-            x = x + layer.attention(layer.input_layernorm(x), cos, sin, k_cache, v_cache, meta, signal)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            a = layer.attention(layer.input_layernorm(x), cos, sin, k_cache, v_cache, meta, signal)
+            x = x + (a if self.tp is None else self.tp.all_reduce(a))
+            m = layer.mlp(layer.post_attention_layernorm(x))
+            x = x + (m if self.tp is None else self.tp.all_reduce(m))
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -177,4 +195,7 @@ class CausalLM(nn.Module):
             hidden = ops_fused.rms_norm(hidden, self.norm.weight, self.norm.eps)
         else:
             hidden = self.norm(hidden)
-        return _linear(hidden, self.lm_head, None, self.lm_head_kn).float()
+        logits = _linear(hidden, self.lm_head, None, self.lm_head_kn).float()
+        if self.tp is not None:  # every rank gets the full row
+            logits = self.tp.all_gather_cols(logits)[:, :self.tp.shard.vocab_size]
+        return logits

@@ -1,7 +1,9 @@
 """Models: load a Hugging Face safetensors checkpoint (single file or sharded with
 ``model.safetensors.index.json``) into a CausalLM, fusing q/k/v and gate/up on the way.
 
-Owns nothing after loading; prints progress to stderr (one line per shard).
+Under tensor parallelism each rank reads only its slices of every tensor
+(``safe_open(...).get_slice``, the split of ``models.parallel``): no rank materialises the
+full model. Owns nothing after loading; prints progress to stderr (one line per shard).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from pipeline.models.llama import CausalLM
+from pipeline.models.parallel import TPShard
 
 # Checkpoint tensors that carry no weights we need (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -111,9 +114,44 @@ class _Assembler:
                              + (" ..." if len(missing) > 8 else ""))
 
 
-def load_weights(model: CausalLM, model_dir: str | Path, quiet: bool = False) -> int:
-    """Copy every checkpoint tensor into ``model`` (cast to its dtype); return bytes read."""
+def _rows(sl, lo: int, hi: int, dim: int) -> torch.Tensor:
+    return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
+
+
+def read_shard(key: str, sl, shard: TPShard | None) -> torch.Tensor:
+    """Checkpoint tensor ``key`` (a safetensors slice ``sl``), or the part of it rank
+    ``shard`` holds (``models.parallel``): column-parallel rows, row-parallel columns, vocab
+    rows padded with zeros, and the row-parallel biases on rank 0 only (zeros elsewhere)."""
+    if shard is None or shard.size == 1:
+        return sl[:]
+    parts = key.removeprefix("model.").split(".")
+    proj, kind = (parts[3], parts[-1]) if len(parts) >= 4 and parts[0] == "layers" else ("", "")
+    if proj == "q_proj":
+        return _rows(sl, *shard.q_rows(), 0)
+    if proj in ("k_proj", "v_proj"):
+        return _rows(sl, *shard.kv_rows(), 0)
+    if proj in ("gate_proj", "up_proj"):
+        return _rows(sl, *shard.inter_rows(), 0)
+    if proj in ("o_proj", "down_proj"):
+        if kind == "bias":  # added once, after the all-reduce's sum
+            t = sl[:]
+            return t if shard.rank == 0 else torch.zeros_like(t)
+        return _rows(sl, *(shard.q_rows() if proj == "o_proj" else shard.inter_rows()), 1)
+    if parts[0] in ("embed_tokens", "lm_head"):
+        lo, hi = shard.vocab_rows()
+        t = sl[lo:hi]
+        if hi - lo < shard.vocab_per_rank:
+            t = torch.cat([t, t.new_zeros((shard.vocab_per_rank - (hi - lo), t.shape[1]))])
+        return t
+    return sl[:]  # norms (q/k norms are per head_dim): every rank has them whole
+
+
+def load_weights(model: CausalLM, model_dir: str | Path, quiet: bool = False,
+                 shard: TPShard | None = None) -> int:
+    """Copy every checkpoint tensor (or rank ``shard``'s slice of it) into ``model`` (cast to
+    its dtype); return bytes read."""
     files = checkpoint_files(model_dir)
+    rank = f"rank {shard.rank}: " if shard is not None and shard.size > 1 else ""
     asm = _Assembler(model)
     dtype = model.embed_tokens.dtype
     total = 0
@@ -123,14 +161,14 @@ def load_weights(model: CausalLM, model_dir: str | Path, quiet: bool = False) ->
         with safe_open(str(path), framework="pt", device="cpu") as f:
             keys = list(f.keys())
             for j, key in enumerate(keys, 1):
-                t = f.get_tensor(key)
+                t = read_shard(key, f.get_slice(key), shard)
                 total += t.numel() * t.element_size()
                 asm.add(key, t.to(dtype))
                 now = time.perf_counter()
                 # A line per shard, and one every few seconds inside a big shard.
                 if not quiet and (j == len(keys) or now - last >= 5.0):
                     last = now
-                    print(f"loading weights: shard {i}/{len(files)} {path.name}: tensor {j}/{len(keys)} "
+                    print(f"{rank}loading weights: shard {i}/{len(files)} {path.name}: tensor {j}/{len(keys)} "
                           f"({total / 2**20:.1f} MiB, {now - t0:.1f}s)", file=sys.stderr, flush=True)
     asm.finish()
     return total

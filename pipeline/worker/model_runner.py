@@ -4,7 +4,14 @@ forward over the flattened varlen batch (prefill chunks with cached context and 
 mixed), sample for the requests whose known tokens are all computed, and compute the prompt
 logprobs of the prefill chunks of requests that ask for them.
 
-Owns: the model weights, the KV cache memory (KVCache), the InputBatch and the Sampler.
+Under tensor parallelism (``--tensor-parallel-size N``) there is one runner per rank, each
+holding its shard of the weights (``models.parallel``) and a KV cache of its KV heads; every
+rank runs every step the same way, and rank 0 samples (the others take its tokens by
+broadcast when sampling is random; greedy argmax over the gathered logits is the same
+everywhere).
+
+Owns: the model weights, the KV cache memory (KVCache), the InputBatch, the Sampler and,
+under tensor parallelism, this rank's TPGroup.
 """
 from __future__ import annotations
 
@@ -23,9 +30,10 @@ from pipeline.layers.attention import AttentionMetadata
 from pipeline.layers.lowp import LowpWeight
 from pipeline.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pipeline.messages.step import PromptLogprobs
-from pipeline.models.config import load_model_config
+from pipeline.models.config import load_model_config, model_hash
 from pipeline.models.llama import CausalLM
 from pipeline.models.loader import load_weights
+from pipeline.models.parallel import TPGroup, TPShard
 from pipeline.worker.device import cpu_has_fast_bf16, cpu_weight_format, resolve_dtype, worker_threads
 from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.kv_cache import KVCache, bytes_per_block
@@ -36,6 +44,9 @@ if TYPE_CHECKING:
     from pipeline.ipc.layer_signal import LayerSignal
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+# How long a rank waits for the others to join the group (or, in a collective, for a peer
+# that is alive but stuck): a dead peer's closed connection fails a collective at once.
+TP_TIMEOUT_S = float(os.environ.get("PIPELINE_TP_TIMEOUT_S", "120"))
 # Prompt positions whose logits (rows x vocab floats) are computed at once for prompt logprobs.
 PROMPT_LOGPROBS_ROWS = 256
 
@@ -54,13 +65,11 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
-        if config.tensor_parallel_size != 1:
-            raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size}: the model runner "
-                             f"does not shard weights yet; only 1 is supported")
         self.config = config
         self.rank = rank
         dev = config.resolved_device()
-        self.device = torch.device(f"cuda:{rank}") if dev == "cuda" else torch.device("cpu")
+        local_rank = rank % config.ranks_per_node
+        self.device = torch.device(f"cuda:{local_rank}") if dev == "cuda" else torch.device("cpu")
         # CPU: a fixed team (--worker-threads, PIPELINE_WORKER_THREADS) or one that adapts
         # to the cores actually free, starting with all of them (worker/threads.py).
         self.thread_governor: ThreadGovernor | None = None
@@ -68,11 +77,14 @@ class ModelRunner:
             fixed = worker_threads(config.worker_threads)
             if fixed:
                 torch.set_num_threads(fixed)
-            else:
-                self.thread_governor = ThreadGovernor(usable_cores())
+            else:  # the ranks on this host share its cores
+                self.thread_governor = ThreadGovernor(max(1, usable_cores() // config.ranks_per_node))
         else:  # one device per worker process: the ops launch on the current one
             torch.cuda.set_device(self.device)
         self.model_config = mc = load_model_config(config.model)
+        size = config.tensor_parallel_size
+        self.shard = TPShard.of(mc, rank, size) if size > 1 else None
+        self.tp: TPGroup | None = None
         self.dtype = resolve_dtype(config.dtype, mc.torch_dtype, self.device)
         self.block_size = config.resolved_block_size()
         default_len = mc.max_position_embeddings
@@ -97,14 +109,29 @@ class ModelRunner:
         self._step_id = 0
 
     # ---- loading ----------------------------------------------------------------------------
+    def _join_group(self) -> None:
+        """Join the torch.distributed group of the ranks and check they all run the same
+        configuration (a node started with other flags is refused here, naming the field)."""
+        assert self.shard is not None
+        cfg = self.config
+        self.tp = TPGroup(self.shard, cfg.resolved_backend(),
+                          f"tcp://{cfg.master_addr}:{cfg.master_port}", TP_TIMEOUT_S, self.device)
+        self.tp.check_same({
+            "model": model_hash(cfg.model), "tensor_parallel_size": str(cfg.tensor_parallel_size),
+            "nnodes": str(cfg.nnodes), "dtype": str(self.dtype), "quantization": cfg.quantization,
+            "block_size": str(self.block_size), "max_model_len": str(self.max_model_len),
+            "max_num_seqs": str(cfg.max_num_seqs), "device": self.device.type})
+
     def load(self) -> None:
         mc = self.model_config
         t0 = time.perf_counter()
+        if self.shard is not None:
+            self._join_group()
         # CPU bf16/int8: float32 activations, the projections packed after loading.
         fmt = cpu_weight_format(self.dtype, self.config.quantization, self.device,
                                 ops.backend(self.device) is not None)
         with torch.device("meta"):
-            model = CausalLM(mc, self.max_model_len)
+            model = CausalLM(self.shard.model_config(mc) if self.shard else mc, self.max_model_len)
         # What Module.to_empty does, without its empty_like: on meta tensors that goes through
         # torch._refs, which imports sympy (~0.5 s of start-up for nothing).
         dev = self.device
@@ -112,7 +139,8 @@ class ModelRunner:
             lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev))
         model.rotary.reset()
         model.tie_weights()
-        load_weights(model, self.config.model)
+        load_weights(model, self.config.model, shard=self.shard)
+        model.tp = self.tp
         if fmt is not None:
             model.pack_weights(fmt, torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
         elif self.device.type == "cpu":
@@ -121,10 +149,13 @@ class ModelRunner:
         nparams = sum(p.numel() for p in model.parameters()) + sum(
             m.weight.numel() for m in model.modules() if isinstance(m, LowpWeight))
         weights = f"{fmt} weights, float32 activations" if fmt else str(self.dtype)
-        print(f"model: {mc.architecture} {nparams / 1e6:.1f}M params, {weights}, {self.device}, "
+        part = f" (rank {self.rank} of {self.shard.size})" if self.shard else ""
+        print(f"model: {mc.architecture} {nparams / 1e6:.1f}M params{part}, {weights}, {self.device}, "
               f"loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
         self.num_blocks = self._decide_num_blocks()
-        self.kv_cache = KVCache(mc.num_layers, self.num_blocks, self.block_size, mc.num_kv_heads,
+        if self.tp is not None:  # one block table for every rank: the smallest pool
+            self.num_blocks = self.tp.min_int(self.num_blocks)
+        self.kv_cache = KVCache(mc.num_layers, self.num_blocks, self.block_size, self._kv_heads,
                                 mc.head_dim, self.dtype, self.device,
                                 # "<pid>-<hex>" is the id form sweep_stale ties to a live pid.
                                 self.config.instance_id or f"{os.getpid()}-{id(self):x}", self.rank)
@@ -132,9 +163,13 @@ class ModelRunner:
         print(f"kv cache: {self.num_blocks} blocks x {self.block_size} tokens "
               f"({self.kv_cache_bytes / 2**20:.1f} MiB)", file=sys.stderr, flush=True)
 
+    @property
+    def _kv_heads(self) -> int:
+        return self.shard.kv_heads if self.shard else self.model_config.num_kv_heads
+
     def _block_bytes(self) -> int:
         mc = self.model_config
-        return bytes_per_block(mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        return bytes_per_block(mc.num_layers, self.block_size, self._kv_heads, mc.head_dim, self.dtype)
 
     def _decide_num_blocks(self) -> int:
         per_block = self._block_bytes()
@@ -162,7 +197,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         nb = -(-num_tokens // self.block_size)
-        tmp = KVCache(mc.num_layers, nb, self.block_size, mc.num_kv_heads, mc.head_dim,
+        tmp = KVCache(mc.num_layers, nb, self.block_size, self._kv_heads, mc.head_dim,
                       self.dtype, self.device)
         dev = self.device
         meta = AttentionMetadata(
@@ -313,9 +348,13 @@ class ModelRunner:
         if b.num_needs_sampler == 0:
             # Every live request is plain greedy: the sampler would only take the argmax.
             tokens, logprobs = logits.argmax(dim=-1), None
-        else:
+        elif self.tp is None or self.rank == 0:
             md = build_metadata(b, sample_rows, self.vocab_size, self.eos_token_ids, self.device)
             tokens, logprobs = self.sampler(logits, md)
+        else:  # rank 0 samples; its tokens arrive below
+            tokens, logprobs = torch.empty(len(sample_rows), dtype=torch.int64, device=self.device), None
+        if self.tp is not None and b.num_needs_sampler:
+            tokens = self.tp.broadcast(tokens.to(torch.int64), 0)
         tokens_np = tokens.cpu().numpy()
         b.append_tokens(sample_rows, tokens_np)
         return ModelRunnerOutput(step_id=step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
@@ -362,3 +401,6 @@ class ModelRunner:
             self.kv_cache.close()
             self.kv_cache = None
         self.model = None
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
