@@ -1,6 +1,7 @@
 """The small-batch decoder stack in one C call (cpu_ops_decoder.h via
 layers/fused_decoder.py): the same floats as the per-layer Python loop over the same kernels,
-for float32, bf16 and int8 weights, biases, tied embeddings and a batch of up to eight."""
+for float32, bf16 and int8 weights, biases, tied embeddings and a batch of up to eight (two for
+bf16 weights that oneDNN multiplies from three rows on)."""
 from __future__ import annotations
 
 import pytest
@@ -39,7 +40,9 @@ def generate(model_dir: str, fmt: str, use_table: bool) -> tuple[list[torch.Tens
     try:
         d = Driver(runner)
         g = torch.Generator().manual_seed(7)
-        for i in range(8):
+        # As many as one C call takes: bf16 weights that oneDNN packed leave it sooner.
+        w0 = model.layers[0].qkv_weight
+        for i in range(min(8, getattr(w0, "gemv_max_m", 8))):
             d.add(f"r{i}", torch.randint(3, runner.vocab_size, (3 + 2 * i,), generator=g).tolist(), 12)
         out = d.run()
         if use_table:
@@ -54,7 +57,7 @@ def test_one_c_call_matches_the_python_loop_bit_for_bit(model_dir, fmt):
     c_logits, c_out = generate(model_dir, fmt, use_table=True)
     py_logits, py_out = generate(model_dir, fmt, use_table=False)
     assert c_out == py_out
-    assert len(c_logits) == len(py_logits) > 8
+    assert len(c_logits) == len(py_logits) >= 12
     for a, b in zip(c_logits, py_logits):
         assert torch.equal(a, b)
 

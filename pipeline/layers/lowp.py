@@ -13,10 +13,17 @@ of a CPU model when the worker runs ``--dtype bfloat16`` or ``--quantization int
 ``linear`` runs ``x @ W^T + b`` into float32: up to ``GEMV_MAX_M`` rows (decode) in the C
 GEMVs of ``cpu_ops_gemv_lp.h``, which stream the 2- or 1-byte weights once (int8 also
 quantises x per token there); more rows (prefill, large batches) in one GEMM: bf16 weights
-multiply a bf16 copy of x through torch (oneDNN, AMX or AVX-512 BF16 where the CPU has them),
+multiply a bf16 copy of x through oneDNN (AMX or AVX-512 BF16 where the CPU has them), from a
+copy of the weight that oneDNN laid out for itself once at load (``_onednn_pack``: without it
+oneDNN re-lays the weight out on every call, which cost as much as the product at batch 32);
 int8 weights are first dequantised by all threads into a scratch matrix (bf16 when the CPU
 multiplies bf16 natively, float32 otherwise), which a GEMM then reads from cache. ``embed``
-looks rows up for the embedding. Owns: the packed weight tensors of one projection; the module
+looks rows up for the embedding. The bf16 GEMV serves at most ``BF16_GEMV_MAX_M`` rows where
+that oneDNN copy exists: from 3 rows on, AMX tiles beat streaming the weight once per row group
+(measured: docs/cpu.md). The price is memory: a bf16 projection then holds 4 bytes per
+parameter, its row-major copy for the GEMV and the lookups and oneDNN's for the GEMM (as much
+as float32; int8 keeps its saving).
+Owns: the packed weight tensors of one projection; the module
 owns the one scratch matrix per GEMM dtype that every LowpWeight dequantises into.
 """
 from __future__ import annotations
@@ -30,6 +37,9 @@ FORMATS = ("bf16", "int8")
 # The int8 kernel keeps Q's blocks in L1 for every group of rows of x, so it beats
 # dequantise + GEMM up to this many rows (measured: docs/cpu.md).
 INT8_GEMV_MAX_M = 32
+# With oneDNN's own bf16 layout (AMX or AVX-512 BF16), its GEMM beats the bf16 GEMV from
+# 3 rows on (measured: docs/cpu.md); without it the GEMV serves up to GEMV_MAX_M.
+BF16_GEMV_MAX_M = 2
 _DEQUANT_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -71,6 +81,17 @@ def unpack_int8(packed: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tenso
     return packed[rows // 16, :, rows % 16, :].reshape(rows.shape[0], -1)[:, :k]
 
 
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
+    """``w`` (bf16 [out, in]) in the blocked layout oneDNN's bf16 linear reads, or None
+    where torch has no oneDNN or the CPU no native bf16 products."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w, None)
+    except RuntimeError:  # a torch whose oneDNN cannot lay out bf16 on this CPU
+        return None
+
+
 def _pad(t: torch.Tensor, n: int, value: float | int) -> torch.Tensor:
     return torch.cat([t, t.new_full((n - t.shape[0],), value)]) if n > t.shape[0] else t
 
@@ -92,8 +113,11 @@ class LowpWeight(nn.Module):
         self.out_features, self.in_features = weight.shape
         # The dtype x (and a dequantised int8 weight) takes in a GEMM of more than GEMV_MAX_M rows.
         self.gemm_dtype = gemm_dtype
+        onednn = None
         if fmt == "bf16":
             weight, scale = weight.to(torch.bfloat16).contiguous(), None
+            if gemm_dtype == torch.bfloat16 and not table_only:
+                onednn = _onednn_pack(weight)
         else:  # packed in blocks of 16 channels; scale padded to match
             q, scale = quantize_int8(weight)
             if not table_only:
@@ -105,6 +129,11 @@ class LowpWeight(nn.Module):
         self.scale: torch.Tensor | None
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)  # None: not a buffer (bf16)
+        self.onednn: torch.Tensor | None
+        self.register_buffer("onednn", onednn)  # None: not a buffer
+        # Rows up to which linear() runs the C GEMV rather than a GEMM.
+        self.gemv_max_m = (INT8_GEMV_MAX_M if fmt == "int8" else
+                           BF16_GEMV_MAX_M if onednn is not None else GEMV_MAX_M)
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, out={self.out_features}, in={self.in_features}"
@@ -156,7 +185,7 @@ class LowpWeight(nn.Module):
         elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
             raise ValueError(f"out must be float32 [{m}, {n}] with dense rows")
         ext = backend(x.device)
-        if 0 < m <= (GEMV_MAX_M if self.fmt == "bf16" else INT8_GEMV_MAX_M) and ext is not None:
+        if 0 < m <= self.gemv_max_m and ext is not None:
             b = 0 if bias is None else bias.data_ptr()
             if self.fmt == "bf16":
                 ext.gemv_bf16(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0),
@@ -169,6 +198,10 @@ class LowpWeight(nn.Module):
             return out
         if m == 0:
             return out
+        if self.onednn is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.onednn, None, "none", [], "")
+            out.copy_(y)
+            return out if bias is None else out.add_(bias)
         w = self.dense(self.gemm_dtype)
         y = torch.mm(x.to(w.dtype), w.t())
         if bias is not None:
