@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from pipeline.config import EngineConfig, add_engine_args, add_pd_args, config_from_args
+from pipeline.config import EngineConfig, add_engine_args, add_node_args, add_pd_args, config_from_args
 from pipeline.gateway import protocol as P
 from pipeline.gateway.front import add_front_args, cannot_start, check_front_args, is_loopback
 from pipeline.gateway.gateway import Answer, Gateway
@@ -53,6 +53,7 @@ PING = P.encode(P.Ping())
 def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     add_pd_args(p)
+    add_node_args(p)
     p.add_argument("--listen", default=None,
                    help=f"ZMQ endpoint to bind (default {DEFAULT_LISTEN} unless only --http is given; "
                         "tcp://0.0.0.0:PORT to open it)")
@@ -460,4 +461,8 @@ def main(args: argparse.Namespace) -> int:
         code = cannot_start("serve", notify, exc)
         notify.close()
         return code
+    if config.node_rank > 0:  # only this host's worker ranks (tensor parallelism across hosts)
+        notify.close()
+        from pipeline.gateway import worker_node
+        return worker_node.run(config)
     return Server(args, config, notify).run()

@@ -115,6 +115,7 @@ class TPGroup:
         self.shard, self.rank, self.size = shard, shard.rank, shard.size
         self.device = device
         self.host = socket.gethostname()
+        self.hosts = [self.host] * shard.size  # every rank's, once check_same has run
         self._dist = dist
         try:
             dist.init_process_group(backend, init_method=init_method, rank=shard.rank,
@@ -125,20 +126,34 @@ class TPGroup:
                                f"join the group of {shard.size} at {init_method} within "
                                f"{timeout_s:.0f} s: {type(exc).__name__}: {exc}") from None
 
+    def _lost(self, what: str, exc: Exception) -> RuntimeError:
+        others = ", ".join(f"rank {r} on {h}" for r, h in enumerate(self.hosts) if r != self.rank)
+        return RuntimeError(f"tensor parallel: rank {self.rank} on {self.host} lost the group in "
+                            f"{what} (a peer died or is unreachable; the others: {others}): {exc}")
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place."""
-        self._dist.all_reduce(t)
+        try:
+            self._dist.all_reduce(t)
+        except RuntimeError as exc:
+            raise self._lost("an all-reduce", exc) from None
         return t
 
     def all_gather_cols(self, t: torch.Tensor) -> torch.Tensor:
         """[rows, cols] on every rank -> [rows, size * cols], rank r's columns r-th."""
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        self._dist.all_gather(parts, t)
+        try:
+            self._dist.all_gather(parts, t)
+        except RuntimeError as exc:
+            raise self._lost("the logits all-gather", exc) from None
         return torch.cat(parts, dim=1)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
-        self._dist.broadcast(t, src)
+        try:
+            self._dist.broadcast(t, src)
+        except RuntimeError as exc:
+            raise self._lost("the sampled tokens' broadcast", exc) from None
         return t
 
     def min_int(self, value: int) -> int:
@@ -152,6 +167,7 @@ class TPGroup:
         mine = {"host": self.host, **fields}
         every: list[dict[str, str] | None] = [None] * self.size
         self._dist.all_gather_object(every, mine)
+        self.hosts = [str(e["host"]) if e else "?" for e in every]
         ref = every[0]
         assert ref is not None
         for r, other in enumerate(every):

@@ -6,7 +6,9 @@ only) sends the ModelRunnerOutput back to the engine. It never decides what runs
 rank 0 of a prefill or decode instance exports its KV cache by CUDA IPC for the cache
 messager (ModelInfo.kv_cuda_ipc); the cache stays allocated, so exported, until it exits.
 Importing this module imports torch and the model code: the process does it while the gateway
-is still creating the rings and the other stages come up (``runtime.process``).
+is still creating the rings and the other stages come up (``runtime.process``). Across hosts
+(``--nnodes``), rank 0 forwards each plan to the ranks of the other nodes, which have no step
+ring and take their plans from it instead (``worker.remote_plan``).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from pipeline.models.config import model_hash
 from pipeline.runtime import rings
 from pipeline.runtime.process import ReadyFn, log
 from pipeline.runtime.spec import ModelInfo, StageSpec
-from pipeline.worker.model_runner import ModelRunner
+from pipeline.worker.model_runner import TP_TIMEOUT_S, ModelRunner
+from pipeline.worker.remote_plan import HEARTBEAT_S, PlanReceiver, PlanSender
 
 
 def run(spec: StageSpec, ready: ReadyFn) -> None:
@@ -37,28 +40,54 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
         signal = LayerSignal.attach(spec.rings["layers"])
         signal.claim_publisher()
         runner.attach_layer_signal(signal)
-    steps = rings.attach(spec, "steps")
+    local = "steps" in spec.rings  # node 0; the ranks of other nodes get plans from rank 0
+    steps = rings.attach(spec, "steps") if local else None
     results = rings.attach(spec, "results", "writer") if spec.rank == 0 else None
     kv_cuda_ipc = b""
     buf = runner.kv_cache.buffer
     if spec.rank == 0 and cfg.role != "mixed" and buf is not None and buf.is_cuda:
         from pipeline.ipc.cuda_ipc import export_pool
         kv_cuda_ipc = export_pool(buf)  # runner.kv_cache keeps buf alive until runner.close()
-    info = ModelInfo(num_blocks=kv.num_blocks, block_size=kv.block_size,
-                     max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
-                     eos_token_ids=list(runner.eos_token_ids), kv_cache_bytes=kv.total_bytes,
-                     num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads,
-                     head_dim=kv.head_dim, kv_dtype=kv.dtype, kv_segment=kv.shm_name,
-                     kv_cuda_ipc=kv_cuda_ipc,
-                     model_hash=model_hash(cfg.model))
-    ready(msgspec.structs.asdict(info))
+    sender = receiver = None
     try:
+        if spec.rank == 0 and cfg.nnodes > 1:
+            sender = PlanSender(cfg.master_addr, cfg.master_port,
+                                list(range(cfg.ranks_per_node, cfg.tensor_parallel_size)), TP_TIMEOUT_S)
+        elif not local:
+            receiver = PlanReceiver(cfg.master_addr, cfg.master_port, spec.rank)
+        info = ModelInfo(num_blocks=kv.num_blocks, block_size=kv.block_size,
+                         max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
+                         eos_token_ids=list(runner.eos_token_ids), kv_cache_bytes=kv.total_bytes,
+                         num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads,
+                         head_dim=kv.head_dim, kv_dtype=kv.dtype, kv_segment=kv.shm_name,
+                         kv_cuda_ipc=kv_cuda_ipc,
+                         model_hash=model_hash(cfg.model))
+        ready(msgspec.structs.asdict(info))
         while True:
-            sched = steps.recv(timeout=None)  # PeerDied if the engine dies
+            if receiver is not None:
+                sched = receiver.recv()  # PeerDied once node 0 is silent
+                if sched is None:
+                    log(spec, "node 0 shut down; stopping")
+                    return
+            elif sender is not None:
+                assert steps is not None
+                try:  # idle: a heartbeat tells the other hosts' ranks that node 0 is alive
+                    sched = steps.recv(timeout=HEARTBEAT_S)
+                except TimeoutError:
+                    sender.heartbeat()
+                    continue
+                sender.send(sched)
+            else:
+                assert steps is not None
+                sched = steps.recv(timeout=None)  # PeerDied if the engine dies
             t0 = time.perf_counter()
             out = runner.execute(sched)
             if results is not None:
                 out.execute_s = time.perf_counter() - t0
                 results.send(out)
     finally:
+        if sender is not None:
+            sender.close()
+        if receiver is not None:
+            receiver.close()
         runner.close()
