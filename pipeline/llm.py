@@ -92,9 +92,14 @@ class LLM:
                 from pipeline.worker.model_runner import ModelRunner
 
                 sweep_stale()  # segments of killed LLMs and servers: their owners are dead
-                worker = ModelRunner(self.config)
-                self.worker = worker
-                worker.load()
+                if self.config.tensor_parallel_size > 1:  # rank 0 here, the others in processes
+                    from pipeline.llm_tp import LocalTPWorkers
+                    worker = LocalTPWorkers(self.config)
+                    self.worker = worker
+                else:
+                    worker = ModelRunner(self.config)
+                    self.worker = worker
+                    worker.load()
             self.worker = worker
             self.scheduler = Scheduler(self.config, worker.num_blocks, worker.block_size,
                                        worker.max_model_len)

@@ -101,3 +101,34 @@ def test_a_split_the_checkpoint_does_not_allow_is_refused_naming_the_field(model
     assert rc != 0 and answers == []
     assert "--tensor-parallel-size 3 does not split the checkpoint's num_attention_heads=4" in err
     assert not any(shm_entries(""))
+
+
+def test_llm_with_two_ranks_generates_what_one_rank_generates(models):
+    from pipeline import LLM
+    from pipeline.sampling_params import SamplingParams
+
+    prompts = [[(13 * i + 7 * j) % 1900 + 40 for j in range(20 + 9 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    got = {}
+    for tp in (1, 2):
+        with LLM(str(models["mistral"]), device="cpu", dtype="float32", tensor_parallel_size=tp,
+                 worker_threads=1, num_blocks=64, max_model_len=256) as llm:
+            got[tp] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+            instance = llm.config.instance_id
+        assert shm_entries(instance) == []
+    assert got[1] == got[2]
+
+
+def test_a_group_that_does_not_form_in_time_fails_naming_rank_and_host(models):
+    from e2e_helpers import Daemon, free_port
+
+    # Node 0 of two, and no node 1: rank 0 waits for it, then gives up.
+    d = Daemon(models["llama"], "--tensor-parallel-size", "2", "--nnodes", "2", "--master-port",
+               str(free_port()), extra_env={"PIPELINE_TP_TIMEOUT_S": "3"})
+    try:
+        assert d.proc.wait(120) != 0
+        out = d.output()
+        assert "tensor parallel: rank 0 on" in out and "could not join the group of 2" in out, out
+    finally:
+        d.stop()
+    assert shm_entries(d.instance_id) == []

@@ -1,0 +1,97 @@
+"""``pipeline.LLM(..., tensor_parallel_size=N)``: the in-process engine's worker over N ranks.
+
+Rank 0 is a ModelRunner in this process, as without tensor parallelism; ranks 1..N-1 are
+worker stage processes (``worker.stage``, started like the gateway starts them), which take
+each step from a broadcast ring this object writes before rank 0 runs it. Rank 0's reader
+slot of the ring is drained here (the stage reads its slot by rank), so the ring has one
+layout for every caller. Same interface as ModelRunner (``num_blocks``, ``execute``,
+``close``...), so LLM and its Scheduler see one worker.
+
+Owns: the ranks' processes, the ring and the instance that names them (the KV segments of
+every rank carry its id; a killed LLM's are swept at the next start: their owner is dead).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from typing import Any
+
+import msgspec
+
+from pipeline.config import EngineConfig
+from pipeline.gateway.gateway import free_tcp_port
+from pipeline.gateway.supervisor import Stage, describe_exit, last_words, spawn_stage, wait_ready
+from pipeline.ipc.broadcast import BroadcastRing
+from pipeline.ipc.instance import Instance, unlink_instance
+from pipeline.messages import ModelRunnerOutput, SchedulerOutput
+from pipeline.runtime.process import STOP_SIGNAL
+from pipeline.runtime.rings import STEPS_ROLE, Channel, capacity, message_limits
+from pipeline.runtime.spec import StageSpec
+from pipeline.worker.model_runner import TP_TIMEOUT_S, ModelRunner
+
+
+class LocalTPWorkers:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.nnodes != 1:
+            raise ValueError("pipeline.LLM runs every rank on this host: --nnodes must be 1 "
+                             "(serve node 0 with `pipeline serve` to span hosts)")
+        self.config = config = msgspec.structs.replace(config, master_port=config.master_port
+                                                       or free_tcp_port())
+        self.instance = Instance(config.instance_id)
+        self.ranks: list[Stage] = []
+        self.runner: ModelRunner | None = None
+        try:
+            limit = message_limits(config, config.max_model_len or 1 << 20)[STEPS_ROLE]
+            ring = BroadcastRing.create(self.instance, STEPS_ROLE, capacity(limit),
+                                        config.tensor_parallel_size, claim=True)
+            self.steps = Channel(ring, STEPS_ROLE)
+            self._mine = BroadcastRing.attach(ring.name, 0)
+            ctx = mp.get_context("spawn")
+            self.ranks = [spawn_stage(ctx, StageSpec(name=f"worker{r}", kind="worker", config=config,
+                                                     rings={STEPS_ROLE: ring.name}, rank=r))
+                          for r in range(1, config.tensor_parallel_size)]
+            self.runner = ModelRunner(config, 0)
+            self.runner.load()  # joins the group with the ranks as they load
+            wait_ready(self.ranks, TP_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+
+    def __getattr__(self, name: str) -> Any:  # num_blocks, block_size, vocab_size, ...
+        runner = self.__dict__.get("runner")
+        if runner is None:
+            raise AttributeError(name)
+        return getattr(runner, name)
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.runner is not None, "closed"
+        for s in self.ranks:
+            if not s.process.is_alive():
+                why = last_words(s)
+                raise RuntimeError(f"tensor parallel: {s.spec.name} died: "
+                                   f"{describe_exit(s.process.exitcode)}" + (f" ({why})" if why else ""))
+        self.steps.send(sched)
+        self._mine.try_recv()  # rank 0 is this process: its copy is the object itself
+        return self.runner.execute(sched)
+
+    def close(self) -> None:
+        for s in self.ranks:
+            if s.process.is_alive() and s.process.pid is not None:
+                try:
+                    os.kill(s.process.pid, STOP_SIGNAL)
+                except ProcessLookupError:
+                    pass
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+        for s in self.ranks:
+            s.process.join(5.0)
+            if s.process.is_alive():
+                s.process.kill()
+                s.process.join(2.0)
+        self.ranks = []
+        for ring in (getattr(self, "_mine", None), getattr(self, "steps", None)):
+            if ring is not None:
+                ring.close()
+        self.instance.cleanup()
+        unlink_instance(self.instance.id)
