@@ -36,3 +36,17 @@ bench: setup
 
 clean:
 	rm -rf build pipeline/_ext/*.so pipeline/_ext/*.c pipeline/_ext/*.cpp cython_ext/*.c cython_ext/*.cpp cuda_ops/*.cpp *.egg-info
+
+# make gpu-wheels: the wheels tools/gpu_check.sh installs on a GPU machine that has no package
+# registry, for its CPython (GPU_PY) on manylinux x86_64, into .whl/ (docs/gpu.md). No setup
+# needed: any python3 with pip does.
+# make gpu-check: tools/gpu_check.sh --dry-run here (the GPU run itself: docs/gpu.md).
+GPU_PY ?= 3.12
+GPU_TOOLS_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
+.PHONY: gpu-wheels gpu-check
+
+gpu-wheels:
+	$(GPU_TOOLS_PY) tools/gpu_wheels.py download --python-version $(GPU_PY) --dest .whl
+
+gpu-check: setup
+	PYTHON=$(BIN)/python tools/gpu_check.sh --dry-run

@@ -8,6 +8,14 @@ import torch
 from pipeline.ipc.instance import Instance, list_entries
 
 
+def pytest_addoption(parser):
+    # tests/test_models_parity.py on another device or dtype (tools/gpu_check.sh: cuda, both dtypes).
+    parser.addoption("--device", default="cpu", choices=("cpu", "cuda"),
+                     help="device of the transformers parity tests, both sides (default cpu)")
+    parser.addoption("--dtype", default="float32", choices=("float32", "bfloat16"),
+                     help="dtype of the transformers parity tests, both sides (default float32)")
+
+
 @pytest.fixture
 def inst():
     i = Instance()

@@ -3,10 +3,17 @@
 Logits within 1e-4 (float32) on prompts of several lengths, and 64-token greedy continuations
 token-identical alone, batched with others, with a chunked prefill, and with part of the
 prompt served from blocks an earlier request filled (prefix-cache hit).
+
+`--device cuda` and `--dtype bfloat16` (tests/conftest.py) run both sides there: in bfloat16 the
+logits stay within twice transformers' own bfloat16 error (against float32) and a greedy
+continuation may leave transformers' only at a near-tie of the float32 model.
 """
 from __future__ import annotations
 
+import copy
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +21,7 @@ from model_driver import Driver, make_runner, tiny_hf_model
 
 from pipeline.messages import NewRequestData, SchedulerOutput, ids_to_bytes
 from pipeline.sampling_params import SamplingParams
+from pipeline.worker.model_runner import ModelRunner
 
 CASES = {
     "llama-untied-gqa": ("llama", {}),
@@ -40,8 +48,22 @@ def one_thread():
     torch.set_num_threads(old)
 
 
+@dataclass
+class Case:
+    name: str
+    hf32: Any  # the transformers model in float32, on the device
+    hf: Any  # the same in the tested dtype (hf32 itself in float32)
+    runner: ModelRunner
+    refs: list[list[int]]  # hf's greedy continuations of prompts(seed=2)
+    noise: float  # max |hf - hf32| logit over prompts(): transformers' own error in the dtype
+    device: str
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
+    device, dtype = request.config.getoption("--device"), request.config.getoption("--dtype")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.fail("--device cuda: torch.cuda.is_available() is False")
     arch, overrides = CASES[request.param]
     overrides = dict(overrides)
     shard = overrides.pop("max_shard_size", None)
@@ -49,9 +71,14 @@ def case(request, tmp_path_factory):
     hf = tiny_hf_model(arch, path, seed=len(request.param), max_shard_size=shard, **overrides)
     if shard:
         assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
-    runner = make_runner(path)
-    refs = [hf_greedy(hf, p, GEN) for p in prompts(runner.vocab_size, seed=2)]
-    yield request.param, hf, runner, refs
+    hf32 = hf.to(device)
+    hf_lp = hf32 if dtype == "float32" else copy.deepcopy(hf32).to(getattr(torch, dtype))
+    runner = make_runner(path, device=device, dtype=dtype)
+    refs = [hf_greedy(hf_lp, p, GEN) for p in prompts(runner.vocab_size, seed=2)]
+    noise = 0.0 if hf_lp is hf32 else max(
+        (logits(hf_lp, p, device) - logits(hf32, p, device)).abs().max().item()
+        for p in prompts(runner.vocab_size))
+    yield Case(request.param, hf32, hf_lp, runner, refs, noise, device)
     name = runner.kv_cache.spec.shm_name
     runner.close()
     assert not os.path.exists("/dev/shm" + name)
@@ -63,16 +90,35 @@ def prompts(vocab: int, seed: int = 1) -> list[list[int]]:
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=hf.device)
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                           min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
+def logits(hf, ids: list[int], device: str) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids], device=device)).logits[0].float()
+
+
+def assert_greedy(c: Case, prompt: list[int], got: list[int], want: list[int], what: str) -> None:
+    """float32: token-identical. Lower precision: identical up to the first difference, where
+    the float32 model must see the two tokens within 4x transformers' own error of each other
+    (a near-tie that either side may break); the continuations part there."""
+    if got == want:
+        return
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    assert c.noise > 0 and i is not None and len(got) == len(want), f"{what}: {got} != {want}"
+    row = logits(c.hf32, prompt + got[:i], c.device)[-1]
+    gap = abs(row[got[i]] - row[want[i]]).item()
+    assert gap <= 4 * c.noise, (f"{what}: token {i} is {got[i]}, transformers' {want[i]}: a float32 "
+                                f"logit gap of {gap:.3g} > 4x transformers' own error {c.noise:.3g}")
+
+
 def test_logits_match_transformers(case):
     """All prompts in ONE varlen forward; every position's logits against transformers."""
-    _, hf, runner, _ = case
+    runner = case.runner
     ps = prompts(runner.vocab_size)
     bs = runner.block_size
     new, sched, next_block = [], {}, 0
@@ -91,53 +137,54 @@ def test_logits_match_transformers(case):
     runner._apply_diff(SchedulerOutput(2, [], [], {}, 0, list(sched), []))
     assert len(runner.batch) == 0
     start = 0
+    # float32: 1e-4; lower precision: within twice transformers' own error against float32
+    tol = 1e-4 if case.noise == 0 else 2 * case.noise + 1e-3
     for p in ps:
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).logits[0].float()
-        diff = (ours[start:start + len(p)] - ref).abs().max().item()
-        assert diff < 1e-4, f"prompt of {len(p)} tokens: max |logit diff| {diff:.2e}"
+        ref = logits(case.hf32, p, case.device)
+        diff = (ours[start:start + len(p)].float() - ref).abs().max().item()
+        assert diff < tol, f"prompt of {len(p)} tokens: max |logit diff| {diff:.2e} (limit {tol:.2e})"
         start += len(p)
 
 
 def test_greedy_alone_and_batched(case):
-    _, hf, runner, refs = case
+    runner, refs = case.runner, case.refs
     ps = prompts(runner.vocab_size, seed=2)
     # Alone: one request at a time.
     for i in (0, 4):
         d = Driver(runner)
         d.add("solo", ps[i], GEN)
-        assert d.run()["solo"] == refs[i], f"prompt {i} alone"
+        assert_greedy(case, ps[i], d.run()["solo"], refs[i], f"prompt {i} alone")
     # Batched: all together, with staggered lengths so prefills and decodes mix in one step.
     d = Driver(runner)
     for i, p in enumerate(ps):
         d.add(f"r{i}", p, GEN - 3 * i)
     got = d.run()
     for i in range(len(ps)):
-        assert got[f"r{i}"] == refs[i][:GEN - 3 * i], f"prompt {i} in a batch"
+        assert_greedy(case, ps[i], got[f"r{i}"], refs[i][:GEN - 3 * i], f"prompt {i} in a batch")
     assert any(len(o.req_ids) > 1 for o in d.outputs)
 
 
 def test_greedy_chunked_prefill(case):
-    _, hf, runner, refs = case
-    p, ref = prompts(runner.vocab_size, seed=2)[4], refs[4]
+    runner = case.runner
+    p, ref = prompts(runner.vocab_size, seed=2)[4], case.refs[4]
     d = Driver(runner, token_budget=10)  # the 45-token prompt spans 5 steps, off block edges
     d.add("chunked", p, GEN)
     d.add("other", prompts(runner.vocab_size, seed=4)[3], 20)
     got = d.run()
-    assert got["chunked"] == ref
+    assert_greedy(case, p, got["chunked"], ref, "chunked prefill")
 
 
 def test_greedy_with_cached_prefix(case):
-    _, hf, runner, _ = case
+    runner = case.runner
     bs = runner.block_size
     first = prompts(runner.vocab_size, seed=5)[4]  # 45 tokens: 2 full blocks
     second = first[:2 * bs] + prompts(runner.vocab_size, seed=6)[2]
-    ref = hf_greedy(hf, second, GEN)
+    ref = hf_greedy(case.hf, second, GEN)
     d = Driver(runner)
     d.add("first", first, 4)
     d.run()
     d.add("second", second, GEN, prefix_from="first", prefix_blocks=2)
     got = d.run()
-    assert got["second"] == ref
+    assert_greedy(case, second, got["second"], ref, "cached prefix")
     d.release("first")
     d.release("second")

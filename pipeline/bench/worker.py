@@ -5,6 +5,8 @@ read of a buffer far larger than the caches, every core) over the weight bytes o
 step reads. With ``--formats`` (default float32,bf16,int8) the worker runs once per weight
 format in the same run (bf16: ``--dtype bfloat16``, int8: ``--quantization int8``, both under
 float32 activations on CPU), and the issue-12 targets compare them with float32.
+``--device cuda`` runs both sides on the GPU (float32 and bf16 only; transformers in each
+format's dtype) against the GPU's own read bandwidth.
 
 Owns nothing; drives a ModelRunner directly with hand-built SchedulerOutputs (no engine), so
 the figures are the worker's alone. transformers is imported here only (a bench dependency).
@@ -43,7 +45,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "immune to other processes taking the cores)")
     p.add_argument("--skip-hf", action="store_true", help="do not run transformers")
     p.add_argument("--formats", default="float32,bf16,int8",
-                   help="weight formats to run, comma-separated: float32, bf16, int8")
+                   help="weight formats to run, comma-separated: float32, bf16, int8 (CPU only)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: both sides on the GPU, transformers in each format's dtype")
 
 
 def make_bench_model(out: Path) -> None:
@@ -94,6 +98,23 @@ def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
         total = read_sum(ptr, buf.size, threads)
         best = min(best, time.perf_counter() - t)
     assert total == buf.size  # the reads happened
+    return nbytes / best
+
+
+def cuda_read_bandwidth(nbytes: int = 4 << 30, reps: int = 5) -> float:
+    """Bytes read per second by a reduction over a GPU buffer far larger than its L2, best of
+    ``reps``: the most a decode step that streams its weights once can read on the GPU."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
+    buf.sum()
+    best = float("inf")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        buf.sum()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    del buf
+    torch.cuda.empty_cache()
     return nbytes / best
 
 
@@ -149,7 +170,7 @@ def step_weight_bytes(model: torch.nn.Module, tied: bool) -> int:
 
 
 def bench_formats(model_dir: str, formats: list[str], batches: list[int], steps: int,
-                  prefill_tokens: int, vocab: int, repeats: int
+                  prefill_tokens: int, vocab: int, repeats: int, device: str = "cpu"
                   ) -> dict[str, tuple[dict[int, float], float, int]]:
     """Per format: (decode tok/s per batch size, prefill tok/s, weight bytes per step). One
     ModelRunner per format, all loaded at once; every timed window alternates the formats,
@@ -161,7 +182,7 @@ def bench_formats(model_dir: str, formats: list[str], batches: list[int], steps:
         for fmt in formats:
             dtype, quantization = FORMAT_FLAGS[fmt]
             runners[fmt] = ModelRunner(EngineConfig(
-                model=model_dir, device="cpu", dtype=dtype, quantization=quantization,
+                model=model_dir, device=device, dtype=dtype, quantization=quantization,
                 block_size=16, max_num_seqs=max(max_b, 4),  # the prefill step admits 4
                 num_blocks=max(max_b * -(-(PROMPT_LEN + repeats * steps + 4) // 16),
                                1024 // 16 * 4) + 8,
@@ -218,32 +239,39 @@ def bench_ours(model_dir: str, batches: list[int], steps: int, prefill_tokens: i
 
 
 def bench_hf(model_dir: str, batches: list[int], steps: int, prefill_tokens: int,
-             vocab: int, repeats: int) -> tuple[dict[int, float], float]:
+             vocab: int, repeats: int, device: str = "cpu", dtype: torch.dtype = torch.float32
+             ) -> tuple[dict[int, float], float]:
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     rng = np.random.default_rng(0)
     decode: dict[int, float] = {}
+    # the GPU runs ahead of Python: a time is taken once its work is done (ours: .cpu() waits)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def gen(ids: torch.Tensor, n: int) -> float:
+        sync()
         t = _clock()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                        do_sample=False, eos_token_id=None, pad_token_id=0)
+        sync()
         return _clock() - t
 
     with torch.inference_mode():
         for b in batches:
-            ids = torch.from_numpy(rng.integers(3, vocab, (b, PROMPT_LEN)))
+            ids = torch.from_numpy(rng.integers(3, vocab, (b, PROMPT_LEN))).to(device)
             gen(ids, 2)  # warm-up
             one = min(gen(ids, 1) for _ in range(repeats))
             full = min(gen(ids, steps + 1) for _ in range(repeats))
             decode[b] = b * steps / max(full - one, 1e-9)
         n_seq = 4
-        ids = torch.from_numpy(rng.integers(3, vocab, (n_seq, prefill_tokens // n_seq)))
+        ids = torch.from_numpy(rng.integers(3, vocab, (n_seq, prefill_tokens // n_seq))).to(device)
         model(ids)
         best = float("inf")
         for _ in range(repeats):
+            sync()
             t = _clock()
             model(ids)
+            sync()
             best = min(best, _clock() - t)
     return decode, ids.numel() / best
 
@@ -254,29 +282,42 @@ def main(args: argparse.Namespace) -> int:
     if args.threads:
         os.environ["PIPELINE_WORKER_THREADS"] = str(args.threads)
     batches = [int(x) for x in args.batch_sizes.split(",") if x]
+    if args.device == "cuda" and args.clock == "cpu":
+        raise SystemExit("--clock cpu: this process's CPU time does not time GPU work; use --clock wall")
     from pipeline.worker.device import worker_threads
     from pipeline.worker.threads import usable_cores
     # transformers gets the worker's fixed team, or every core (where the worker's starts)
     torch.set_num_threads(worker_threads() or usable_cores())
-    bw = read_bandwidth()
+    cuda = args.device == "cuda"
+    read_bw = cuda_read_bandwidth if cuda else read_bandwidth
+    bw = read_bw()
     with tempfile.TemporaryDirectory(prefix="pipeline-bench-worker-") as tmp:
         model_dir, vocab = bench_model(args.model, tmp)
         formats = [f for f in args.formats.split(",") if f]
         for f in formats:
             if f not in FORMAT_FLAGS:
                 raise SystemExit(f"--formats: {f!r} is not one of {', '.join(FORMAT_FLAGS)}")
+            if cuda and FORMAT_FLAGS[f][1] != "none":
+                raise SystemExit(f"--formats: {f} runs on the CPU only, not with --device cuda")
         runs = bench_formats(model_dir, formats, batches, args.decode_steps,
-                             args.prefill_tokens, vocab, args.repeats)
-        hf, hf_prefill = ({}, 0.0) if args.skip_hf else bench_hf(
-            model_dir, batches, args.decode_steps, args.prefill_tokens, vocab, args.repeats)
-    bw = max(bw, read_bandwidth())  # best of two, apart in time: the cores are shared
+                             args.prefill_tokens, vocab, args.repeats, args.device)
+        # transformers per format: in float32 for all on CPU (its own bf16 there is no baseline),
+        # in each format's dtype on the GPU
+        hf_runs: dict[str, tuple[dict[int, float], float]] = {}
+        if not args.skip_hf:
+            for f in formats if cuda else ["float32"]:
+                hf_runs[f] = bench_hf(model_dir, batches, args.decode_steps, args.prefill_tokens, vocab,
+                                      args.repeats, args.device, getattr(torch, FORMAT_FLAGS[f][0]))
+    bw = max(bw, read_bw())  # best of two, apart in time: the cores are shared
     rep = Report("worker")
+    rep.machine["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     rep.machine["torch_threads"] = torch.get_num_threads()
     rep.machine["clock"] = args.clock
     rep.machine["read_gb_s"] = round(bw / 1e9, 2)
     rep.machine["read_threads"] = len(os.sched_getaffinity(0))
     rep.machine["loadavg_1m"] = round(os.getloadavg()[0], 2)  # other work sharing the cores
     for f, (ours, ours_prefill, weight_bytes) in runs.items():
+        hf, hf_prefill = hf_runs.get(f if cuda else "float32", ({}, 0.0))
         tag = "" if f == "float32" else f" {f}"
         rep.machine[f"weight_mib{tag.replace(' ', '_')}"] = round(weight_bytes / 2**20, 1)
         for b in batches:
@@ -307,6 +348,7 @@ def main(args: argparse.Namespace) -> int:
             r = runs["bf16"][1] / base_prefill
             rep.target("bf16 prefill tokens/s vs float32", round(r, 2), ">= 1.3x", r >= 1.3)
         ours = base
+        hf = hf_runs.get("float32", ({}, 0.0))[0]
         if hf and 32 in ours:
             r = ours[32] / hf[32]
             rep.target("batch-32 decode vs transformers", round(r, 2), ">= 4x", r >= 4)
