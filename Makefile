@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard cython_ext/*) $(wildcard cuda_ops/*
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-build-isolation setuptools wheel "cython>=3.0" numpy
 	$(BIN)/pip install -q --no-build-isolation -e '.[dev]'
+	# The `structured` extra without its triton (285 MB of GPU kernels; on CPU the bitmask is
+	# applied with torch). Its other needs (torch, transformers, pydantic, numpy) are above.
+	$(BIN)/pip install -q --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2"
 	@touch $(STAMP)
 
 build: setup

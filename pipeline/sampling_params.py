@@ -33,6 +33,12 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 18
 # ring is sized for three such parts plus the text and token ids (runtime/rings.py,
 # message_limits).
 MAX_LOGPROBS_BYTES = 4 << 20
+# structured_outputs: the spec (a schema, regex, grammar or the choices) in UTF-8 bytes, and
+# the choices' count. The grammar compiles in the tokenizer stage and the worker (ms for
+# specs this size; structured_outputs.py) and travels with the request through every ring.
+MAX_STRUCTURED_BYTES = 64 << 10
+MAX_CHOICES = 256
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def logprob_entry_bytes(k: int) -> int:
@@ -72,6 +78,53 @@ def _strings(field: str, items: Sequence[str], count: int, size: int) -> None:
             raise _bad(field, f"non-empty strings of at most {size} UTF-8 bytes", s)
 
 
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """vLLM's names: exactly one of ``json`` (a JSON schema, as an object or its text),
+    ``regex``, ``choice``, ``grammar`` (EBNF, xgrammar's dialect of GBNF) or
+    ``json_object=True`` (any JSON object)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise _bad("structured_outputs", f"exactly one of {', '.join(STRUCTURED_KINDS)}",
+                       given or None)
+        kind = given[0]
+        if kind == "json_object" and self.json_object is not True:
+            raise _bad("structured_outputs.json_object", "true", self.json_object)
+        if kind == "choice":
+            assert self.choice is not None
+            if not isinstance(self.choice, list) or not self.choice:
+                raise _bad("structured_outputs.choice", "a non-empty list of strings", self.choice)
+            _strings("structured_outputs.choice", self.choice, MAX_CHOICES, MAX_STRUCTURED_BYTES)
+        size = len(self.spec_text().encode("utf-8", "surrogatepass"))
+        if size > MAX_STRUCTURED_BYTES:
+            raise _bad(f"structured_outputs.{kind}", f"at most {MAX_STRUCTURED_BYTES} UTF-8 bytes",
+                       f"{size} bytes")
+        if kind in ("regex", "grammar", "json") and not self.spec_text().strip():
+            raise _bad(f"structured_outputs.{kind}", "non-empty", getattr(self, kind))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def spec_text(self) -> str:
+        """The spec as one string (a schema object as canonical JSON; choices as a JSON
+        array): what a grammar cache is keyed by, with ``kind``."""
+        import json as _json
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json_object":
+            return ""
+        if kind == "choice" or isinstance(value, dict):
+            return _json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        return str(value)
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     n: int = 1  # completions of the one prompt (one prefill, n samples)
     max_tokens: int = 16
@@ -96,6 +149,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None  # same, for every prompt token after the first
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: what fits
+    # Output constrained to a JSON schema, regex, choice or grammar (structured_outputs.py).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # A single value is a one-element list (iterating a str would stop on every char).

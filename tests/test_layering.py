@@ -15,6 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "pipeline"
 STAGE_BASE = {"runtime", "ipc", "messages", "config", "sampling_params"}
+# The grammars of structured outputs (xgrammar): the tokenizer stage validates with them, the
+# worker masks with them.
 # package -> the packages of ours it may import (besides itself)
 LAYERS: dict[str, set[str]] = {
     "_ext": set(),
@@ -23,11 +25,12 @@ LAYERS: dict[str, set[str]] = {
     "ipc": {"_ext"},
     "messages": {"config", "sampling_params"},
     "runtime": {"ipc", "messages", "config", "sampling_params"},
-    "tokenizer": STAGE_BASE,
+    "structured_outputs": {"sampling_params"},
+    "tokenizer": STAGE_BASE | {"structured_outputs"},
     "engine": STAGE_BASE,
     "output": STAGE_BASE,
     "cache": STAGE_BASE,
-    "worker": STAGE_BASE | {"models", "layers"},
+    "worker": STAGE_BASE | {"models", "layers", "structured_outputs"},
     "layers": {"_ext", "config"},
     "models": {"layers", "config"},
     "client": {"messages", "gateway", "sampling_params", "config"},

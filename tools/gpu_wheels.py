@@ -93,6 +93,12 @@ CARRY: dict[str, tuple[str, str]] = {
     "httpx2": ("2.16.2", "httpx2"),
     "httpcore2": ("2.16.2", "httpcore2"),
     "truststore": ("0.10.5", "truststore"),
+    "xgrammar": ("0.2.9", "xgrammar"),
+    "apache-tvm-ffi": ("0.1.15.post2", "tvm_ffi"),
+    "jsonschema": ("4.26.0", "jsonschema"),
+    "jsonschema-specifications": ("2025.9.1", "jsonschema_specifications"),
+    "referencing": ("0.37.0", "referencing"),
+    "rpds-py": ("2026.9.1", "rpds"),
 }
 
 

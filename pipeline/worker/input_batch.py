@@ -121,7 +121,9 @@ class InputBatch:
         allowed = sp.allowed_token_ids
         self.allowed_token_ids[row] = None if allowed is None else np.asarray(allowed, dtype=np.int64)
         self.bad_words[row] = sp.bad_words_token_ids or None
-        procs = bool(bias) or allowed is not None or bool(sp.bad_words_token_ids)
+        # A grammar (structured_outputs) masks the logits on rank 0, which then samples.
+        procs = (bool(bias) or allowed is not None or bool(sp.bad_words_token_ids)
+                 or sp.structured_outputs is not None)
         self.has_processors[row] = procs
         special = procs or not (sp.temperature == 0.0 and sp.repetition_penalty == 1.0
                                 and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0

@@ -38,6 +38,7 @@ from pipeline.worker.device import cpu_has_fast_bf16, cpu_weight_format, resolve
 from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.kv_cache import KVCache, bytes_per_block
 from pipeline.worker.sampler import Sampler, build_metadata
+from pipeline.worker.structured import StructuredBatch
 from pipeline.worker.threads import ThreadGovernor, usable_cores
 
 if TYPE_CHECKING:
@@ -104,6 +105,8 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)
         self.sampler = Sampler(self.device, config.seed)
+        # Rank 0 samples, so it alone keeps the grammars of structured outputs.
+        self.structured = StructuredBatch(config.model, self.vocab_size, self.eos_token_ids) if rank == 0 else None
         self._signal: LayerSignal | None = None
         self._signal_stream = None
         self._step_id = 0
@@ -239,14 +242,17 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
     def _apply_diff(self, sched: SchedulerOutput) -> None:
-        b = self.batch
-        for rid in sched.finished_req_ids:
+        b, so = self.batch, self.structured
+        for rid in (*sched.finished_req_ids, *sched.preempted_req_ids):
             b.remove(rid)
-        for rid in sched.preempted_req_ids:
-            b.remove(rid)
+            if so is not None:
+                so.remove(rid)
         for new in sched.new_reqs:
             b.remove(new.req_id)  # a resumed request replaces its stale row, if any
-            b.add(new)
+            row = b.add(new)
+            grammar = new.sampling_params.structured_outputs
+            if so is not None and grammar is not None:  # its output so far replays on the matcher
+                so.add(new.req_id, grammar, b.token_ids[row, new.num_prompt_tokens:b.num_tokens[row]].tolist())
         for cached in sched.cached_reqs:
             if cached.req_id not in b:
                 raise ValueError(f"step {sched.step_id}: cached request {cached.req_id!r} "
@@ -323,6 +329,9 @@ class ModelRunner:
         # Step metadata is built outside inference mode: the ops cache their validation keyed
         # on tensor version counters, which inference tensors do not have.
         inp = self.prepare_inputs(sched)
+        so = self.structured
+        if so is not None:  # grammar masks fill in the pool while the forward runs
+            so.start_masks([self.batch.req_ids[r] for r in inp.rows[inp.sample_batch_idx]] if len(so) else [])
         gov = self.thread_governor
         if gov is not None:
             gov.begin()
@@ -345,6 +354,8 @@ class ModelRunner:
                                      prompt_logprobs=prompt_lps)
         logits = model.compute_logits(hidden.index_select(0, inp.logits_indices))
         sample_rows = inp.rows[inp.sample_batch_idx]
+        if self.structured is not None:
+            self.structured.apply_masks(logits)
         if b.num_needs_sampler == 0:
             # Every live request is plain greedy: the sampler would only take the argmax.
             tokens, logprobs = logits.argmax(dim=-1), None
@@ -357,6 +368,8 @@ class ModelRunner:
             tokens = self.tp.broadcast(tokens.to(torch.int64), 0)
         tokens_np = tokens.cpu().numpy()
         b.append_tokens(sample_rows, tokens_np)
+        if self.structured is not None and len(self.structured):
+            self.structured.accept([b.req_ids[r] for r in sample_rows.tolist()], tokens_np.tolist())
         return ModelRunnerOutput(step_id=step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
                                  sampled_token_ids=tokens_np.tolist(), logprobs=logprobs or [],
                                  prompt_logprobs=prompt_lps)
@@ -397,6 +410,8 @@ class ModelRunner:
 
     def close(self) -> None:
         self._drain_signal_stream()
+        if self.structured is not None:
+            self.structured.close()
         if self.kv_cache is not None:
             self.kv_cache.close()
             self.kv_cache = None

@@ -1,0 +1,105 @@
+"""Worker stage: the grammars of the constrained requests in the batch (structured outputs).
+
+Rank 0 alone (it samples) keeps, per request with ``structured_outputs``, an xgrammar matcher
+over the request's output so far. A request's grammar compiles in a thread pool as soon as
+the request joins the batch (its prefill runs meanwhile; the compiler's cache makes a repeated
+spec free), and a resumed request (preempted, or a new row) rebuilds its matcher by accepting
+the output tokens it arrives with. Each step, the bitmasks of the rows about to be sampled are
+filled in the pool while the forward runs (``start_masks``), applied to their logits before any
+sampling or logprob (``apply_masks``), and each sampled token then advances its matcher
+(``accept``). A matcher that accepted a stop token only allows the stop tokens (a step the
+engine scheduled ahead of the request's end).
+
+Owns: the matchers, the pool and the step's bitmask.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from pipeline.sampling_params import StructuredOutputsParams
+from pipeline.structured_outputs import Grammars
+
+
+class StructuredBatch:
+    def __init__(self, model_dir: str | Path, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.model_dir, self.vocab_size = model_dir, vocab_size
+        self.stop_token_ids = stop_token_ids
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
+        self._grammars: Future[Grammars] | None = None  # xgrammar loads on first use (~2 s)
+        self._matchers: dict[str, Future] = {}
+        self._masks: Future[tuple[torch.Tensor, list[int]]] | None = None
+        # The bitmask row of a finished answer: the stop tokens only (int32 words).
+        words = [0] * -(-vocab_size // 32)
+        for t in stop_token_ids:
+            words[t // 32] |= 1 << (t % 32)
+        self._stop_row = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words],
+                                      dtype=torch.int32)
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def _load(self) -> Grammars:
+        return Grammars(self.model_dir, self.vocab_size, self.stop_token_ids)
+
+    def add(self, req_id: str, so: StructuredOutputsParams, output: list[int]) -> None:
+        """Start compiling ``req_id``'s grammar and replaying its ``output`` tokens."""
+        if self._grammars is None:
+            self._grammars = self._pool.submit(self._load)
+        grammars = self._grammars
+
+        def build():
+            g = grammars.result()
+            m = g.matcher(g.compile(so))
+            for t in output:
+                if not m.accept_token(t):
+                    raise ValueError(f"request {req_id!r}: its output token {t} does not match its "
+                                     f"structured_outputs.{so.kind}")
+            return m
+        self._matchers[req_id] = self._pool.submit(build)
+
+    def remove(self, req_id: str) -> None:
+        self._matchers.pop(req_id, None)
+
+    def start_masks(self, req_ids: list[str | None]) -> None:
+        """Fill, in the pool, the bitmask of every constrained request among the step's
+        sampled rows ``req_ids`` (in logits-row order)."""
+        rows = [(i, self._matchers[r]) for i, r in enumerate(req_ids) if r in self._matchers]
+        if not rows:
+            self._masks = None
+            return
+        self._masks = self._pool.submit(self._fill, rows, len(req_ids))
+
+    def _fill(self, rows: list[tuple[int, Future]], n: int) -> tuple[torch.Tensor, list[int]]:
+        import xgrammar as xgr
+        bitmask = xgr.allocate_token_bitmask(n, self.vocab_size)
+        for i, fut in rows:
+            m = fut.result()
+            if m.is_terminated():  # only a stop token may follow a finished answer
+                bitmask[i] = self._stop_row
+            else:
+                m.fill_next_token_bitmask(bitmask, i)
+        return bitmask, [i for i, _ in rows]
+
+    def apply_masks(self, logits: torch.Tensor) -> None:
+        """Mask (in place) the logits rows whose bitmask ``start_masks`` filled."""
+        if self._masks is None:
+            return
+        import xgrammar as xgr
+        bitmask, rows = self._masks.result()
+        self._masks = None
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+
+    def accept(self, req_ids: list[str | None], tokens: list[int]) -> None:
+        for r, t in zip(req_ids, tokens, strict=True):
+            fut = self._matchers.get(r) if r is not None else None
+            if fut is not None:
+                m = fut.result()
+                if not m.is_terminated():
+                    m.accept_token(t)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._matchers.clear()
