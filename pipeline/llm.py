@@ -261,6 +261,11 @@ class LLM:
             ids, sp, field=field, vocab_size=self.worker.vocab_size,
             max_model_len=self.scheduler.max_model_len,
             encode=None if tok is None else lambda w: tok.encode(w, add_special_tokens=False))
+        structured = getattr(self.worker, "structured", None)
+        if sp.structured_outputs is not None:  # refused here, as the tokenizer stage refuses it
+            if structured is None:
+                raise InvalidRequest("structured_outputs: this worker has no grammar support")
+            structured.validate(sp.structured_outputs)  # compiles into the worker's cache
         rid = f"llm-{next(self._ids)}"
         return _Prompt(request_id or rid, rid, text, ids, sp, priority, salt)
 

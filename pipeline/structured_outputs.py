@@ -11,7 +11,7 @@ bitmask costs microseconds, and vLLM, SGLang and FastDeploy build on it.
 - ``json``: the schema, with no whitespace between tokens (``any_whitespace=False``): once
   the object closes only the stop tokens remain, so a complete answer ends the request
   (finish_reason ``stop``) instead of trailing spaces.
-- ``json_object``: xgrammar's built-in JSON grammar, root an object.
+- ``json_object``: any JSON object, whitespace as for ``json``.
 - ``regex``, ``grammar`` (EBNF), ``choice`` (an EBNF alternation of the quoted choices).
 
 Owns: the compilers (thread-safe; xgrammar compiles with its own threads and releases the GIL).
@@ -88,8 +88,8 @@ class Grammars:
         try:
             if kind == "json":
                 return c.compile_json_schema(so.spec_text(), any_whitespace=False)
-            if kind == "json_object":
-                return c.compile_builtin_json_grammar()
+            if kind == "json_object":  # any object, without free whitespace (as above)
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
                 assert so.regex is not None
                 return c.compile_regex(so.regex)

@@ -75,7 +75,7 @@ from pipeline.messages import (
     RequestResult,
 )
 from pipeline.messages.kv import KVTransferParams
-from pipeline.sampling_params import SamplingParams
+from pipeline.sampling_params import SamplingParams, StructuredOutputsParams
 
 PROTOCOL_VERSION = 1
 HEARTBEAT_INTERVAL_S = 1.0
@@ -161,6 +161,7 @@ class Generate(_Msg, tag="generate"):
     prompt_logprobs: int | None | UnsetType = UNSET
     skip_special_tokens: bool | UnsetType = UNSET
     truncate_prompt_tokens: int | None | UnsetType = UNSET
+    structured_outputs: StructuredOutputsParams | None | UnsetType = UNSET
 
 
 SAMPLING_FIELDS: tuple[str, ...] = SamplingParams.__struct_fields__
@@ -315,7 +316,8 @@ def sampling_params(req: Generate, defaults: dict[str, Any] | None = None) -> Sa
     except msgspec.ValidationError as exc:
         # SamplingParams says "<field> must be <limit>, got <value>".
         name, _, rest = str(exc).partition(" ")
-        error = (invalid(f"field `{name}`: {rest}") if name in SAMPLING_FIELDS and rest.startswith("must")
+        error = (invalid(f"field `{name}`: {rest}")
+                 if name.split(".")[0] in SAMPLING_FIELDS and rest.startswith("must")
                  else error_from_validation(exc))
         raise ProtocolError(error, rid, "generate") from None
 

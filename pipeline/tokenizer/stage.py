@@ -37,6 +37,7 @@ from pipeline.messages import (
 from pipeline.runtime import rings
 from pipeline.runtime.process import ReadyFn, log
 from pipeline.runtime.spec import StageSpec
+from pipeline.structured_outputs import Grammars
 from pipeline.tokenizer.tokenizer import Tokenizer, check_chat_options
 from pipeline.tokenizer.validate import (
     InvalidRequest,
@@ -100,6 +101,8 @@ class TokenizerLoop:
         self.pending: dict[str, _Pending] = {}
         self.pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
         self.failure: BaseException | None = None  # a pool thread's, re-raised by the loop
+        self._grammars: Grammars | None = None  # xgrammar loads with the first structured request
+        self._grammars_lock = threading.Lock()  # not self.lock: loading takes seconds
 
     def prompt_ids(self, req: GatewayRequest) -> tuple[list[int], str]:
         """The prompt as token ids, and the field they came from."""
@@ -128,6 +131,8 @@ class TokenizerLoop:
                                       max_model_len=self.model.max_model_len,
                                       encode=self._encode_plain)
             check_answer_fits(sp, len(ids), self.token_text_bytes, self.answer_limit)
+            if sp.structured_outputs is not None:  # a spec xgrammar refuses never reaches the engine
+                self.grammars().compile(sp.structured_outputs)
             check_kv_transfer(req.kv_transfer, self.role, num_prompt_tokens=len(ids), sp=sp,
                               stream=req.stream, block_size=self.model.block_size)
             token_bytes = ids_to_bytes(ids)
@@ -147,6 +152,13 @@ class TokenizerLoop:
             return self._error(req, "invalid_request", str(exc))
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the stage
             return self._error(req, "tokenizer_error", f"{type(exc).__name__}: {exc}")
+
+    def grammars(self) -> Grammars:
+        """The compiler of structured outputs (its cache keyed by the spec), made once."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.spec.config.model, self.model.vocab_size, self.eos)
+            return self._grammars
 
     def _encode_plain(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -44,11 +44,19 @@ class StructuredBatch:
     def _load(self) -> Grammars:
         return Grammars(self.model_dir, self.vocab_size, self.stop_token_ids)
 
-    def add(self, req_id: str, so: StructuredOutputsParams, output: list[int]) -> None:
-        """Start compiling ``req_id``'s grammar and replaying its ``output`` tokens."""
+    def _grammars_future(self) -> Future[Grammars]:
         if self._grammars is None:
             self._grammars = self._pool.submit(self._load)
-        grammars = self._grammars
+        return self._grammars
+
+    def validate(self, so: StructuredOutputsParams) -> None:
+        """Compile ``so`` now (GrammarError naming the field if xgrammar refuses it); the
+        request's own compile is then a cache hit."""
+        self._grammars_future().result().compile(so)
+
+    def add(self, req_id: str, so: StructuredOutputsParams, output: list[int]) -> None:
+        """Start compiling ``req_id``'s grammar and replaying its ``output`` tokens."""
+        grammars = self._grammars_future()
 
         def build():
             g = grammars.result()
