@@ -69,7 +69,15 @@ class ModelRunner:
         self.config = config
         self.rank = rank
         dev = config.resolved_device()
+        if dev == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device cuda: this torch ({torch.__version__}) sees no CUDA device"
+                             + ("" if torch.version.cuda else " (it is a CPU-only build)")
+                             + "; use --device cpu or auto")
         local_rank = rank % config.ranks_per_node
+        if dev == "cuda" and local_rank >= torch.cuda.device_count():
+            raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} puts "
+                             f"{config.ranks_per_node} ranks on this host, which has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
         self.device = torch.device(f"cuda:{local_rank}") if dev == "cuda" else torch.device("cpu")
         # CPU: a fixed team (--worker-threads, PIPELINE_WORKER_THREADS) or one that adapts
         # to the cores actually free, starting with all of them (worker/threads.py).
