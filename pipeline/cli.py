@@ -24,6 +24,8 @@ BENCHES = {
     "pd": "pipeline.bench.pd",
     "startup": "pipeline.bench.startup",
     "threads": "pipeline.bench.threads",
+    "tp": "pipeline.bench.tp",
+    "structured": "pipeline.bench.structured",
 }
 
 
