@@ -92,9 +92,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if not 0.0 < self.kv_transfer_timeout <= 3600.0:
             raise ValueError(f"--kv-transfer-timeout must be in (0, 3600] seconds, got "
                              f"{self.kv_transfer_timeout}")
-        if self.role != "mixed" and self.tensor_parallel_size > 1:
-            raise ValueError(f"--role {self.role} needs --tensor-parallel-size 1 (the cache messager "
-                             f"ships one rank's KV pool), got {self.tensor_parallel_size}")
+        if self.role != "mixed" and self.tensor_parallel_size > 1 and (
+                self.nnodes > 1 or self.device == "cuda"):
+            raise ValueError(f"--role {self.role} with --tensor-parallel-size > 1 runs on one host's "
+                             f"CPUs (its ranks share one KV segment that the cache messager ships); "
+                             f"got --nnodes {self.nnodes}, --device {self.device}")
         tp, nodes = self.tensor_parallel_size, self.nnodes
         if tp % nodes:
             raise ValueError(f"--tensor-parallel-size {tp} must be a multiple of --nnodes {nodes} "

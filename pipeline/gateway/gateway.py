@@ -178,7 +178,9 @@ class Gateway:
         if self.config.role == "prefill":
             # Worker rank 0 publishes each layer's "KV written" on it; the cache messager
             # blocks on it (the gateway owns it so it is unlinked with the instance).
-            self.layer_signal = LayerSignal.create(self.instance, "layers", num_layers)
+            # Every rank's layers when the ranks share one KV segment (worker/kv_cache.py).
+            self.layer_signal = LayerSignal.create(self.instance, "layers",
+                                                   num_layers * self.config.tensor_parallel_size)
             made["layers"] = self.layer_signal.name
         assert made == self._names, (made, self._names)  # what the stages were told
 

@@ -161,6 +161,9 @@ class TPGroup:
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN)
         return int(t.item())
 
+    def barrier(self) -> None:
+        self._dist.barrier()
+
     def check_same(self, fields: dict[str, str]) -> None:
         """Refuse to start when a rank runs another configuration (a node started with another
         model, TP size, block size...): ValueError naming the field, the ranks and hosts."""

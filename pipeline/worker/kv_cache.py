@@ -14,10 +14,17 @@ swept by ``unlink_instance``/``sweep_stale`` as soon as its owner is dead if thi
 first (SIGKILL). On CUDA the one tensor is what the worker stage exports by CUDA IPC
 (``pipeline.ipc.cuda_ipc.export_pool``) on a prefill or decode instance: ``buffer`` must
 stay this allocation (never reallocated) while peers may map it.
+
+Under tensor parallelism on a prefill or decode instance (``shared_ranks``), the ranks of the
+host share ONE segment, ``[num_layers, ranks, 2, num_blocks, block_size, kv_heads_per_rank,
+head_dim]``: rank 0 creates it, the others attach, and each keeps its ``[:, rank]`` view.
+To the cache messager it is one pool of ``num_layers * ranks`` "layers" (rank r's layer l is
+layer ``l * ranks + r``), so it ships every rank's shard with the one-pool code.
 """
 from __future__ import annotations
 
 import mmap
+import os
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +62,16 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
+def _attach_lazy(name: str) -> mmap.mmap:
+    """Map another rank's KV segment, its pages at first touch (as ``create_lazy_segment``)."""
+    import posix_ipc
+    shm = posix_ipc.SharedMemory(name)
+    try:
+        return mmap.mmap(shm.fd, os.fstat(shm.fd).st_size)
+    finally:
+        shm.close_fd()
+
+
 def kv_segment_what(rank: int) -> str:
     return "kv" + (f".{rank}" if rank else "")
 
@@ -62,28 +79,42 @@ def kv_segment_what(rank: int) -> str:
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
-                 instance_id: str = "", rank: int = 0) -> None:
+                 instance_id: str = "", rank: int = 0, shared_ranks: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        shape: tuple[int, ...] = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         nbytes = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) * num_blocks
+        # The one segment of every rank (see the module docstring): rank 0 creates it.
+        ranks = shared_ranks if shared_ranks > 1 and device.type == "cpu" else 1
+        if ranks > 1:
+            shape = (num_layers, ranks, 2, num_blocks, block_size, num_kv_heads, head_dim)
+            nbytes *= ranks
         self._segment: mmap.mmap | None = None
+        self._attached = False
         self._instance: Instance | None = None
         self.shm_name: str | None = None
         if device.type == "cpu":
             if not instance_id:
                 raise ValueError("instance_id is required for the CPU KV cache (it names the segment)")
             self._instance = Instance.join(instance_id)
-            self.shm_name = self._instance.name(kv_segment_what(rank))
+            self.shm_name = self._instance.name(kv_segment_what(0 if ranks > 1 else rank))
+            self._attached = ranks > 1 and rank > 0  # rank 0 unlinks the shared one
             try:
-                self._segment = create_lazy_segment(self.shm_name, nbytes)
+                self._segment = (_attach_lazy(self.shm_name) if self._attached
+                                 else create_lazy_segment(self.shm_name, nbytes))
+                if len(self._segment) != nbytes:
+                    raise ValueError(f"KV segment {self.shm_name} is {len(self._segment)} bytes, "
+                                     f"rank {rank} expects {nbytes}")
             except BaseException:
                 self.close()  # an owner record of our own must not outlive the failure
                 raise
             self.buffer = torch.frombuffer(self._segment, dtype=torch.uint8).view(dtype).view(shape)
+            if ranks > 1:
+                self.buffer = self.buffer[:, rank]
         else:
             self.buffer = torch.zeros(shape, dtype=dtype, device=device)
-        self.spec = KVCacheSpec(self.shm_name, num_layers, num_blocks, block_size, num_kv_heads,
+        # What the cache messager sees: the whole segment, ranks interleaved per layer.
+        self.spec = KVCacheSpec(self.shm_name, num_layers * ranks, num_blocks, block_size, num_kv_heads,
                                 head_dim, str(dtype).removeprefix("torch."))
         self.k_caches = [self.buffer[i, 0] for i in range(num_layers)]
         self.v_caches = [self.buffer[i, 1] for i in range(num_layers)]
@@ -105,7 +136,8 @@ class KVCache:
                 pass
             self._segment = None
             assert self.shm_name is not None  # set with the segment
-            unlink_segment(self.shm_name)  # and off this process's exit list
+            if not self._attached:
+                unlink_segment(self.shm_name)  # and off this process's exit list
         if self._instance is not None:
             # The owner record, when this process owns the instance (after the segment).
             self._instance.cleanup()

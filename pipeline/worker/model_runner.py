@@ -116,6 +116,7 @@ class ModelRunner:
         # Rank 0 samples, so it alone keeps the grammars of structured outputs.
         self.structured = StructuredBatch(config.model, self.vocab_size, self.eos_token_ids) if rank == 0 else None
         self._signal: LayerSignal | None = None
+        self._signal_ranks = 1  # ranks sharing the KV segment (and the signal's layers)
         self._signal_stream = None
         self._step_id = 0
 
@@ -166,10 +167,23 @@ class ModelRunner:
         self.num_blocks = self._decide_num_blocks()
         if self.tp is not None:  # one block table for every rank: the smallest pool
             self.num_blocks = self.tp.min_int(self.num_blocks)
+        # A prefill/decode instance's ranks share one KV segment, which its cache messager
+        # ships as one pool (worker/kv_cache.py): rank 0 makes it before the others map it.
+        shared = self.tp.size if self.tp is not None and self.config.role != "mixed" else 0
+        if shared and self.device.type != "cpu":
+            raise ValueError(f"--role {self.config.role} with --tensor-parallel-size {shared} runs on "
+                             f"CPU only (the ranks share one shared-memory KV segment); use --device cpu")
+        if shared and self.rank != 0:
+            assert self.tp is not None
+            self.tp.barrier()
         self.kv_cache = KVCache(mc.num_layers, self.num_blocks, self.block_size, self._kv_heads,
                                 mc.head_dim, self.dtype, self.device,
                                 # "<pid>-<hex>" is the id form sweep_stale ties to a live pid.
-                                self.config.instance_id or f"{os.getpid()}-{id(self):x}", self.rank)
+                                self.config.instance_id or f"{os.getpid()}-{id(self):x}", self.rank,
+                                shared_ranks=shared)
+        if shared and self.rank == 0:
+            assert self.tp is not None
+            self.tp.barrier()
         self.kv_cache_bytes = self.kv_cache.spec.total_bytes
         print(f"kv cache: {self.num_blocks} blocks x {self.block_size} tokens "
               f"({self.kv_cache_bytes / 2**20:.1f} MiB)", file=sys.stderr, flush=True)
@@ -234,9 +248,13 @@ class ModelRunner:
 
     def attach_layer_signal(self, sig) -> None:
         """After each layer's K/V write, publish (step_id, layer) on ``sig`` (a LayerSignal;
-        None detaches). On CUDA the publication is stream-ordered on a side stream."""
-        if sig is not None and sig.num_layers < self.num_layers:
-            raise ValueError(f"layer signal has {sig.num_layers} layers, the model {self.num_layers}")
+        None detaches). On CUDA the publication is stream-ordered on a side stream. The ranks
+        of a shared KV segment publish their layer l as ``l * ranks + rank``."""
+        assert self.kv_cache is not None, "load() first"
+        pool_layers = self.kv_cache.spec.num_layers
+        if sig is not None and sig.num_layers < pool_layers:
+            raise ValueError(f"layer signal has {sig.num_layers} layers, the KV pool {pool_layers}")
+        self._signal_ranks = pool_layers // self.num_layers
         self._drain_signal_stream()  # before the old signal can be dropped and unmapped
         self._signal = sig
         self._signal_stream = (torch.cuda.Stream(self.device)
@@ -320,6 +338,8 @@ class ModelRunner:
 
     def _on_kv_written(self, layer: int) -> None:
         assert self._signal is not None  # only installed while a signal is attached
+        if self._signal_ranks > 1:
+            layer = layer * self._signal_ranks + self.rank
         if self._signal_stream is not None:
             # Stream-ordered: a host function publishes once the layer's KV write is done,
             # without stalling this thread or the compute stream.

@@ -36,7 +36,7 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
     log(spec, f"loaded in {time.perf_counter() - t0:.1f}s: {kv.num_blocks} KV blocks of "
               f"{kv.block_size} tokens ({kv.total_bytes / 2**20:.1f} MiB, "
               f"{kv.num_blocks * kv.block_size} tokens), max_model_len {runner.max_model_len}")
-    if "layers" in spec.rings and spec.rank == 0:  # role prefill: the cache messager waits on it
+    if "layers" in spec.rings:  # role prefill: the cache messager waits on it (every rank's layers)
         signal = LayerSignal.attach(spec.rings["layers"])
         signal.claim_publisher()
         runner.attach_layer_signal(signal)
