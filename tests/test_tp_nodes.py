@@ -40,10 +40,7 @@ class Node:
             start_new_session=True)
         self.instance_id = f"{self.proc.pid:x}"
 
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
+    output = Daemon.output  # the same log file handling
 
     def wait(self, timeout: float) -> int:
         try:
@@ -81,24 +78,29 @@ def test_two_nodes_decode_what_one_rank_decodes_and_stop_together(model):
     assert shm_entries(node0.instance_id) == [] and shm_entries(node1.instance_id) == []
 
 
+def _kill_under_load(node0: Daemon, kill) -> float:
+    """8 long requests; once node 0 has produced tokens, ``kill()``; every request must get an
+    error answer. Returns when the kill happened."""
+    with Client(node0.address, timeout=60) as c, cf.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(c.generate, prompt_token_ids=PROMPTS[i % 6], max_tokens=200,
+                               temperature=0, ignore_eos=True, timeout=60) for i in range(8)]
+        deadline = time.monotonic() + 60
+        while not c.stats().get("generation_tokens"):
+            assert time.monotonic() < deadline, "node 0 never stepped"
+            time.sleep(0.05)
+        killed = time.monotonic()
+        kill()
+        results = [f.result(timeout=30) for f in futures]
+    assert all(r.error is not None for r in results), [r.error for r in results]
+    return killed
+
+
 def test_killing_node_1_under_load_fails_every_request_and_node_0(model):
     node0, node1 = _pair(model)
     try:
         node0.wait_ready()
-        with Client(node0.address, timeout=60) as c, cf.ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(c.generate, prompt_token_ids=PROMPTS[i % 6], max_tokens=200,
-                                   temperature=0, ignore_eos=True, timeout=60) for i in range(8)]
-            # Under load: wait until node 0 has produced tokens, then kill node 1 outright.
-            deadline = time.monotonic() + 60
-            while not c.stats().get("generation_tokens"):
-                assert time.monotonic() < deadline, "node 0 never stepped"
-                time.sleep(0.05)
-            killed = time.monotonic()
-            node1.proc.send_signal(signal.SIGKILL)
-            results = [f.result(timeout=30) for f in futures]
-        assert all(r.error is not None for r in results), [r.error for r in results]
-        code = node0.proc.wait(10 - (time.monotonic() - killed))
-        assert code != 0
+        killed = _kill_under_load(node0, lambda: node1.proc.send_signal(signal.SIGKILL))
+        assert node0.proc.wait(10 - (time.monotonic() - killed)) != 0
         assert time.monotonic() - killed < 10
         assert "tensor parallel: rank 0 on" in node0.output() and "lost the group" in node0.output()
     finally:
@@ -115,17 +117,8 @@ def test_a_rank_killed_on_one_host_fails_the_instance_and_every_request(model):
     node0 = Daemon(model, "--tensor-parallel-size", "2", "--worker-threads", "1")
     try:
         node0.wait_ready()
-        with Client(node0.address, timeout=60) as c, cf.ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(c.generate, prompt_token_ids=PROMPTS[i % 6], max_tokens=200,
-                                   temperature=0, ignore_eos=True, timeout=60) for i in range(8)]
-            deadline = time.monotonic() + 60
-            while not c.stats().get("generation_tokens"):
-                assert time.monotonic() < deadline, "the instance never stepped"
-                time.sleep(0.05)
-            killed = time.monotonic()
-            os.kill(node0.stage_pids()["worker1"], signal.SIGKILL)
-            results = [f.result(timeout=30) for f in futures]
-        assert all(r.error is not None for r in results), [r.error for r in results]
+        worker1 = node0.stage_pids()["worker1"]
+        killed = _kill_under_load(node0, lambda: os.kill(worker1, signal.SIGKILL))
         assert node0.proc.wait(10 - (time.monotonic() - killed)) != 0
         assert "worker" in node0.output() and "died" in node0.output()
     finally:
