@@ -113,8 +113,9 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
     def spec_text(self) -> str:
-        """The spec as one string (a schema object as canonical JSON; choices as a JSON
-        array): what a grammar cache is keyed by, with ``kind``."""
+        """The spec as one string (a schema object as JSON with sorted keys; choices as a JSON
+        array): what identifies it, with ``kind`` (the grammar compiles from the schema as
+        given, whose key order the output follows)."""
         import json as _json
         kind = self.kind
         value = getattr(self, kind)

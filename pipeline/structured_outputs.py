@@ -86,8 +86,9 @@ class Grammars:
         kind = so.kind
         c = self._compiler
         try:
-            if kind == "json":
-                return c.compile_json_schema(so.spec_text(), any_whitespace=False)
+            if kind == "json":  # the schema's own key order: the output follows it
+                schema = so.json if isinstance(so.json, str) else json.dumps(so.json, ensure_ascii=False)
+                return c.compile_json_schema(schema, any_whitespace=False)
             if kind == "json_object":  # any object, without free whitespace (as above)
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":

@@ -7,8 +7,8 @@ Types are checked here (the framework names the field); value limits are the eng
 the same message. Unknown fields are refused (400 naming them), as the ZMQ protocol does;
 OpenAI fields with no meaning here are accepted and ignored only where ignoring them cannot
 change the answer (``user``, ``store``, ``metadata``, ``service_tier``,
-``parallel_tool_calls``); the others (tools, response_format other than text, echo, suffix,
-audio...) are refused when set, naming the field. docs/openai.md lists them all.
+``parallel_tool_calls``); the others (tools, echo, suffix, audio...) are refused when set,
+naming the field. docs/openai.md lists them all.
 """
 from __future__ import annotations
 
@@ -43,8 +43,30 @@ class ChatMessageParam(_Body):
     name: str | None = None
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's ``response_format.json_schema``; the output always matches ``schema``
+    (``strict`` is accepted: the grammar is always enforced)."""
+    name: Annotated[str, Field(max_length=256)]
+    # `schema` would shadow a BaseModel attribute; the JSON name is the alias.
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+    description: str | None = None
+    strict: bool | None = None
+
+
 class ResponseFormat(_Body):
-    type: Literal["text"]
+    """``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema``."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs`` extra, as ``SamplingParams.structured_outputs``: exactly
+    one of these (that, and the spec's size in bytes, SamplingParams checks)."""
+    json_: Annotated[str | dict[str, Any] | None, Field(alias="json")] = None  # `json` would shadow
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampling(_Body):
@@ -75,6 +97,14 @@ class _Sampling(_Body):
     truncate_prompt_tokens: int | None = None
     priority: int = 0
     cache_salt: Annotated[str, Field(max_length=256)] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
+    # older guided_* extras (at most one of them; openai_convert.structured).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # OpenAI's, accepted and ignored (they cannot change an answer)
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -100,7 +130,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None  # refused when non-empty
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None

@@ -18,6 +18,7 @@ from pipeline.gateway import protocol as P
 from pipeline.gateway.openai_api import ChatCompletionRequest, ChatMessageParam, CompletionRequest
 from pipeline.messages import Completion, ErrorInfo, RequestResult
 from pipeline.messages.step import TokenLogprobs
+from pipeline.sampling_params import StructuredOutputsParams
 from pipeline.tokenizer.tokenizer import Tokenizer
 
 # error.code of an answer -> HTTP status; anything else is the server's fault (500).
@@ -29,7 +30,9 @@ _PASS = ("n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequ
          "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
          "skip_special_tokens", "include_stop_str_in_output", "min_tokens", "bad_words",
          "allowed_token_ids", "truncate_prompt_tokens", "cache_salt")
-_FIELD = re.compile(r"field `([^`]+)`")
+# The field an error message names: "field `x`: ...", or the tokenizer stage's verdict on a
+# structured outputs spec ("structured_outputs.regex: not a valid regex: ...").
+_FIELD = re.compile(r"field `([^`]+)`|^(structured_outputs(?:\.\w+)?):")
 TokenText = Callable[[int], str]
 
 
@@ -56,7 +59,7 @@ class ApiError(Exception):
 
 def invalid(message: str, param: str | None = None) -> ApiError:
     if param is None and (m := _FIELD.search(message)):
-        param = m.group(1)
+        param = m.group(1) or m.group(2)
     return ApiError(400, message, param)
 
 
@@ -70,7 +73,9 @@ def from_error(err: ErrorInfo) -> ApiError:
 UNION_FIELDS = {"prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
                 "stop": "a string or a list of strings",
                 "messages[].content": 'a string or a list of text parts ({"type": "text", "text": ...}; '
-                                      "no multi-modal input)"}
+                                      "no multi-modal input)",
+                "structured_outputs.json": "a JSON schema (an object, or its text)",
+                "guided_json": "a JSON schema (an object, or its text)"}
 
 
 def _path(loc: tuple) -> str:
@@ -112,7 +117,60 @@ def _common(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
         except ValueError:
             raise invalid("field `logit_bias`: keys must be token ids (integers as strings)",
                           "logit_bias") from None
+    if (so := structured(req)) is not None:
+        fields["structured_outputs"] = so
     return fields
+
+
+# vLLM's older extras -> the structured_outputs field each stands for.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
+def structured(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any] | None:
+    """The body's ``SamplingParams.structured_outputs`` (a dict, for the wire) from at most
+    one of ``response_format``, ``structured_outputs`` and the ``guided_*`` extras; ApiError
+    naming the field the body used for a spec SamplingParams refuses (exactly one kind, its
+    size in bytes). xgrammar's own verdict on the spec comes from the tokenizer stage."""
+    given: list[tuple[str, dict[str, Any]]] = []  # (the body's field, the spec)
+    rf = req.response_format
+    if rf is not None:
+        if rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise invalid("field `response_format.json_schema`: required with type `json_schema`")
+            given.append(("response_format", {"json": rf.json_schema.schema_}))
+        elif rf.json_schema is not None:
+            raise invalid(f"field `response_format.json_schema`: only with type `json_schema`, "
+                          f"not `{rf.type}`")
+        elif rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", req.structured_outputs.model_dump(by_alias=True, exclude_none=True)))
+    given += [(k, {kind: v}) for k, kind in _GUIDED.items() if (v := getattr(req, k)) is not None]
+    if len(given) > 1:
+        names = " and ".join(f"`{f}`" for f, _ in given)
+        raise invalid(f"fields {names}: at most one of response_format (json_object or json_schema), "
+                      f"structured_outputs and guided_* may be given", given[0][0])
+    if not given:
+        return None
+    field, spec = given[0]
+    try:
+        StructuredOutputsParams(**spec)
+    except RecursionError:  # a schema object nested past what JSON encoding allows
+        raise invalid(f"field `{_spec_field(field, 'structured_outputs.json')}`: nested too deeply") from None
+    except (ValueError, TypeError) as exc:
+        # "structured_outputs.<kind> must be ..., got ...": named as the body named it.
+        name, _, rest = str(exc).partition(" ")
+        raise invalid(f"field `{_spec_field(field, name)}`: {rest}") from None
+    return spec
+
+
+def _spec_field(field: str, name: str) -> str:
+    """SamplingParams' name for a part of the spec (``structured_outputs.json``) as the
+    body's ``field`` spells it."""
+    if field == "response_format":
+        return "response_format.json_schema.schema" if name.endswith(".json") else "response_format"
+    return name if field == "structured_outputs" else field
 
 
 def _checked(fields: dict[str, Any]) -> dict[str, Any]:
