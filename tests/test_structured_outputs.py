@@ -209,3 +209,18 @@ def test_grammar_specs_are_canonical_and_choices_escaped():
         assert m.accept_token(1) and m.is_terminated()  # then only the stop token
     m = g.matcher(g.compile(StructuredOutputsParams(choice=choices)))
     assert not all(m.accept_token(t) for t in tok.encode('say \\"hi', add_special_tokens=False).ids)
+
+
+def test_a_schema_nested_past_the_limit_is_refused_before_it_compiles():
+    from pipeline.sampling_params import MAX_SCHEMA_DEPTH
+
+    def nested(n: int) -> dict:
+        s: dict = {"type": "string"}
+        for _ in range(n):
+            s = {"type": "object", "properties": {"a": s}}
+        return s
+    StructuredOutputsParams(json=nested(MAX_SCHEMA_DEPTH // 2 - 1))  # 63 levels: allowed
+    for too_deep in (nested(MAX_SCHEMA_DEPTH // 2), json.dumps(nested(400)), "[" * 5000 + "]" * 5000):
+        with pytest.raises(ValueError, match=f"structured_outputs.json must be nested at most "
+                                             f"{MAX_SCHEMA_DEPTH} levels deep"):
+            StructuredOutputsParams(json=too_deep)
