@@ -57,6 +57,8 @@ class InputBatch:
         # skips the sampler.
         self.needs_sampler = np.zeros(r, dtype=bool)
         self.num_needs_sampler = 0
+        self.structured = np.zeros(r, dtype=bool)
+        self.num_structured = 0
 
     def __len__(self) -> int:
         return len(self.index)
@@ -121,15 +123,17 @@ class InputBatch:
         allowed = sp.allowed_token_ids
         self.allowed_token_ids[row] = None if allowed is None else np.asarray(allowed, dtype=np.int64)
         self.bad_words[row] = sp.bad_words_token_ids or None
-        # A grammar (structured_outputs) masks the logits on rank 0, which then samples.
-        procs = (bool(bias) or allowed is not None or bool(sp.bad_words_token_ids)
-                 or sp.structured_outputs is not None)
+        procs = bool(bias) or allowed is not None or bool(sp.bad_words_token_ids)
         self.has_processors[row] = procs
         special = procs or not (sp.temperature == 0.0 and sp.repetition_penalty == 1.0
                                 and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0
                                 and sp.logprobs is None and sp.min_tokens == 0)
         self.needs_sampler[row] = special
         self.num_needs_sampler += special
+        # A grammar (structured_outputs) masks the logits on rank 0 before any choice, greedy
+        # included; under tensor parallelism the other ranks then take rank 0's tokens.
+        self.structured[row] = sp.structured_outputs is not None
+        self.num_structured += bool(self.structured[row])
         return row
 
     def remove(self, req_id: str) -> None:
@@ -141,6 +145,8 @@ class InputBatch:
         self.params[row] = None
         self.num_needs_sampler -= bool(self.needs_sampler[row])
         self.needs_sampler[row] = False
+        self.num_structured -= bool(self.structured[row])
+        self.structured[row] = False
         self.num_prompt_logprob_rows -= bool(self.num_prompt_logprobs[row] >= 0)
         self.num_prompt_logprobs[row] = -1
         self.logit_bias[row] = self.allowed_token_ids[row] = self.bad_words[row] = None

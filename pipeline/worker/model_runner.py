@@ -384,15 +384,16 @@ class ModelRunner:
         sample_rows = inp.rows[inp.sample_batch_idx]
         if self.structured is not None:
             self.structured.apply_masks(logits)
-        if b.num_needs_sampler == 0:
-            # Every live request is plain greedy: the sampler would only take the argmax.
+        if b.num_needs_sampler == 0 and (self.tp is None or self.rank == 0 or not b.num_structured):
+            # Every live request is plain greedy: the sampler would only take the argmax (of
+            # the masked logits, for a grammar's rows: rank 0 masked them above).
             tokens, logprobs = logits.argmax(dim=-1), None
         elif self.tp is None or self.rank == 0:
             md = build_metadata(b, sample_rows, self.vocab_size, self.eos_token_ids, self.device)
             tokens, logprobs = self.sampler(logits, md)
-        else:  # rank 0 samples; its tokens arrive below
+        else:  # rank 0 samples (and masks); its tokens arrive below
             tokens, logprobs = torch.empty(len(sample_rows), dtype=torch.int64, device=self.device), None
-        if self.tp is not None and b.num_needs_sampler:
+        if self.tp is not None and (b.num_needs_sampler or b.num_structured):
             tokens = self.tp.broadcast(tokens.to(torch.int64), 0)
         tokens_np = tokens.cpu().numpy()
         b.append_tokens(sample_rows, tokens_np)

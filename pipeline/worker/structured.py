@@ -5,7 +5,9 @@ over the request's output so far. A request's grammar compiles in a thread pool 
 the request joins the batch (its prefill runs meanwhile; the compiler's cache makes a repeated
 spec free), and a resumed request (preempted, or a new row) rebuilds its matcher by accepting
 the output tokens it arrives with. Each step, the bitmasks of the rows about to be sampled are
-filled in the pool while the forward runs (``start_masks``), applied to their logits before any
+filled (``start_masks``; in the pool while the forward runs when a core is left over: where
+the forward's team holds every core, a pool thread stalls it more than filling first costs,
+measured with bench structured), applied to their logits before any
 sampling or logprob (``apply_masks``), and each sampled token then advances its matcher
 (``accept``). A matcher that accepted a stop token only allows the stop tokens (a step the
 engine scheduled ahead of the request's end), as does one whose request sampled a token
@@ -17,14 +19,19 @@ Owns: the matchers, the pool and the step's bitmask.
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pipeline.sampling_params import StructuredOutputsParams
 from pipeline.structured_outputs import Grammars
+
+if TYPE_CHECKING:
+    import xgrammar
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +51,7 @@ class StructuredBatch:
         self._grammars: Future[Grammars] | None = None  # xgrammar loads on first use (~2 s)
         self._matchers: dict[str, Future] = {}
         self._masks: Future[tuple[torch.Tensor, list[int]]] | None = None
+        self._batch: xgrammar.BatchGrammarMatcher | None = None  # made in the pool on first use
         # The bitmask row of a finished answer: the stop tokens only (int32 words); every
         # token for a model without stop tokens (it then runs to max_tokens unconstrained).
         words = [0] * -(-vocab_size // 32) if stop_token_ids else [(1 << 32) - 1] * -(-vocab_size // 32)
@@ -92,17 +100,28 @@ class StructuredBatch:
         if not rows:
             self._masks = None
             return
-        self._masks = self._pool.submit(self._fill, rows, len(req_ids))
+        if len(os.sched_getaffinity(0)) > torch.get_num_threads():
+            self._masks = self._pool.submit(self._fill, rows, len(req_ids))  # on a spare core
+        else:  # every core runs the forward's team: a pool thread would only stall it
+            done: Future = Future()
+            done.set_result(self._fill(rows, len(req_ids)))
+            self._masks = done
 
     def _fill(self, rows: list[tuple[int, Future]], n: int) -> tuple[torch.Tensor, list[int]]:
         import xgrammar as xgr
         bitmask = xgr.allocate_token_bitmask(n, self.vocab_size)
+        live, where = [], []
         for i, fut in rows:
             m = fut.result()
             if m.is_terminated():  # only a stop token may follow a finished answer
                 bitmask[i] = self._stop_row
             else:
-                m.fill_next_token_bitmask(bitmask, i)
+                live.append(m)
+                where.append(i)
+        if live:  # one C++ call for the batch, on this (pool) thread
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+            self._batch.batch_fill_next_token_bitmask(live, bitmask, where)
         return bitmask, [i for i, _ in rows]
 
     def apply_masks(self, logits: torch.Tensor) -> None:
@@ -113,24 +132,35 @@ class StructuredBatch:
             return
         bitmask, rows = self._masks.result()
         self._masks = None
+        n, vocab = logits.shape
+        if len(rows) == n:  # every sampled row has a grammar: mask in place
+            words = bitmask.numpy().view(np.uint8)
+            allowed = np.unpackbits(words, axis=1, bitorder="little", count=vocab).view(bool)
+            logits.masked_fill_(~torch.from_numpy(allowed).to(logits.device), float("-inf"))
+            return
         words = bitmask[rows].numpy().view(np.uint8)
-        allowed = np.unpackbits(words, axis=1, bitorder="little")[:, :logits.shape[1]].view(bool)
+        allowed = np.unpackbits(words, axis=1, bitorder="little", count=vocab).view(bool)
         idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
         sub = logits.index_select(0, idx)
         sub.masked_fill_(~torch.from_numpy(allowed).to(logits.device), float("-inf"))
         logits.index_copy_(0, idx, sub)
 
     def accept(self, req_ids: list[str | None], tokens: list[int]) -> None:
+        import xgrammar as xgr
+        live, toks, ids = [], [], []  # the requests whose answer is still open
         for r, t in zip(req_ids, tokens, strict=True):
             fut = self._matchers.get(r) if r is not None else None
-            if fut is None:
-                continue
-            m = fut.result()
-            if not m.is_terminated() and not m.accept_token(t):
+            if r is not None and fut is not None and not (m := fut.result()).is_terminated():
+                live.append(m)
+                toks.append(t)
+                ids.append(r)
+        if not live:
+            return
+        for r, t, ok in zip(ids, toks, xgr.BatchGrammarMatcher.batch_accept_token(live, toks), strict=True):
+            if not ok:
                 # Only when no allowed token could be sampled (min_tokens banning the stop
                 # token of a finished answer): the answer cannot continue validly, so from
                 # now on only the stop tokens are allowed.
-                assert r is not None
                 logger.warning("request %s: token %d is outside its grammar; it may only stop now", r, t)
                 self._matchers[r] = self._pool.submit(_Finished)
 
