@@ -165,7 +165,7 @@ def step_weight_bytes(model: torch.nn.Module, tied: bool) -> int:
     from pipeline.layers.lowp import LowpWeight
     total = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                 if n != "embed_tokens" or tied)
-    return total + sum(m.nbytes for n, m in model.named_modules()
+    return total + sum(m.step_nbytes for n, m in model.named_modules()
                        if isinstance(m, LowpWeight) and (n != "embed_tokens" or tied))
 
 

@@ -140,7 +140,13 @@ class LowpWeight(nn.Module):
 
     @property
     def nbytes(self) -> int:
+        """Memory held (both bf16 copies, where oneDNN has its own)."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    @property
+    def step_nbytes(self) -> int:
+        """Bytes a small-batch (GEMV) step reads: the weight and its scales, not oneDNN's copy."""
+        return sum(b.numel() * b.element_size() for b in (self.weight, self.scale) if b is not None)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` as float32 (the embedding lookup of a tied or packed table)."""
