@@ -71,8 +71,12 @@ def test_probe_keeps_a_faster_size_and_backs_off_after_a_slower_one():
     assert gov.threads == 2
     feed(gov, 1e-3)  # faster: kept, probing interval reset
     assert gov.threads == 2 and gov.probe_s == T.MIN_PROBE_S
-    # At the top, the probe tries one fewer; a loss keeps the full team.
+    # At the top, the probe tries one fewer, but only MAX_PROBE_S after the team was full;
+    # a loss keeps the full team.
     clock.now += T.MIN_PROBE_S
+    feed(gov, 1e-3)
+    assert gov.threads == 2
+    clock.now += T.MAX_PROBE_S
     feed(gov, 1e-3)
     assert gov.threads == 1
     feed(gov, 1.5e-3)
@@ -81,12 +85,12 @@ def test_probe_keeps_a_faster_size_and_backs_off_after_a_slower_one():
 
 def test_a_probe_across_a_change_of_batch_size_is_not_counted():
     gov, clock, _ = make(2)
-    clock.now += T.MIN_PROBE_S
+    clock.now += T.MAX_PROBE_S
     feed(gov, 4e-3, tokens=1)  # batch 1; the probe (1 thread) starts
     assert gov.threads == 1
     feed(gov, 1e-3, tokens=32)  # batch 32 now: cheaper per token, but not because of 1 thread
     assert gov.threads == 2 and gov.probe_s == T.MIN_PROBE_S
-    clock.now += T.MIN_PROBE_S
+    clock.now += T.MAX_PROBE_S
     feed(gov, 1e-3, tokens=32)
     assert gov.threads == 1  # tried again, on steps of one size
     feed(gov, 2e-3, tokens=32)
@@ -96,10 +100,26 @@ def test_a_probe_across_a_change_of_batch_size_is_not_counted():
 def test_backoff_is_capped():
     gov, clock, _ = make(2)
     for _ in range(12):
-        clock.now += gov.probe_s
+        clock.now += T.MAX_PROBE_S
         feed(gov, 1e-3)  # probe down to 1
         feed(gov, 2e-3)  # loses
     assert gov.threads == 2 and gov.probe_s == T.MAX_PROBE_S
+
+
+def test_a_full_team_probes_down_only_every_max_probe_s():
+    gov, clock, sizes = make(2)
+    for _ in range(5):  # a quiet machine: many probe intervals, no probe down yet
+        clock.now += T.MIN_PROBE_S
+        feed(gov, 1e-3)
+    assert sizes == [2] and clock.now < T.MAX_PROBE_S
+    clock.now = T.MAX_PROBE_S
+    feed(gov, 1e-3)
+    assert gov.threads == 1  # now it tries
+    feed(gov, 2e-3)
+    assert gov.threads == 2
+    clock.now += 2 * T.MIN_PROBE_S  # the next try is MAX_PROBE_S away, whatever probe_s says
+    feed(gov, 1e-3)
+    assert gov.threads == 2
 
 
 def test_explicit_threads_fix_the_team(monkeypatch):

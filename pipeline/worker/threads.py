@@ -12,7 +12,10 @@ passive waiting survives that but costs a quarter to a third of the quiet speed.
   per wall second per team member (``getrusage``) falls below ``STARVED``: members are
   waiting for a core, so the team shrinks by one;
 - probe: every ``probe_s`` (doubling after each probe that lost, up to ``MAX_PROBE_S``) the
-  team tries one thread more, or one fewer when at the top, for a window, and keeps the size
+  team tries one thread more, or one fewer when at the top (then at most every
+  ``MAX_PROBE_S``: a probe down from a full team on a quiet machine only costs, 8 steps at
+  ~2/3 the speed, and short runs paid it several times: bench threads had the default at
+  0.87-0.90 of 2 threads at batch 32 and prefill), for a window, and keeps the size
   whose median step time per scheduled token was lower (by ``GAIN``); otherwise it goes
   back. Only steps of similar size are compared: a probe window is measured against the
   window just before it, and not at all when the median step size moved by more than
@@ -71,6 +74,7 @@ class ThreadGovernor:
         _applied[0] = max_threads
         self.probe_s = MIN_PROBE_S
         self.next_probe = clock() + self.probe_s
+        self.full_since = clock()  # since when the team has had every thread
         self._window: list[tuple[float, float, int]] = []  # (wall s, cpu s, tokens) per step
         self._baseline: float | None = None  # s/token of the window before a probe
         self._probe_from: int | None = None  # the size a probe left (None: no probe running)
@@ -100,6 +104,8 @@ class ThreadGovernor:
         return statistics.median(w / t for w, _, t in self._window)
 
     def _resize(self, n: int) -> None:
+        if n == self.max_threads and self.threads != n:
+            self.full_since = self._clock()
         self.threads = n
         self._set(n)
         _applied[0] = n
@@ -135,7 +141,11 @@ class ThreadGovernor:
             self._resize(self.threads - 1)
             self.next_probe = now + self.probe_s
             return
-        if now >= self.next_probe and self.max_threads > 1:
+        top = self.threads == self.max_threads
+        if now >= self.next_probe and self.max_threads > 1 and (
+                not top or now >= self.full_since + MAX_PROBE_S):
+            if top:  # the next probe down from a full team comes MAX_PROBE_S after this one
+                self.full_since = now
             self._probe_from, self._baseline = self.threads, per_token
             self._baseline_tokens = tokens
             self._resize(self.threads + 1 if self.threads < self.max_threads else self.threads - 1)
