@@ -28,8 +28,7 @@ from pipeline.config import EngineConfig
 from pipeline.layers import ops
 from pipeline.layers.attention import AttentionMetadata
 from pipeline.layers.lowp import LowpWeight
-from pipeline.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from pipeline.messages.step import PromptLogprobs
+from pipeline.messages import ModelRunnerOutput, SchedulerOutput
 from pipeline.models.config import load_model_config, model_hash
 from pipeline.models.llama import CausalLM
 from pipeline.models.loader import load_weights
@@ -37,6 +36,8 @@ from pipeline.models.parallel import TPGroup, TPShard
 from pipeline.worker.device import cpu_has_fast_bf16, cpu_weight_format, resolve_dtype, worker_threads
 from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.kv_cache import KVCache, bytes_per_block
+from pipeline.worker.kv_sizing import decide_num_blocks, profile_gpu_blocks
+from pipeline.worker.prompt_logprobs import prompt_logprobs
 from pipeline.worker.sampler import Sampler, build_metadata
 from pipeline.worker.structured import StructuredBatch
 from pipeline.worker.threads import ThreadGovernor, usable_cores
@@ -44,12 +45,9 @@ from pipeline.worker.threads import ThreadGovernor, usable_cores
 if TYPE_CHECKING:
     from pipeline.ipc.layer_signal import LayerSignal
 
-DEFAULT_CPU_KV_BYTES = 1 << 30
 # How long a rank waits for the others to join the group (or, in a collective, for a peer
 # that is alive but stuck): a dead peer's closed connection fails a collective at once.
 TP_TIMEOUT_S = float(os.environ.get("PIPELINE_TP_TIMEOUT_S", "120"))
-# Prompt positions whose logits (rows x vocab floats) are computed at once for prompt logprobs.
-PROMPT_LOGPROBS_ROWS = 256
 
 
 @dataclass(slots=True)
@@ -197,54 +195,16 @@ class ModelRunner:
         return bytes_per_block(mc.num_layers, self.block_size, self._kv_heads, mc.head_dim, self.dtype)
 
     def _decide_num_blocks(self) -> int:
-        per_block = self._block_bytes()
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
-        if self.config.num_blocks:
-            n = self.config.num_blocks
-        elif self.device.type == "cpu":
-            budget = self.config.kv_cache_memory or min(
-                DEFAULT_CPU_KV_BYTES, per_block * blocks_per_seq * self.config.max_num_seqs)
-            n = budget // per_block
-        else:
-            n = self._profile_gpu_blocks(per_block)
-        if n < blocks_per_seq:
-            raise ValueError(
-                f"KV cache of {n} blocks x {self.block_size} tokens cannot hold one sequence of "
-                f"max_model_len={self.max_model_len}; raise --kv-cache-memory / "
-                f"--gpu-memory-utilization / --num-blocks or lower --max-model-len")
-        return int(n)
-
-    @torch.no_grad()
-    def _profile_gpu_blocks(self, per_block: int) -> int:
-        """Run the largest step the engine may send, then give what is left to the cache."""
         mc = self.model_config
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
-        nb = -(-num_tokens // self.block_size)
-        tmp = KVCache(mc.num_layers, nb, self.block_size, self._kv_heads, mc.head_dim,
-                      self.dtype, self.device)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=dev, dtype=torch.int64),
-            cu_seqlens_q=torch.tensor([0, num_tokens], device=dev, dtype=torch.int32),
-            seq_lens=torch.tensor([num_tokens], device=dev, dtype=torch.int32),
-            block_tables=torch.arange(nb, device=dev, dtype=torch.int32)[None, :])
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-        model = self.model
-        assert model is not None
-        hidden = model(ids, torch.arange(num_tokens, device=dev), meta, tmp.layers)
-        n_logits = min(self.config.max_num_seqs, num_tokens)
-        model.compute_logits(hidden[:n_logits]).softmax(-1)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del hidden
-        tmp.close()
-        free, total = torch.cuda.mem_get_info(self.device)
-        others = total - free - torch.cuda.memory_reserved(self.device)  # context, other procs
-        budget = int(total * self.config.gpu_memory_utilization) - peak - max(others, 0)
-        torch.cuda.empty_cache()
-        return max(budget // per_block, 0)
+        assert self.model is not None
+
+        def cache(nb: int) -> KVCache:  # a throw-away cache for the GPU profiling step
+            return KVCache(mc.num_layers, nb, self.block_size, self._kv_heads, mc.head_dim,
+                           self.dtype, self.device)
+        return decide_num_blocks(self.config, self._block_bytes(), self.block_size, self.max_model_len,
+                                 self.device, lambda per_block: profile_gpu_blocks(
+                                     self.model, self.config, self.block_size, self.max_model_len,
+                                     self.device, cache, per_block))
 
     def attach_layer_signal(self, sig) -> None:
         """After each layer's K/V write, publish (step_id, layer) on ``sig`` (a LayerSignal;
@@ -375,7 +335,8 @@ class ModelRunner:
         signal = self._on_kv_written if self._signal is not None else None
         hidden = model(inp.input_ids, inp.positions, inp.meta, kv.layers, signal)
         b = self.batch
-        prompt_lps = self._prompt_logprobs(hidden, inp) if b.num_prompt_logprob_rows else []
+        prompt_lps = (prompt_logprobs(model, b, hidden, inp.rows, inp.num_scheduled, self.device)
+                      if b.num_prompt_logprob_rows else [])
         b.num_computed_tokens[inp.rows] += inp.num_scheduled
         if len(inp.sample_batch_idx) == 0:
             return ModelRunnerOutput(step_id=step_id, req_ids=[], sampled_token_ids=[],
@@ -402,40 +363,6 @@ class ModelRunner:
         return ModelRunnerOutput(step_id=step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
                                  sampled_token_ids=tokens_np.tolist(), logprobs=logprobs or [],
                                  prompt_logprobs=prompt_lps)
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> list[PromptLogprobs]:
-        """Logprobs of the prompt tokens this step's chunks predict (position p's logits
-        give token p + 1), for the rows that ask; before num_computed_tokens advances."""
-        b, model = self.batch, self.model
-        assert model is not None
-        want = np.nonzero(b.num_prompt_logprobs[inp.rows] >= 0)[0]
-        offsets = np.concatenate(([0], np.cumsum(inp.num_scheduled)))
-        out: list[PromptLogprobs] = []
-        for i in want.tolist():
-            row = int(inp.rows[i])
-            start = int(b.num_computed_tokens[row])
-            end = min(start + int(inp.num_scheduled[i]), int(b.num_prompt_tokens[row]) - 1)
-            if end <= start:
-                continue  # the chunk predicts no prompt token (a 1-token prompt, or decoding)
-            k = int(b.num_prompt_logprobs[row])
-            targets = torch.from_numpy(b.token_ids[row, start + 1:end + 1].astype(np.int64)).to(self.device)
-            lps: list[TokenLogprobs] = []
-            for c in range(0, end - start, PROMPT_LOGPROBS_ROWS):
-                m = min(PROMPT_LOGPROBS_ROWS, end - start - c)
-                first = int(offsets[i]) + c
-                logprobs = torch.log_softmax(model.compute_logits(hidden[first:first + m]), dim=-1)
-                tgt = targets[c:c + m]
-                chosen = logprobs.gather(1, tgt[:, None])[:, 0].tolist()
-                top_vals: list[list[float]] = [[] for _ in range(m)]
-                top_ids: list[list[int]] = [[] for _ in range(m)]
-                if k > 0:
-                    vals, ids = logprobs.topk(k, dim=-1)
-                    top_vals, top_ids = vals.tolist(), ids.tolist()
-                lps += map(TokenLogprobs, tgt.tolist(), chosen, top_ids, top_vals)
-            rid = b.req_ids[row]
-            assert rid is not None  # a scheduled row is live
-            out.append(PromptLogprobs(rid, start + 1, lps))
-        return out
 
     def close(self) -> None:
         self._drain_signal_stream()
