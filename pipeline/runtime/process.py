@@ -14,6 +14,7 @@ Owns no state beyond the process-wide signal set-up of the stage it runs.
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib
 import os
 import signal
@@ -78,6 +79,10 @@ def stage_process(spec_bytes: bytes, ctrl: Connection) -> None:
     signal.signal(STOP_SIGNAL, _on_stop)
     spec = msgspec.msgpack.decode(spec_bytes, type=StageSpec)
     def ready(info: dict) -> None:
+        # What start-up made (modules, the model, tables) lives as long as the stage: out of
+        # the collector's sight, so a full collection under load does not walk it again
+        # (one took 74 ms in the middle of a 256-request step). freeze() only moves lists.
+        gc.freeze()
         ctrl.send(("ready", info))
 
     code = 0
