@@ -39,7 +39,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="timed windows per figure; the best counts (robust to a busy machine)")
     p.add_argument("--prefill-tokens", type=int, default=512, help="tokens in the prefill step")
     p.add_argument("--threads", type=int, default=0,
-                   help="torch threads for both sides; 0: the worker's default (cores - 1)")
+                   help="torch threads for both sides; 0: the worker's default (a team that adapts, from every core)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="cpu: this process's CPU time (with --threads 1: tokens per core-second, "
                         "immune to other processes taking the cores)")
