@@ -1,7 +1,8 @@
 """Shared by every stage: per-request sampling settings and their validation.
 
 Owns no state. A ``SamplingParams`` is checked when it is built, whether by a caller or by
-msgspec decoding it (``__post_init__`` runs on both): every limit that does not need the
+msgspec decoding it (``__post_init__`` runs on both; not when a stage decodes what another
+stage of its instance sent: ``TRUSTED_DECODE``): every limit that does not need the
 model raises ValueError naming the field and the limit. ``validate`` adds the limits that
 need the model (vocab size, max_model_len) and is called once, by the request validator
 (``tokenizer.validate``). Where the prompt becomes token ids, ``truncate_prompt`` and
@@ -14,6 +15,7 @@ Field names and meanings follow vLLM's ``SamplingParams``; ``stop``, ``stop_toke
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -43,6 +45,17 @@ MAX_CHOICES = 256
 # of the tokenizer stage; 64 levels (~30 nested objects) compile in ~20 ms.
 MAX_SCHEMA_DEPTH = 64
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+# Set (per thread) while a stage decodes a message another stage of its instance encoded
+# (``runtime.rings.Channel``): its SamplingParams were checked where the request came in (the
+# gateway, the tokenizer stage's validator) and were encoded normalised, so decoding them
+# again skips the checks: ~7 µs a request, 2 ms of a step plan that admits 233 requests.
+TRUSTED_DECODE = threading.local()
+
+
+def _trusted() -> bool:
+    return getattr(TRUSTED_DECODE, "on", False)
 
 
 def logprob_entry_bytes(k: int) -> int:
@@ -113,6 +126,8 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     json_object: bool | None = None
 
     def __post_init__(self) -> None:
+        if _trusted():
+            return
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise _bad("structured_outputs", f"exactly one of {', '.join(STRUCTURED_KINDS)}",
@@ -183,6 +198,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if _trusted():  # checked and normalised where it came in
+            return
         # A single value is a one-element list (iterating a str would stop on every char).
         if isinstance(self.stop, str):
             self.stop = [self.stop]

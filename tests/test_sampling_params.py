@@ -182,3 +182,34 @@ def test_resolve_bad_words_with_the_tokenizer():
         assert encode(" cat") in r.bad_words_token_ids
     r.validate(vocab_size=TOK.get_vocab_size())
     assert SamplingParams().resolve_bad_words(encode) == SamplingParams()
+
+
+def test_stage_to_stage_decoding_skips_the_checks_the_submit_ring_keeps():
+    """Past the submit ring, SamplingParams were checked where the request came in; a stage
+    decoding another stage's message does not check them again (runtime.rings.Channel)."""
+    import msgspec
+
+    from pipeline.messages import EngineRequest, GatewayRequest
+    from pipeline.runtime.rings import Channel
+
+    class OneMessage:  # the ring end Channel reads from
+        def __init__(self, buf: bytes) -> None:
+            self.buf = buf
+
+        def recv(self, timeout=None) -> bytes:
+            return self.buf
+
+    bad = SamplingParams(temperature=0.5)
+    bad.temperature = -1.0  # what no check would let through
+    engine_req = EngineRequest("r", b"", bad, 0.0)
+    gateway_req = GatewayRequest(req_id="r", sampling_params=bad, prompt="x")
+    requests = Channel(OneMessage(b""), "requests")
+    requests.ring = OneMessage(bytes(requests.encode(engine_req)))
+    assert requests.recv().sampling_params.temperature == -1.0  # trusted: not re-checked
+    submit = Channel(OneMessage(b""), "submit")
+    submit.ring = OneMessage(bytes(submit.encode(gateway_req)))
+    with pytest.raises(msgspec.ValidationError, match="temperature must be in"):
+        submit.recv()
+    # And the flag is per decode: building one here is checked again.
+    with pytest.raises(ValueError, match="temperature must be in"):
+        SamplingParams(temperature=-1.0)

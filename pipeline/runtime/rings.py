@@ -17,6 +17,7 @@ long completions), the tokenizer stage refuses it up front with ``answer_bytes_b
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pipeline.config import EngineConfig
@@ -26,7 +27,13 @@ from pipeline.ipc.ring import Ring
 from pipeline.messages import RING_MESSAGES
 from pipeline.messages.requests import MAX_PROMPT_TOKENS, MAX_REQUEST_BYTES
 from pipeline.runtime.spec import StageSpec
-from pipeline.sampling_params import MAX_LOGPROBS, MAX_LOGPROBS_BYTES, SamplingParams, logprob_entry_bytes
+from pipeline.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_LOGPROBS_BYTES,
+    TRUSTED_DECODE,
+    SamplingParams,
+    logprob_entry_bytes,
+)
 
 KiB, MiB = 1 << 10, 1 << 20
 # role -> (producer, consumer)
@@ -138,6 +145,20 @@ def capacity(limit: int) -> int:
 End = Literal["reader", "writer"]
 
 
+# Rings whose messages carry what a client sent, not yet checked by the tokenizer stage.
+UNTRUSTED_ROLES = frozenset({"submit"})
+
+
+def _trusted(decode: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def trusted_decode(buf: Any) -> Any:
+        TRUSTED_DECODE.on = True
+        try:
+            return decode(buf)
+        finally:
+            TRUSTED_DECODE.on = False
+    return trusted_decode
+
+
 class Channel:
     """A ring end plus the codec of the role it plays: send and receive structs, not bytes.
 
@@ -147,7 +168,10 @@ class Channel:
     def __init__(self, ring: Ring | BroadcastRing, role: str) -> None:
         codec = TaggedCodec(RING_MESSAGES[role])
         self.ring, self.role = ring, role
-        self._encode, self._decode = codec.encode, codec.decode
+        self._encode = codec.encode
+        # Past the submit ring a request's SamplingParams were checked (sampling_params.
+        # TRUSTED_DECODE): only the gateway's messages are decoded with every check.
+        self._decode = codec.decode if role in UNTRUSTED_ROLES else _trusted(codec.decode)
 
     @property
     def max_message_bytes(self) -> int:
