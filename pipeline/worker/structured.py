@@ -52,6 +52,7 @@ class StructuredBatch:
         self._matchers: dict[str, Future] = {}
         self._masks: Future[tuple[torch.Tensor, list[int]]] | None = None
         self._batch: xgrammar.BatchGrammarMatcher | None = None  # made in the pool on first use
+        self._cores = len(os.sched_getaffinity(0))
         # The bitmask row of a finished answer: the stop tokens only (int32 words); every
         # token for a model without stop tokens (it then runs to max_tokens unconstrained).
         words = [0] * -(-vocab_size // 32) if stop_token_ids else [(1 << 32) - 1] * -(-vocab_size // 32)
@@ -84,9 +85,10 @@ class StructuredBatch:
             g = grammars.result()
             m = g.matcher(g.compile(so))
             for t in output:
-                if not m.accept_token(t):
-                    raise ValueError(f"request {req_id!r}: its output token {t} does not match its "
-                                     f"structured_outputs.{so.kind}")
+                if not m.accept_token(t):  # it had left its grammar before (see accept)
+                    logger.warning("request %s: resumed output token %d is outside its grammar; "
+                                   "it may only stop now", req_id, t)
+                    return _Finished()
             return m
         self._matchers[req_id] = self._pool.submit(build)
 
@@ -100,7 +102,7 @@ class StructuredBatch:
         if not rows:
             self._masks = None
             return
-        if len(os.sched_getaffinity(0)) > torch.get_num_threads():
+        if self._cores > torch.get_num_threads():
             self._masks = self._pool.submit(self._fill, rows, len(req_ids))  # on a spare core
         else:  # every core runs the forward's team: a pool thread would only stall it
             done: Future = Future()
@@ -133,17 +135,15 @@ class StructuredBatch:
         bitmask, rows = self._masks.result()
         self._masks = None
         n, vocab = logits.shape
-        if len(rows) == n:  # every sampled row has a grammar: mask in place
-            words = bitmask.numpy().view(np.uint8)
-            allowed = np.unpackbits(words, axis=1, bitorder="little", count=vocab).view(bool)
-            logits.masked_fill_(~torch.from_numpy(allowed).to(logits.device), float("-inf"))
+        every = len(rows) == n  # every sampled row has a grammar: no gather and scatter
+        words = (bitmask if every else bitmask[rows]).numpy().view(np.uint8)
+        banned = ~torch.from_numpy(np.unpackbits(words, axis=1, bitorder="little", count=vocab).view(bool))
+        if every:
+            logits.masked_fill_(banned.to(logits.device), float("-inf"))
             return
-        words = bitmask[rows].numpy().view(np.uint8)
-        allowed = np.unpackbits(words, axis=1, bitorder="little", count=vocab).view(bool)
         idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        sub = logits.index_select(0, idx)
-        sub.masked_fill_(~torch.from_numpy(allowed).to(logits.device), float("-inf"))
-        logits.index_copy_(0, idx, sub)
+        logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill_(banned.to(logits.device),
+                                                                            float("-inf")))
 
     def accept(self, req_ids: list[str | None], tokens: list[int]) -> None:
         import xgrammar as xgr
