@@ -77,8 +77,8 @@ fi
 TOTAL=${GPU_CHECK_BUDGET:-460}
 PARITY_FILE=tests/test_models_parity.py
 GPU_TEST_FILES=(tests/test_cuda_build.py tests/test_cuda_gpu_review.py tests/test_cuda_ipc_gpu.py
-                tests/test_ipc_signal.py)
-BENCH_WORKER=(bench worker --device cuda --json --formats float32,bf16)
+                tests/test_ipc_signal.py tests/test_cuda_graphs.py)
+BENCH_WORKER=(bench worker --device cuda --json --formats float32,bf16 --batch-sizes 1,8,32,256)
 BENCH_OFFLINE=(bench offline --device cuda --dtype bfloat16 --json)
 
 x() { echo "+ $*" >&2; "$@"; }                      # print, then run: the log holds every command

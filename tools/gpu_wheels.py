@@ -65,7 +65,9 @@ urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
 """.split())
 # The versions KINDS.md's pip list gives; the others are unknown until a GPU run's env.log.
 IMAGE_VERSIONS = {"torch": "2.11.0", "transformers": "5.17.0", "numpy": "2.5.2", "tokenizers": "0.23.2",
-                  "safetensors": "0.8.0", "huggingface-hub": "1.33.0", "triton": "3.6.0"}
+                  "safetensors": "0.8.0", "huggingface-hub": "1.33.0", "triton": "3.6.0",
+                  "jinja2": "3.1.6", "psutil": "7.2.2", "hypothesis": "6.168.3", "pytest": "9.1.1",
+                  "cython": "3.3.0"}  # read from the image's pip list on 2026-11-30
 NEVER = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
 # Lint and type-check tools: `make lint` runs here, never on the GPU machine.
 LINT_ONLY = frozenset({"ruff", "mypy", "types-psutil"})

@@ -33,6 +33,7 @@ from pipeline.models.config import load_model_config, model_hash
 from pipeline.models.llama import CausalLM
 from pipeline.models.loader import load_weights
 from pipeline.models.parallel import TPGroup, TPShard
+from pipeline.worker.cuda_graphs import DecodeGraphs
 from pipeline.worker.device import cpu_has_fast_bf16, cpu_weight_format, resolve_dtype, worker_threads
 from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.kv_cache import KVCache, bytes_per_block
@@ -60,6 +61,7 @@ class StepInputs:
     num_scheduled: np.ndarray  # [B]
     logits_indices: torch.Tensor  # [S] token index of each sampled request's last token
     sample_batch_idx: np.ndarray  # [S] index into rows of each sampled request
+    graph_size: int = 0  # >0: a decode step staged for the CUDA graph of that batch size
 
 
 class ModelRunner:
@@ -109,6 +111,7 @@ class ModelRunner:
         self.kv_cache_bytes = 0
         self.model: CausalLM | None = None
         self.kv_cache: KVCache | None = None
+        self.graphs: DecodeGraphs | None = None  # CUDA, one rank: captured decode steps
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)
         self.sampler = Sampler(self.device, config.seed)
         # Rank 0 samples, so it alone keeps the grammars of structured outputs.
@@ -185,6 +188,10 @@ class ModelRunner:
         self.kv_cache_bytes = self.kv_cache.spec.total_bytes
         print(f"kv cache: {self.num_blocks} blocks x {self.block_size} tokens "
               f"({self.kv_cache_bytes / 2**20:.1f} MiB)", file=sys.stderr, flush=True)
+        if self.device.type == "cuda" and self.tp is None:
+            self.graphs = DecodeGraphs(model, self.kv_cache.layers, self.config.max_num_seqs,
+                                       self.batch.max_blocks_per_req, self.device)
+            self.graphs.capture()
 
     @property
     def _kv_heads(self) -> int:
@@ -265,7 +272,8 @@ class ModelRunner:
                 f"token {int(seq_lens[i])}; it has {int(b.num_tokens[r])} known tokens and "
                 f"{int(b.num_blocks[r])} blocks of {bs}")
         num_seqs = len(rows)
-        if int(n.sum()) == num_seqs:
+        decode = int(n.sum()) == num_seqs
+        if decode:
             # Decode-only step (one token each): no per-token expansion needed.
             cu = np.arange(num_seqs + 1, dtype=np.int32)
             positions, tok_rows = start, rows
@@ -277,9 +285,17 @@ class ModelRunner:
             tok_rows = rows[seq_of_tok]
         input_ids = b.token_ids[tok_rows, positions].astype(np.int64)
         slots = b.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        sample_idx = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
+        g = self.graphs
+        if (g is not None and decode and num_seqs <= g.max_batch and self._signal is None
+                and not b.num_prompt_logprob_rows):
+            size, ids_t, pos_t, meta = g.stage(input_ids, positions, slots, seq_lens.astype(np.int32),
+                                               b.block_table[rows])
+            return StepInputs(input_ids=ids_t, positions=pos_t, meta=meta, rows=rows, num_scheduled=n,
+                              logits_indices=torch.from_numpy(sample_idx).to(self.device, non_blocking=True),
+                              sample_batch_idx=sample_idx, graph_size=size)
         max_blocks = int(-(-int(seq_lens.max()) // bs))
         block_tables = np.ascontiguousarray(b.block_table[rows, :max_blocks])
-        sample_idx = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
         # Every array already has the dtype the model wants, so on CPU each tensor is a
         # zero-copy view of it.
         if self.device.type == "cpu":
@@ -333,7 +349,11 @@ class ModelRunner:
         model, kv = self.model, self.kv_cache
         assert model is not None and kv is not None  # execute() checked
         signal = self._on_kv_written if self._signal is not None else None
-        hidden = model(inp.input_ids, inp.positions, inp.meta, kv.layers, signal)
+        if inp.graph_size:
+            assert self.graphs is not None
+            hidden = self.graphs.replay(inp.graph_size)
+        else:
+            hidden = model(inp.input_ids, inp.positions, inp.meta, kv.layers, signal)
         b = self.batch
         prompt_lps = (prompt_logprobs(model, b, hidden, inp.rows, inp.num_scheduled, self.device)
                       if b.num_prompt_logprob_rows else [])
@@ -366,6 +386,7 @@ class ModelRunner:
 
     def close(self) -> None:
         self._drain_signal_stream()
+        self.graphs = None  # its graphs hold the KV cache's addresses
         if self.structured is not None:
             self.structured.close()
         if self.kv_cache is not None:
