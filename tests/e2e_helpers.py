@@ -21,7 +21,7 @@ ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--max-num-seqs", "32",
                 "--max-model-len", "256", "--num-blocks", "256"]
 
 
-def make_tiny_model(out: Path) -> Path:
+def make_tiny_model(out: Path, max_positions: int = 512) -> Path:
     """A random-initialised 2-layer Llama with its BPE tokenizer, via `pipeline make-model`
     (PIPELINE_E2E_MODEL=DIR runs the tests on that checkpoint instead)."""
     if os.environ.get("PIPELINE_E2E_MODEL"):
@@ -30,7 +30,7 @@ def make_tiny_model(out: Path) -> Path:
         subprocess.run([*PIPELINE, "make-model", "--arch", "llama", "--out", str(out),
                         "--hidden-size", "64", "--num-layers", "2", "--num-heads", "4",
                         "--num-kv-heads", "2", "--intermediate-size", "128",
-                        "--max-position-embeddings", "512", "--seed", "0"],
+                        "--max-position-embeddings", str(max_positions), "--seed", "0"],
                        check=True, cwd=ROOT, capture_output=True, timeout=300)
     return out
 

@@ -41,7 +41,11 @@ from pipeline.router.stats import merge
 WORDS = "the for statement is used to iterate over the elements of a sequence".split()
 PROMPTS = [" ".join(WORDS[i % 5:i % 5 + 3 + i % 7]) for i in range(12)]
 LONG_PREFIX = " ".join(WORDS * 4)
-LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0.0}  # stays in flight a while
+# Stays in flight a while: the tests abort, drop or kill such requests mid-way, so they must
+# not end first. A 2-layer model makes 200 tokens in well under a second on a loaded machine
+# (both races were lost in CI); 2000 take several. The cluster runs them (CLUSTER_FLAGS).
+LONG = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0.0}
+CLUSTER_FLAGS = ("--max-model-len", "2048", "--num-blocks", "1200")
 
 
 class Router(RouterProc):
@@ -64,7 +68,7 @@ def daemon_at(model: Path, port: int) -> Daemon:
     d.port, d.address, d.client_kw = port, f"tcp://127.0.0.1:{port}", {}
     d.log = open(f"/tmp/pipeline-e2e-{port}-restart.log", "w+")
     d.proc = subprocess.Popen([*PIPELINE, "serve", "--model", str(model), "--listen", d.address,
-                               *ENGINE_FLAGS], stdout=d.log, stderr=subprocess.STDOUT, cwd=ROOT,
+                               *ENGINE_FLAGS, *CLUSTER_FLAGS], stdout=d.log, stderr=subprocess.STDOUT, cwd=ROOT,
                               env=env(), start_new_session=True)
     d.instance_id = f"{d.proc.pid:x}"
     return d
@@ -171,12 +175,12 @@ def test_no_instance_is_not_fatal_and_requests_get_unavailable(tmp_path):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.getbasetemp() / "e2e-tiny")
+    return make_tiny_model(tmp_path_factory.getbasetemp() / "router-tiny", max_positions=2048)
 
 
 @pytest.fixture(scope="module")
 def cluster(model):
-    daemons = [Daemon(model), Daemon(model)]
+    daemons = [Daemon(model, *CLUSTER_FLAGS), Daemon(model, *CLUSTER_FLAGS)]
     router: Router | None = None
     try:
         for d in daemons:
@@ -319,10 +323,14 @@ def test_a_client_gone_aborts_its_requests_on_the_instances(cluster):
     before = aborted()
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.connect(router.address)
+    s.setsockopt(zmq.RCVTIMEO, 60_000)
     for i in range(2):
         s.send(P.encode(P.Generate(id=f"g{i}", prompt=PROMPTS[i], stream=True, **LONG)))
-    while not isinstance(P.decode_reply(s.recv()), P.Delta):  # the router's pings come too
-        pass  # then one is running on an instance
+    while True:  # the router's pings come too; then a Delta: one is running on an instance
+        reply = P.decode_reply(s.recv())
+        assert not isinstance(reply, P.Error), reply
+        if isinstance(reply, P.Delta):
+            break
     s.close(linger=0)
     # Both end as aborted on their instances, not run to max_tokens for nobody.
     wait_for(lambda: aborted() - before == 2, "the instances to abort the gone client's requests")
