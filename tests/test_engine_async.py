@@ -93,3 +93,22 @@ def test_stage_abort_with_steps_in_flight_ends_it_with_nothing_after(rig):
     assert tokens(outs, "a") == reference(rig.worker, [4, 5, 6], 40, ignore_eos=True)[:n]
     rig.loop.run_once()
     assert all_free(rig.loop.sched) and rig.loop.sched.check_invariants() == []
+
+
+def test_stage_takes_a_burst_a_slice_per_iteration_and_answers_every_request(rig):
+    from pipeline.engine.stage import MAX_REQUESTS_PER_ITERATION as cap
+    n = cap + cap // 2 + 3
+    for i in range(n):
+        rig.send("requests", request(f"b{i}", [3 + i % 50, 7], max_tokens=2, ignore_eos=True))
+    loop = rig.loop
+    loop.run_once()
+    # One slice taken, and a step already out for the worker, with the rest still queued.
+    assert len(loop.sched.requests) == cap and len(loop.inflight) == 1
+    outs, _ = run_until(rig, lambda o: sum(x.finish_reason is not None for x in o) == n, 2000)
+    finals = [o.req_id for o in outs if o.finish_reason is not None]
+    assert sorted(finals) == sorted(f"b{i}" for i in range(n))  # exactly one each
+    assert all(o.finish_reason == "length" for o in outs if o.finish_reason is not None)
+    while loop.inflight:
+        loop.run_once()
+    loop.run_once()
+    assert all_free(loop.sched) and loop.sched.check_invariants() == []
