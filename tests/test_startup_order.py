@@ -82,10 +82,10 @@ def test_every_stage_runs_before_the_worker_is_ready_and_gets_its_model_info(mod
         # Only the worker imports torch (the others start beside it on the same cores).
         assert {s.spec.name: _maps_torch(s.process.pid) for s in gw.stages} == {
             "worker0": True, "engine": False, "tokenizer": False, "output": False}
-        # ... and they yield the cores to it: the worker keeps the gateway's niceness.
-        mine = os.getpriority(os.PRIO_PROCESS, 0)
-        assert {s.spec.name: os.getpriority(os.PRIO_PROCESS, s.process.pid) - mine
-                for s in gw.stages} == {"worker0": 0, "engine": 5, "tokenizer": 5, "output": 5}
+        # ... and, woken, do not preempt it (SCHED_BATCH); the worker keeps the default policy.
+        assert {s.spec.name: os.sched_getscheduler(s.process.pid) for s in gw.stages} == {
+            "worker0": os.SCHED_OTHER, "engine": os.SCHED_BATCH, "tokenizer": os.SCHED_BATCH,
+            "output": os.SCHED_BATCH}
         assert gw.submit(GatewayRequest(req_id="r0", prompt="hello there",
                                         sampling_params=SamplingParams(max_tokens=3, ignore_eos=True)))
         assert done.wait(60), answers

@@ -43,12 +43,13 @@ STAGE_MODULES = {
 }
 
 # The worker computes on every core. The stages around it do little per step and, with
-# async scheduling, have a whole step of slack, so on a machine with no spare core they
-# should run in the worker's gaps rather than preempt it: at nice 0 the woken engine took
-# 1.5-7 ms from the worker's main thread on 15 % of the steps of a 256-request run on 2
-# cores (docs/benchmarks.md, "offline: the stages around the worker at nice 5"). The cache
-# messager keeps nice 0: its layer-wise transfer must overlap the prefill.
-STAGE_NICENESS = {"tokenizer": 5, "engine": 5, "output": 5}
+# async scheduling, have a whole step of slack, so they run as SCHED_BATCH: same fair share
+# (no starvation on a busy machine), but a stage woken by a ring does not preempt a running
+# worker thread; it runs in the worker's gaps or at the end of its slice. Without it a woken
+# engine took 1.5-7 ms from the worker's main thread on 15 % of the steps of a 256-request
+# run on 2 cores (docs/benchmarks.md, "offline: the stages around the worker as SCHED_BATCH").
+# The cache messager keeps SCHED_OTHER: its layer-wise transfer must overlap the prefill.
+BATCH_STAGES = frozenset({"tokenizer", "engine", "output"})
 
 # Stages built from the worker's ModelInfo (KV blocks, max_model_len, vocabulary, ...).
 NEEDS_MODEL = frozenset({"engine", "tokenizer", "messager"})
@@ -68,11 +69,10 @@ def _die_with_parent() -> None:
         os._exit(EXIT_ERROR)
 
 
-def _lower_priority(kind: str) -> None:
-    step = STAGE_NICENESS.get(kind, 0)
-    if step:
-        try:
-            os.nice(step)  # raising one's own niceness needs no privilege
+def _yield_to_the_worker(kind: str) -> None:
+    if kind in BATCH_STAGES and hasattr(os, "sched_setscheduler"):
+        try:  # a policy of lower priority needs no privilege
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
         except OSError:
             pass
 
@@ -95,7 +95,7 @@ def stage_process(spec_bytes: bytes, ctrl: Connection) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(STOP_SIGNAL, _on_stop)
     spec = msgspec.msgpack.decode(spec_bytes, type=StageSpec)
-    _lower_priority(spec.kind)
+    _yield_to_the_worker(spec.kind)
     def ready(info: dict) -> None:
         # What start-up made (modules, the model, tables) lives as long as the stage: out of
         # the collector's sight, so a full collection under load does not walk it again
