@@ -10,8 +10,9 @@ rank runs every step the same way, and rank 0 samples (the others take its token
 broadcast when sampling is random; greedy argmax over the gathered logits is the same
 everywhere).
 
-Owns: the model weights, the KV cache memory (KVCache), the InputBatch, the Sampler and,
-under tensor parallelism, this rank's TPGroup.
+Owns: the model weights, the KV cache memory (KVCache), the InputBatch, the Sampler, on
+CUDA the captured decode graphs (DecodeGraphs) and, under tensor parallelism, this rank's
+TPGroup.
 """
 from __future__ import annotations
 

@@ -67,10 +67,9 @@ def prepare_inputs(b: InputBatch, sched: SchedulerOutput, device: torch.device,
     input_ids = b.token_ids[tok_rows, positions].astype(np.int64)
     slots = b.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
     sample_idx = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
-    g = graphs
-    if g is not None and decode and num_seqs <= g.max_batch and not b.num_prompt_logprob_rows:
-        size, ids_t, pos_t, meta = g.stage(input_ids, positions, slots, seq_lens.astype(np.int32),
-                                           b.block_table[rows])
+    if graphs is not None and decode and num_seqs <= graphs.max_batch and not b.num_prompt_logprob_rows:
+        size, ids_t, pos_t, meta = graphs.stage(input_ids, positions, slots,
+                                                seq_lens.astype(np.int32), b.block_table[rows])
         return StepInputs(input_ids=ids_t, positions=pos_t, meta=meta, rows=rows, num_scheduled=n,
                           logits_indices=torch.from_numpy(sample_idx).to(device, non_blocking=True),
                           sample_batch_idx=sample_idx, graph_size=size)
