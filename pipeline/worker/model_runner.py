@@ -174,7 +174,8 @@ class ModelRunner:
         self.kv_cache_bytes = self.kv_cache.spec.total_bytes
         print(f"kv cache: {self.num_blocks} blocks x {self.block_size} tokens "
               f"({self.kv_cache_bytes / 2**20:.1f} MiB)", file=sys.stderr, flush=True)
-        if self.device.type == "cuda" and self.tp is None:
+        # A prefill instance keeps its layer signal attached, which rules the graphs out.
+        if self.device.type == "cuda" and self.tp is None and self.config.role != "prefill":
             self.graphs = DecodeGraphs(model, self.kv_cache.layers, self.config.max_num_seqs,
                                        self.batch.max_blocks_per_req, self.device)
             self.graphs.capture()
