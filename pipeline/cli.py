@@ -26,6 +26,7 @@ BENCHES = {
     "threads": "pipeline.bench.threads",
     "tp": "pipeline.bench.tp",
     "structured": "pipeline.bench.structured",
+    "cpu": "pipeline.bench.cpu",
 }
 
 

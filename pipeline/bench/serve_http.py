@@ -82,11 +82,12 @@ _chunk = msgspec.json.Decoder(_Chunk)
 
 
 async def _one_http(client: SSEClient, prompt: list[int], out_len: int, s: Sample, sem, salt: str,
-                    errors: list[str]) -> None:
+                    errors: list[str], model: str | None = None) -> None:
     """One streamed /v1/completions request. A token arrives with each chunk whose
     choices[0].text is non-empty; the count is the usage chunk's; ok once a finish_reason,
     the usage and ``data: [DONE]`` came."""
-    body = {"prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
+    body: dict[str, Any] = {"model": model} if model else {}
+    body |= {"prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
     state = {"finished": False, "done": False}
 

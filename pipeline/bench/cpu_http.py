@@ -1,0 +1,156 @@
+"""`pipeline bench cpu`, HTTP part: each engine's OpenAI server on one checkpoint under the same
+streamed load, rounds alternating ABBA between the engines (a shared machine drifts).
+
+Ours: `pipeline serve --http` (ready at its "serving on" line); vLLM's: `vllm serve` from
+--vllm-env (ready when /health answers 200). Both with bf16 weights, the same worker threads,
+max_model_len and max_num_seqs (= the concurrency). Every round sends --http-requests
+streamed /v1/completions (token-id prompts, greedy, ignore_eos, usage in the stream) at most
+--http-concurrency at a time, with prompts of its own (no prefix-cache hit across rounds),
+read by ``bench serve --http``'s client; one short warm-up round per server first.
+Figures per engine, pooled over its rounds: output tok/s, TTFT p50/p99, inter-token p50/p99.
+Owns the servers it starts, for the length of the run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from typing import Any
+
+from pipeline.bench.report import Report
+from pipeline.bench.serve import Sample, pct, run_arrivals
+from pipeline.bench.serve_http import _one_http
+from pipeline.bench.sse_client import SSEClient
+
+SERVED = "bench"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _flags(args, model: str) -> tuple[int, int]:
+    return args.prompt_len + args.output_len + 16, args.http_concurrency
+
+
+def start_ours(args, model: str) -> tuple[subprocess.Popen, str]:
+    max_len, seqs = _flags(args, model)
+    cmd = [sys.executable, "-m", "pipeline", "serve", "--model", model, "--listen",
+           f"tcp://127.0.0.1:{_free_port()}", "--http", "127.0.0.1:0", "--served-model-name", SERVED,
+           "--dtype", "bfloat16", "--worker-threads", str(args.threads), "--max-model-len", str(max_len),
+           "--max-num-seqs", str(seqs)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "serving on" in line:
+            threading.Thread(target=proc.stderr.read, daemon=True).start()
+            url = re.search(r"http://\S+", line)
+            if url is None:
+                break
+            return proc, url.group(0).rstrip("/")
+    proc.kill()
+    raise RuntimeError(f"pipeline serve exited with {proc.wait()} before serving")
+
+
+def start_vllm(args, model: str) -> tuple[subprocess.Popen, str]:
+    from pipeline.bench.cpu import VLLM_SH
+    max_len, seqs = _flags(args, model)
+    port = _free_port()
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
+    log = open(os.path.join(args.models_dir, "vllm-serve.log"), "w")
+    proc = subprocess.Popen(["bash", str(VLLM_SH), "serve", args.vllm_env, model, "--host", "127.0.0.1",
+                             "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(max_len),
+                             "--max-num-seqs", str(seqs), "--served-model-name", SERVED],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {proc.returncode}; see {log.name}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(1.0)
+    _stop(proc, group=True)
+    raise RuntimeError(f"vllm serve not ready in 900 s; see {log.name}")
+
+
+def _stop(proc: subprocess.Popen, group: bool = False) -> None:
+    """SIGTERM (to the whole session with ``group``: vLLM's server and its engine process)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM) if group else proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        proc.kill()
+        proc.wait()
+
+
+async def _round(args, url: str, prompts: list[list[int]], out_len: int,
+                 tag: str) -> tuple[list[Sample], float, list[str]]:
+    sem = asyncio.Semaphore(args.http_concurrency)
+    client = SSEClient(url)
+    errors: list[str] = []
+    try:
+        samples, dur = await run_arrivals(
+            argparse.Namespace(request_rate=float("inf"), seed=args.seed), prompts,
+            lambda p, s: _one_http(client, p, out_len, s, sem, tag, errors, model=SERVED))
+    finally:
+        await client.aclose()
+    return samples, dur, errors
+
+
+def figures(samples: list[Sample], dur: float) -> dict[str, Any]:
+    ok = [s for s in samples if s.ok]
+    gaps = [b - a for s in ok for a, b in zip(s.token_times, s.token_times[1:])]
+    return {"requests": len(samples), "completed": len(ok), "duration_s": round(dur, 3),
+            "output_tok_per_s": round(sum(s.tokens for s in ok) / dur, 1),
+            "ttft_p50_ms": round(1e3 * pct([s.ttft for s in ok], 50), 1),
+            "ttft_p99_ms": round(1e3 * pct([s.ttft for s in ok], 99), 1),
+            "itl_p50_ms": round(1e3 * pct(gaps, 50), 2), "itl_p99_ms": round(1e3 * pct(gaps, 99), 2)}
+
+
+def run_http(args, rep: Report, shape: str, model: str) -> None:
+    from pipeline.bench.cpu import prompts as make_prompts
+    from pipeline.models.config import load_model_config
+    vocab = load_model_config(model).vocab_size
+    engines = {"pipeline": start_ours} | ({"vllm": start_vllm} if args.vllm_env else {})
+    order = [e for r in range(args.rounds) for e in (list(engines) if r % 2 == 0 else list(engines)[::-1])]
+    pooled: dict[str, list] = {e: [[], 0.0, []] for e in engines}
+    for i, eng in enumerate(order):
+        # One server at a time: the other engine's threads would take the cores.
+        proc, url = engines[eng](args, model)
+        try:
+            warm = make_prompts(vocab, args.http_concurrency, args.prompt_len, 10_000 + i)
+            asyncio.run(_round(args, url, warm, 4, f"warm-{i}"))
+            ps = make_prompts(vocab, args.http_requests, args.prompt_len, args.seed + 1 + i)
+            samples, dur, errs = asyncio.run(_round(args, url, ps, args.output_len, f"run-{i}"))
+        finally:
+            _stop(proc, group=eng == "vllm")
+        pooled[eng][0] += samples
+        pooled[eng][1] += dur
+        pooled[eng][2] += errs
+    rows = {}
+    for eng, (samples, dur, errs) in pooled.items():
+        rows[eng] = rep.add(f"{shape} http {eng}", **figures(samples, dur), first_errors=errs[:3])
+        n = rows[eng]["requests"]
+        rep.target(f"{shape} http {eng}: all requests completed", rows[eng]["completed"], f"== {n}",
+                   rows[eng]["completed"] == n)
+    if "vllm" in rows:
+        o, v = rows["pipeline"], rows["vllm"]
+        r = o["output_tok_per_s"] / max(v["output_tok_per_s"], 1e-9)
+        rep.target(f"{shape} http output tok/s vs vLLM CPU", round(r, 3), ">= 1.2", r >= 1.2)
+        for k in ("ttft_p50_ms", "itl_p99_ms"):
+            r = o[k] / max(v[k], 1e-9)
+            rep.target(f"{shape} http {k} vs vLLM CPU", round(r, 3), "<= 1.0", r <= 1.0)

@@ -1,0 +1,70 @@
+"""`pipeline bench cpu` at its tiny shape, on real processes: the checkpoint it makes (every
+id decodes to a word), the offline child per format, the HTTP rounds against a real
+`pipeline serve --http`, the report's rows and targets, and flags named when bad. No vLLM
+here (its virtualenv is a manual install) and no timing asserts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+
+import pytest
+from e2e_helpers import PIPELINE, ROOT, env
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from pipeline.bench import cpu
+from pipeline.bench.cpu_limits import step_params
+
+
+def test_tiny_run_offline_and_http(tmp_path):
+    p = subprocess.run([*PIPELINE, "bench", "cpu", "--json", "--models-dir", str(tmp_path), "--shapes", "tiny",
+                        "--formats", "bf16,int8", "--batches", "1,4", "--prompt-len", "16", "--output-len", "6",
+                        "--http-requests", "6", "--http-concurrency", "3", "--rounds", "1", "--repeats", "1"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=env())
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    rows = {r["case"]: r for r in out["results"]}
+    assert rows["limits"]["read_bytes_per_s"] > 0
+    for fmt in ("bf16", "int8"):
+        for b in (1, 4):
+            r = rows[f"tiny offline {fmt} batch {b}"]
+            assert r["output_tok_per_s"] == pytest.approx(b * 6 / r["total_s"], rel=1e-3)
+            assert r["decode_tok_per_s"] > 0 and r["rss_mib"] > 0
+    http = rows["tiny http pipeline"]
+    assert http["requests"] == http["completed"] == 6, http
+    assert http["first_errors"] == []
+    assert 0 < http["ttft_p50_ms"] <= http["ttft_p99_ms"] and 0 < http["itl_p50_ms"] <= http["itl_p99_ms"]
+    targets = {t["name"]: t for t in out["targets"]}
+    assert targets["tiny http pipeline: all requests completed"]["met"]
+    assert "tiny int8 batch-4 vs bf16 batch-4" in targets
+    assert not any("vLLM" in name for name in targets)  # no --vllm-env: no peer targets
+
+    model = tmp_path / "tiny"
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    vocab = cpu.SHAPES["tiny"]["vocab_size"]
+    assert tok.get_vocab_size() == vocab
+    assert tok.decode([5, 6, vocab - 1]) == f"w5 w6 w{vocab - 1}"
+    # step_params: every weight but the looked-up embedding (tied here: it is the LM head).
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        total = sum(f.get_slice(k).get_shape()[0] * (f.get_slice(k).get_shape() + [1])[1]
+                    for k in f.keys() if "norm" not in k)
+    assert step_params(str(model)) == total
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--batches", "1,x"], "--batches: comma-separated integers"),
+    (["--batches", "0"], "--batches must be >= 1"),
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--output-len", "1"], "--output-len must be >= 2"),
+    (["--shapes", "7b"], "--shapes: unknown '7b'"),
+    (["--formats", "fp8"], "--formats: unknown 'fp8'"),
+    (["--vllm-env", "/nonexistent"], "--vllm-env /nonexistent: no bin/python"),
+])
+def test_bad_flags_name_the_flag_and_limit(argv, says, capsys):
+    p = argparse.ArgumentParser()
+    cpu.add_args(p)
+    p.add_argument("--json", action="store_true")
+    assert cpu.main(p.parse_args(argv)) == 2
+    assert says in capsys.readouterr().err
