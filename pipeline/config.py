@@ -51,6 +51,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 on one node: the gateway picks a free one
     worker_threads: int = 0  # CPU: 0 = PIPELINE_WORKER_THREADS, else adaptive from all cores
+    step_log: str = ""  # a file the engine appends one JSON line per step to (engine/step_log.py)
     seed: int = 0
     instance_id: str = ""
     # The --chat-template file's text (read once, by config_from_args); None: the checkpoint's.
@@ -89,6 +90,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if bs and not (0 < bs <= MAX_BLOCK_SIZE and bs & (bs - 1) == 0):
             raise ValueError(f"{_flag('block_size')} must be 0 (automatic) or a power of two up to "
                              f"{MAX_BLOCK_SIZE}, got {bs}")
+        if self.step_log and not Path(self.step_log).resolve().parent.is_dir():
+            raise ValueError(f"--step-log {self.step_log}: its directory does not exist")
         if not 0.0 < self.kv_transfer_timeout <= 3600.0:
             raise ValueError(f"--kv-transfer-timeout must be in (0, 3600] seconds, got "
                              f"{self.kv_transfer_timeout}")
@@ -170,6 +173,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU threads of the worker, fixed (0: PIPELINE_WORKER_THREADS if set, else a team "
                         "that starts with every core and shrinks while cores are busy)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--step-log", metavar="FILE", default=d.step_log,
+                   help="append one JSON line per engine step to FILE: tokens, queues, and where the "
+                        "time went (schedule, worker, the worker's wait for the step, update)")
     p.add_argument("--chat-template", metavar="FILE", default=None,
                    help="a Jinja chat template file that replaces the checkpoint's (at most "
                         f"{MAX_CHAT_TEMPLATE_BYTES >> 20} MiB)")

@@ -33,8 +33,16 @@ import msgspec
 
 from pipeline.engine.inflight import MAX_STEPS_IN_FLIGHT, EngineSteps
 from pipeline.engine.scheduler import Scheduler
+from pipeline.engine.step_log import StepLog
 from pipeline.ipc.ring import wait_any
-from pipeline.messages import AbortRequest, EngineOutput, EngineOutputs, EngineRequest
+from pipeline.messages import (
+    AbortRequest,
+    EngineOutput,
+    EngineOutputs,
+    EngineRequest,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from pipeline.messages.kv import TransferPlan
 from pipeline.runtime import rings
 from pipeline.runtime.process import ReadyFn, log
@@ -74,6 +82,7 @@ class EngineLoop:
         self.inflight = EngineSteps(MAX_STEPS_IN_FLIGHT if self.async_scheduling else 1)
         self.times = self.inflight.times
         self.next_stats = 0.0
+        self.step_log = StepLog(spec.config.step_log) if spec.config.step_log else None
 
     def _abort(self, msg: AbortRequest) -> list[EngineOutput]:
         return self.sched.abort_requests(msg.req_ids, msg.reason, msg.message)
@@ -168,13 +177,19 @@ class EngineLoop:
                 self.steps.send(sched_out)
                 q.push(sched_out, t0)
                 sent = True
+                if self.step_log is not None:
+                    self.step_log.scheduled(sched_out, t0)
             self._emit(sched.take_outputs())
         if q and (q.full or not sent):
             sched_out, t0 = q.pop()
+            t_wait = time.perf_counter()
             # No deadline: a long prefill may take a while; PeerDied if the worker dies.
             result = self.results.recv(timeout=None)
-            self._emit(sched.update_from_output(sched_out, result))
+            t_result = time.perf_counter()
+            outs = sched.update_from_output(sched_out, result)
+            self._emit(outs)
             self.times.add(sched_out, t0, result.execute_s)
+            self._log_step(sched_out, result, t_wait, t_result, len(outs))
             return True
         return progressed or sent
 
@@ -187,15 +202,26 @@ class EngineLoop:
             # Before the step: the messager waits for the step's layers as they are written.
             outs += self._send_plan(plan)
         self.steps.send(sched_out)
+        if self.step_log is not None:
+            self.step_log.scheduled(sched_out, t0)
         self._emit(outs)
+        t_wait = time.perf_counter()
         # No deadline: a long prefill may take a while; the wait raises PeerDied if the
         # worker dies meanwhile.
         result = self.results.recv(timeout=None)
+        t_result = time.perf_counter()
         outs = self.sched.update_from_output(sched_out, result)
         self._emit(outs)
         self._send_kv_finishes()
         self.times.add(sched_out, t0, result.execute_s)
+        self._log_step(sched_out, result, t_wait, t_result, len(outs))
         return bool(sched_out.total_num_scheduled_tokens or sched_out.preempted_req_ids)
+
+    def _log_step(self, sched_out: SchedulerOutput, result: ModelRunnerOutput, t_wait: float,
+                  t_result: float, outputs: int) -> None:
+        if self.step_log is not None:
+            self.step_log.finished(sched_out, result, t_result - t_wait, time.perf_counter() - t_result,
+                                   outputs, len(self.sched.running), len(self.sched.waiting))
 
     def publish_stats(self, now: float) -> None:
         self.next_stats = now + STATS_INTERVAL_S
@@ -251,6 +277,8 @@ class EngineLoop:
             self.run_once()
 
     def close(self) -> None:
+        if self.step_log is not None:
+            self.step_log.close()
         for ch in (self.requests, self.stops, self.results, self.steps, self.outputs,
                    self.stats_ring, self.kv_plans, self.kv_reports, self.kv_ready):
             if ch is not None:

@@ -81,3 +81,4 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     logprobs: list[TokenLogprobs | None] = []  # parallel to req_ids when any asked for them
     execute_s: float = 0.0  # the worker's execute() wall time (forward + sampling)
     prompt_logprobs: list[PromptLogprobs] = []  # of this step's prefill chunks that asked
+    wait_s: float = 0.0  # how long the worker waited for this step after its previous result

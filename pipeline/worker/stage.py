@@ -64,6 +64,7 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
                          model_hash=model_hash(cfg.model))
         ready(msgspec.structs.asdict(info))
         while True:
+            t_wait = time.perf_counter()
             if receiver is not None:
                 sched = receiver.recv()  # PeerDied once node 0 is silent
                 if sched is None:
@@ -84,6 +85,7 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
             out = runner.execute(sched)
             if results is not None:
                 out.execute_s = time.perf_counter() - t0
+                out.wait_s = t0 - t_wait
                 results.send(out)
     finally:
         if sender is not None:
