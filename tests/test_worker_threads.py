@@ -23,11 +23,14 @@ class Clock:
         return self.now
 
 
-def feed(gov: ThreadGovernor, per_token_s: float, busy: float = 1.0, tokens: int = 4) -> None:
-    """One window of steps at ``per_token_s`` each, the team ``busy`` of its CPU time."""
-    for _ in range(T.WINDOW):
+def feed(gov: ThreadGovernor, per_token_s: float, busy: float = 1.0, tokens: int = 4) -> int:
+    """One window of steps at ``per_token_s`` each, the team ``busy`` of its CPU time; returns
+    how many steps it took to close."""
+    for n in range(1, T.WINDOW + 1):
         wall = per_token_s * tokens
-        gov.record(wall, wall * gov.threads * busy, tokens)
+        if gov.record(wall, wall * gov.threads * busy, tokens):
+            return n
+    raise AssertionError(f"no window closed after {T.WINDOW} steps")
 
 
 def make(n: int = 4) -> tuple[ThreadGovernor, Clock, list[int]]:
@@ -120,6 +123,38 @@ def test_a_full_team_probes_down_only_every_max_probe_s():
     clock.now += 2 * T.MIN_PROBE_S  # the next try is MAX_PROBE_S away, whatever probe_s says
     feed(gov, 1e-3)
     assert gov.threads == 2
+
+
+def test_slow_steps_close_a_window_early_so_a_taken_core_shrinks_the_team_in_4_steps():
+    """A 0.5B model's step on a taken core: 0.2 s. Windows of MIN_WINDOW steps once they
+    span WINDOW_S, so two starved windows take 4 steps, not 16 (seconds of a short run)."""
+    gov, _, sizes = make(2)
+    slow = 0.05  # s per token, 4 tokens a step
+    assert slow * 4 * T.MIN_WINDOW >= T.WINDOW_S
+    assert feed(gov, slow, busy=0.6) == T.MIN_WINDOW
+    assert feed(gov, slow, busy=0.6) == T.MIN_WINDOW
+    assert sizes == [2, 1]
+    # Fast steps still fill whole windows (a quiet batch-1 step of a small model: ~1 ms).
+    assert feed(gov, 1e-4) == T.WINDOW
+
+
+def test_a_probe_onto_a_taken_core_ends_after_its_first_steps():
+    gov, clock, sizes = make(2)
+    for _ in range(T.STARVED_WINDOWS):
+        feed(gov, 5e-3, busy=0.3)
+    assert gov.threads == 1
+    clock.now += T.MIN_PROBE_S
+    feed(gov, 2e-3)  # the baseline window at 1 thread; the probe (2 threads) starts
+    assert gov.threads == 2
+    # 3x slower per token: the probe ends after MIN_WINDOW steps, lost, backed off.
+    assert feed(gov, 6e-3) == T.MIN_WINDOW
+    assert gov.threads == 1 and gov.probe_s == 2 * T.MIN_PROBE_S
+    # A probe only a little slower (below PROBE_ABORT) runs its whole window before losing.
+    clock.now += 2 * T.MIN_PROBE_S
+    feed(gov, 2e-3)
+    assert gov.threads == 2
+    assert feed(gov, 2e-3 * (1 + T.PROBE_ABORT) / 2) == T.WINDOW
+    assert gov.threads == 1 and sizes == [2, 1, 2, 1, 2, 1]
 
 
 def test_explicit_threads_fix_the_team(monkeypatch):

@@ -8,6 +8,8 @@ down several times (a batch-32 step on two shared cores went 5x slower than one 
 passive waiting survives that but costs a quarter to a third of the quiet speed. So
 ``ThreadGovernor`` keeps libgomp's spinning and watches each step instead:
 
+- windows: ``WINDOW`` steps, or fewer (at least ``MIN_WINDOW``) once they add up to
+  ``WINDOW_S``, so slow steps (a big model, a taken core) are judged in a fraction of a second;
 - down, at once: over ``STARVED_WINDOWS`` windows of steps in a row, the process's CPU time
   per wall second per team member (``getrusage``) falls below ``STARVED``: members are
   waiting for a core, so the team shrinks by one;
@@ -17,7 +19,8 @@ passive waiting survives that but costs a quarter to a third of the quiet speed.
   ~2/3 the speed, and short runs paid it several times: bench threads had the default at
   0.87-0.90 of 2 threads at batch 32 and prefill), for a window, and keeps the size
   whose median step time per scheduled token was lower (by ``GAIN``); otherwise it goes
-  back. Only steps of similar size are compared: a probe window is measured against the
+  back; a probe whose first steps already run ``PROBE_ABORT`` x slower ends there, lost.
+  Only steps of similar size are compared: a probe window is measured against the
   window just before it, and not at all when the median step size moved by more than
   ``SAME_SIZE`` (batch 8 tokens cost less each than batch 1's: a probe across such a change
   would keep whichever size it happened to test second).
@@ -42,7 +45,16 @@ STARVED = 0.8  # CPU seconds per wall second per thread below this: members wait
 STARVED_WINDOWS = 2
 GAIN = 0.97  # a probe's size is kept when its time per token is below this x the old one's
 SAME_SIZE = 1.25  # a probe counts only if the median step size stayed within this factor
-WINDOW = 8  # steps per measurement window
+WINDOW = 8  # steps per measurement window, at most
+# ... and a window closes earlier, after MIN_WINDOW steps, once its steps add up to WINDOW_S:
+# under a taken core a 0.5B-model step of a full team took 0.15-0.25 s, so 2 windows of 8
+# steps held the slow team for 3-4 s of a 6 s run (int8 decode 3.9-7.0 tok/s against 15.9
+# for one fixed thread).
+WINDOW_S = 0.1
+MIN_WINDOW = 2
+# A probe whose steps so far take this x the baseline per token ends at once, lost: a probe
+# up onto a taken core runs 3-15x slower, and 8 such steps cost seconds.
+PROBE_ABORT = 1.3
 MIN_PROBE_S = 1.0
 MAX_PROBE_S = 32.0
 
@@ -94,11 +106,18 @@ class ThreadGovernor:
         if tokens > 0:
             self.record(time.perf_counter() - self._t0, _cpu_seconds() - self._c0, tokens)
 
-    def record(self, wall_s: float, cpu_s: float, tokens: int) -> None:
-        """One step's measurements: its wall time, the process's CPU time in it, its tokens."""
-        self._window.append((wall_s, cpu_s, tokens))
-        if len(self._window) >= WINDOW:
+    def record(self, wall_s: float, cpu_s: float, tokens: int) -> bool:
+        """One step's measurements: its wall time, the process's CPU time in it, its tokens.
+        True when the step closed a window (and the team size may have changed)."""
+        w = self._window
+        w.append((wall_s, cpu_s, tokens))
+        done = len(w) >= WINDOW or (len(w) >= MIN_WINDOW and sum(x[0] for x in w) >= WINDOW_S)
+        if not done and self._probe_from is not None and len(w) >= MIN_WINDOW:
+            assert self._baseline is not None
+            done = self._per_token() > PROBE_ABORT * self._baseline
+        if done:
             self._decide()
+        return done
 
     def _per_token(self) -> float:
         return statistics.median(w / t for w, _, t in self._window)
