@@ -61,6 +61,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-requests", type=int, default=64)
     p.add_argument("--http-concurrency", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2, help="HTTP runs per engine, ABBA")
+    p.add_argument("--serve-args", default="", help="extra `pipeline serve` flags, one string (e.g. --step-log F)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-http", action="store_true")
     p.add_argument("--repeats", type=int, default=2, help="offline: each timing the best of this many")

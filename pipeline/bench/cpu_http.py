@@ -48,7 +48,7 @@ def start_ours(args, model: str) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "pipeline", "serve", "--model", model, "--listen",
            f"tcp://127.0.0.1:{_free_port()}", "--http", "127.0.0.1:0", "--served-model-name", SERVED,
            "--dtype", "bfloat16", "--worker-threads", str(args.threads), "--max-model-len", str(max_len),
-           "--max-num-seqs", str(seqs)]
+           "--max-num-seqs", str(seqs), *args.serve_args.split()]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     for line in proc.stderr:
