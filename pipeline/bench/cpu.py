@@ -14,8 +14,9 @@ tok/s from their difference, load time and peak RSS. HTTP: each engine's OpenAI 
 --http-concurrency, ``bench serve --http``'s client, rounds alternating ABBA between engines:
 output tok/s, TTFT p50/p99, inter-token p50/p99.
 
-With ``--vllm-env DIR`` (made by ../shared/tools/vllm-cpu.sh install DIR) vLLM runs beside
-this engine, with the same threads (VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)), and the issue's
+With ``--llamacpp DIR`` (a llama.cpp tree built with cmake) llama.cpp's F16, Q8_0 and Q4_0 run
+beside bf16, int8 and int4 (``cpu_llamacpp``). With ``--vllm-env DIR`` (made by
+../shared/tools/vllm-cpu.sh install DIR) vLLM runs beside this engine, with the same threads (VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)), and the issue's
 targets are reported as ratios. Without it, the figures are set against the machine's limits
 measured in the same run (``cpu_limits``: DRAM read bandwidth, peak FLOP/s).
 Owns nothing beyond the run.
@@ -33,6 +34,7 @@ from typing import Any
 
 from pipeline.bench.cpu_http import run_http
 from pipeline.bench.cpu_limits import limits, weight_bytes
+from pipeline.bench.cpu_llamacpp import run_llamacpp
 from pipeline.bench.report import Report
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -58,6 +60,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=96, help="tokens per request")
     p.add_argument("--threads", type=int, default=2, help="worker threads, both engines")
     p.add_argument("--vllm-env", default="", help="vLLM's CPU virtualenv (vllm-cpu.sh install DIR)")
+    p.add_argument("--llamacpp", default="", help="a llama.cpp tree built with cmake (bench/cpu_llamacpp.py)")
     p.add_argument("--http-requests", type=int, default=64)
     p.add_argument("--http-concurrency", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2, help="HTTP runs per engine, ABBA")
@@ -180,6 +183,8 @@ def main(args: argparse.Namespace) -> int:
         batches = check_args(args)
         if args.vllm_env and not Path(args.vllm_env, "bin", "python").is_file():
             raise ValueError(f"--vllm-env {args.vllm_env}: no bin/python there (vllm-cpu.sh install DIR)")
+        if args.llamacpp and not Path(args.llamacpp, "build", "bin", "llama-bench").is_file():
+            raise ValueError(f"--llamacpp {args.llamacpp}: no build/bin/llama-bench there (cmake --build build)")
         if args.vllm_env and not VLLM_SH.is_file():
             raise ValueError(f"--vllm-env needs {VLLM_SH} (the project's shared tools)")
     except ValueError as exc:
@@ -203,6 +208,8 @@ def main(args: argparse.Namespace) -> int:
             if "int8" in res and "bf16" in res:
                 r = res["bf16"]["batches"][big]["total_s"] / res["int8"]["batches"][big]["total_s"]
                 rep.target(f"{shape} int8 batch-{big} vs bf16 batch-{big}", round(r, 3), ">= 1.3", r >= 1.3)
+            if args.llamacpp:
+                run_llamacpp(args, rep, shape, model, res, batches)
             if "int4" in res and "int8" in res and "1" in res["int4"]["batches"]:
                 r = res["int4"]["batches"]["1"]["decode_tok_per_s"] / res["int8"]["batches"]["1"]["decode_tok_per_s"]
                 rep.target(f"{shape} int4 batch-1 decode vs int8", round(r, 3), ">= 1.7", r >= 1.7)
