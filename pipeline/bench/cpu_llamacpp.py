@@ -95,7 +95,7 @@ def quantized(model: str, models_dir: str, tree: Path, qtype: str) -> Path:
 def decode_b1(tree: Path, gguf_file: Path, threads: int, out_len: int) -> float:
     """Batch-1 decode tok/s (llama-bench's tg test, best of its repetitions' mean)."""
     res = json.loads(_run([str(tree / "build" / "bin" / "llama-bench"), "-m", str(gguf_file), "-p", "0",
-                           "-n", str(out_len), "-t", str(threads), "-r", "3", "--no-repack", "1", "-o", "json"]))
+                           "-n", str(out_len), "-t", str(threads), "-r", "3", "--repack", "0", "-o", "json"]))
     return float(res[0]["avg_ts"])
 
 
