@@ -26,6 +26,9 @@
 #include "cpu_ops_gemv_i8.h"
 
 #define PIPE_Q4_BLOCK 16
+#ifndef PIPE_Q4_PREFETCH
+#define PIPE_Q4_PREFETCH 0
+#endif
 
 typedef struct {
     const uint8_t *P;   /* packed nibbles */
@@ -77,6 +80,10 @@ void pipe_q4_group_avx512(const int R, int64_t m0, int64_t b, const pipe_q4_args
             __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
             int64_t i = 0;
             for (; i + 2 <= steps; i += 2) {
+#if PIPE_Q4_PREFETCH
+                _mm_prefetch((const char *)(pg + i * 64 + PIPE_Q4_PREFETCH), _MM_HINT_T0);
+                _mm_prefetch((const char *)(pg + i * 64 + PIPE_Q4_PREFETCH + 64), _MM_HINT_T0);
+#endif
                 const __m512i w0 = _mm512_loadu_si512(pg + i * 64);
                 const __m512i w1 = _mm512_loadu_si512(pg + i * 64 + 64);
                 a0 = _mm512_dpbusd_epi32(a0, _mm512_and_si512(w0, mask),

@@ -23,12 +23,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pipeline.config import INT4_GROUP_SIZES as GROUP_SIZES  # --quantization-group-size
 from pipeline.layers.lowp import _DEQUANT_CODE, LowpWeight, _scratch
 from pipeline.layers.ops import backend
 
-BLOCK = 16  # output channels per packed block
-# Group sizes --quantization-group-size accepts (checkpoints: any multiple of 8).
-GROUP_SIZES = (32, 64, 128)
+BLOCK = 16  # output channels per packed block (checkpoints' groups: any multiple of 8)
+__all__ = ["GROUP_SIZES", "Int4Weight", "PACKED", "pack_int4", "quantize_int4", "unpack_int4"]
 # Rows up to which the GEMV beats dequantise + GEMM (measured: docs/cpu.md).
 INT4_GEMV_MAX_M = 32
 
