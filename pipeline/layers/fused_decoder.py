@@ -163,12 +163,12 @@ def _layer_table(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Ten
         fmt = 0 if not lowp[0] else _FMT_CODE[ws[0].fmt]
         scale = [w.scale.data_ptr() if fmt >= 2 else 0 for w in ws]
         biases = [getattr(layer, n) for n in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")]
-        row = (fmt, [w.weight.data_ptr() if fmt else w.data_ptr() for w in ws], scale,
-               [0 if b is None else b.data_ptr() for b in biases],
-               layer.input_layernorm.weight.data_ptr(),
-               layer.post_attention_layernorm.weight.data_ptr(),
-               layer.input_layernorm.eps, layer.post_attention_layernorm.eps,
-               k_cache.data_ptr(), v_cache.data_ptr())
+        row: tuple = (fmt, [w.weight.data_ptr() if fmt else w.data_ptr() for w in ws], scale,
+                      [0 if b is None else b.data_ptr() for b in biases],
+                      layer.input_layernorm.weight.data_ptr(),
+                      layer.post_attention_layernorm.weight.data_ptr(),
+                      layer.input_layernorm.eps, layer.post_attention_layernorm.eps,
+                      k_cache.data_ptr(), v_cache.data_ptr())
         if fmt == _FMT_CODE["int4"]:
             row += ([w._ptrs()[2] for w in ws], [w._ptrs()[3] for w in ws], gs.pop())
         rows.append(row)
