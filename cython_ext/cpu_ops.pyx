@@ -246,7 +246,7 @@ ISA_NAMES = ("portable", "avx2", "avx512")
 
 
 def set_isa(str cap) -> None:
-    """Cap the instruction set of the bf16/int8 kernels ("avx512", "avx2" or "portable");
+    """Cap the instruction set of the bf16/int8/int4 kernels ("avx512", "avx2" or "portable");
     each still uses the best level below the cap that the CPU has."""
     if cap not in ISA_NAMES:
         raise ValueError(f"isa must be one of {', '.join(ISA_NAMES)}, got {cap!r}")

@@ -198,7 +198,10 @@ def test_default_model_greedy_continuations_mostly_unchanged(default_runs):
     # near-tie changes the rest of a continuation, so the floors leave wide room for other
     # CPUs and builds while still catching a broken kernel (then nearly none match).
     ref = default_runs["fp32"].greedy
-    for fmt, floor in (("bf16", 0.5), ("int8", 0.35), ("int4", 0.15)):
+    # int4 is left out: its 16 levels move enough near-ties on this small model that few
+    # 32-token continuations survive whole (measured 1-3/64; the first token 60/64, 8 tokens
+    # 29/64), so a floor would not tell a broken kernel apart; its perplexity bound does.
+    for fmt, floor in (("bf16", 0.5), ("int8", 0.35)):
         same = sum(a == b for a, b in zip(default_runs[fmt].greedy, ref))
         assert same / NUM_PROMPTS >= floor, (fmt, same)
 

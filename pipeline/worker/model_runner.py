@@ -119,6 +119,7 @@ class ModelRunner:
         self.tp.check_same({
             "model": model_hash(cfg.model), "tensor_parallel_size": str(cfg.tensor_parallel_size),
             "nnodes": str(cfg.nnodes), "dtype": str(self.dtype), "quantization": cfg.quantization,
+            "quantization_group_size": str(cfg.quantization_group_size),
             "block_size": str(self.block_size), "max_model_len": str(self.max_model_len),
             "max_num_seqs": str(cfg.max_num_seqs), "device": self.device.type})
 
