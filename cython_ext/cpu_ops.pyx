@@ -85,7 +85,7 @@ cdef extern from "cpu_ops_decoder.h":
         char *v_cache
         const uint8_t *zero[4]
         const int32_t *perm[4]
-        int64_t group_size
+        int64_t group_size[4]
     ctypedef struct pipe_step:
         int64_t T, hidden, q_size, kv_size, num_heads, num_kv_heads, head_dim, inter
         float *residual
@@ -323,7 +323,7 @@ cdef class DecoderLayers:
     projection format (0 float32 [in, out], 1 bf16, 2 int8, 3 int4), the four projections' weight,
     scale and bias addresses (0: none), the two norms' weight addresses and eps, and
     the layer's K/V cache addresses; int4 rows add the zero-point and permutation addresses
-    (0: none) and the group size. Built once per model and KV cache; the model keeps the
+    (0: none) and the four group sizes. Built once per model and KV cache; the model keeps the
     tensors alive."""
     cdef pipe_layer *layers
     cdef readonly int64_t num_layers
@@ -337,13 +337,13 @@ cdef class DecoderLayers:
             raise MemoryError("DecoderLayers: no memory for the layer table")
         for i, row in enumerate(rows):
             fmt, w, scale, bias, ln_in, ln_post, eps_in, eps_post, k_cache, v_cache = row[:10]
-            zero, perm, gs = row[10:] if len(row) == 13 else ((0,) * 4, (0,) * 4, 0)
+            zero, perm, gs = row[10:] if len(row) == 13 else ((0,) * 4, (0,) * 4, (8,) * 4)
             if fmt not in (0, 1, 2, 3) or not (len(w) == len(scale) == len(bias) == 4) \
-                    or len(row) not in (10, 13) or (fmt == 3 and (gs <= 0 or gs % 8)):
+                    or len(row) not in (10, 13) or len(gs) != 4 or any(g <= 0 or g % 8 for g in gs):
                 raise ValueError(f"layer {i}: bad row {row!r}")
             self.layers[i].fmt = fmt
-            self.layers[i].group_size = gs
             for p in range(4):
+                self.layers[i].group_size[p] = gs[p]
                 self.layers[i].zero[p] = <const uint8_t *><uintptr_t>zero[p]
                 self.layers[i].perm[p] = <const int32_t *><uintptr_t>perm[p]
             for p in range(4):

@@ -36,10 +36,10 @@ typedef struct {
     float eps_in, eps_post;
     char *k_cache, *v_cache;
     /* int4 only: scale[p] holds fp16 scales; zero points (NULL: symmetric), input
-     * permutations (NULL: none) and the group size (cpu_ops_gemv_q4.h) */
+     * permutations (NULL: none) and group sizes (cpu_ops_gemv_q4.h) */
     const uint8_t *zero[4];
     const int32_t *perm[4];
-    int64_t group_size;
+    int64_t group_size[4];
 } pipe_layer;
 
 typedef struct {
@@ -67,7 +67,7 @@ static int pipe_decoder_proj(const pipe_layer *L, int p, float *y, const float *
     }
     if (L->fmt == PIPE_W_INT4)
         return pipeline_cpu_gemv_q4(y, N, x, K, (const uint8_t *)L->w[p], (const uint16_t *)L->scale[p],
-                                    L->zero[p], L->perm[p], L->bias[p], T, K, N, L->group_size);
+                                    L->zero[p], L->perm[p], L->bias[p], T, K, N, L->group_size[p]);
     return pipeline_cpu_gemv_i8(y, N, x, K, (const int8_t *)L->w[p], L->scale[p],
                                 L->bias[p], T, K, N);
 }

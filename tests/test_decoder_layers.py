@@ -12,7 +12,7 @@ from pipeline.layers import ops
 
 pytestmark = pytest.mark.skipif(ops.backend(torch.device("cpu")) is None, reason="C CPU ops not built")
 FORMATS = {"float32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"},
-           "int4": {"quantization": "int4", "quantization_group_size": 32}}
+           "int4": {"quantization": "int4"}}
 
 
 @pytest.fixture(scope="module")

@@ -33,9 +33,9 @@ def _gemv(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Te
 
 def _reference(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """x quantised per token to int8 as the kernel does, times the dequantised W, in float64."""
-    amax = x.abs().amax(dim=1, keepdim=True)
+    amax = x.abs().amax(dim=1, keepdim=True)  # float32 steps as the kernel's (x * (127 / amax))
     xs = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    xq = torch.round(x / xs).clamp(-127, 127).double()
+    xq = torch.round(x * torch.where(amax > 0, 127 / amax, torch.ones_like(amax))).clamp(-127, 127).double()
     y = (xq @ w.dequantize(torch.arange(w.out_features)).double().t()) * xs.double()
     return y if bias is None else y + bias.double()
 

@@ -155,9 +155,8 @@ def _layer_table(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Ten
         ws = [getattr(layer, n) for n in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")]
         lowp = [isinstance(w, PACKED) for w in ws]
         fmts = {getattr(w, "fmt", None) for w in ws}
-        gs = {getattr(w, "group_size", 0) for w in ws}
         if layer.q_norm is not None or (not any(lowp) and not layer.kn) or 0 < sum(lowp) < 4 \
-                or len(fmts) > 1 or len(gs) > 1:  # one format and group size per layer in C
+                or len(fmts) > 1:  # one format per layer in C
             model._c_layer_table = (key, None)
             return None
         fmt = 0 if not lowp[0] else _FMT_CODE[ws[0].fmt]
@@ -170,7 +169,7 @@ def _layer_table(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Ten
                       layer.input_layernorm.eps, layer.post_attention_layernorm.eps,
                       k_cache.data_ptr(), v_cache.data_ptr())
         if fmt == _FMT_CODE["int4"]:
-            row += ([w._ptrs()[2] for w in ws], [w._ptrs()[3] for w in ws], gs.pop())
+            row += ([w._ptrs()[2] for w in ws], [w._ptrs()[3] for w in ws], [w.group_size for w in ws])
         rows.append(row)
     ext = ops.backend(kv_caches[0][0].device)
     assert ext is not None, "forward_fused runs only with the C ops"

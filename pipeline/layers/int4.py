@@ -129,6 +129,8 @@ class Int4Weight(nn.Module):
         if weight.dim() != 2 or weight.device.type != "cpu":
             raise ValueError(f"an int4 weight must be a 2-D CPU tensor, got "
                              f"{tuple(weight.shape)} on {weight.device}")
+        # No group wider than a row (rounded up to 8): padding would only cost bytes.
+        group_size = min(group_size, -(-weight.shape[1] // 8) * 8)
         q, scale, zero = quantize_int4(weight, group_size, sym)
         return cls(q, scale, zero, group_size, weight.shape[1], gemm_dtype)
 
@@ -171,7 +173,8 @@ class Int4Weight(nn.Module):
         """The whole weight ``[out, in]`` in ``dtype`` (float32 or bfloat16) in the shared
         scratch of ``layers.lowp``, valid until the next ``dense`` of any packed weight."""
         shape = (self.out_features, self.in_features)
-        scratch = _scratch(dtype, shape[0] * shape[1]).view(shape)
+        with torch.inference_mode(False):  # a normal tensor, writable in and out of inference
+            scratch = _scratch(dtype, shape[0] * shape[1]).view(shape)
         ext = backend(self.weight.device)
         if ext is None:
             return scratch.copy_(self.dequantize(torch.arange(self.out_features)))
