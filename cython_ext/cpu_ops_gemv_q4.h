@@ -26,7 +26,7 @@
 #include "cpu_ops_gemv_i8.h"
 
 #define PIPE_Q4_BLOCK 16
-/* Batch 1: bytes ahead of the loads that each 64-byte line is prefetched (0: none). The
+/* Batch 1: bytes ahead of the loads that each 64-byte line is prefetched into L2 (0: none). The
  * hardware prefetcher alone kept one core at ~9 GB/s on this kernel, where the int8 one (half
  * the instructions per byte) reached ~12; 1-2 KB ahead closes most of that (docs/cpu.md). */
 #ifndef PIPE_Q4_PREFETCH
@@ -97,7 +97,7 @@ void pipe_q4_group_avx512(const int R, int64_t m0, int64_t b, const pipe_q4_args
             for (; i + 4 <= steps; i += 4) {
 #if PIPE_Q4_PREFETCH
                 for (int l = 0; l < 4; l++)
-                    _mm_prefetch((const char *)(pg + (i + l) * 64 + PIPE_Q4_PREFETCH), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(pg + (i + l) * 64 + PIPE_Q4_PREFETCH), _MM_HINT_T1);
 #endif
                 PIPE_Q4_STEP(a0, a1, i);
                 PIPE_Q4_STEP(a2, a3, i + 1);
