@@ -56,8 +56,11 @@ def _pack_cols(v: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
 
 def write_quantised(src: str, out: str, ref_out: str, method: str, group_size: int,
                     sym: bool = True, act_order: bool = False, seed: int = 0) -> None:
-    """``out``: the GPTQ ("gptq") or AWQ ("awq") checkpoint of ``src``'s projections;
-    ``ref_out``: ``src`` with those projections replaced by the values ``out`` holds."""
+    """``out``: the GPTQ ("gptq": v1 zero points, "gptq_v2") or AWQ ("awq") checkpoint of
+    ``src``'s projections; ``ref_out``: ``src`` with those projections replaced by the values
+    ``out`` holds."""
+    v1 = method == "gptq"
+    method = method.removesuffix("_v2")
     tensors = load_file(str(Path(src) / "model.safetensors"))
     gen = torch.Generator().manual_seed(seed)
     quant, ref = {}, {}
@@ -74,7 +77,7 @@ def write_quantised(src: str, out: str, ref_out: str, method: str, group_size: i
         if act_order:  # one order per input, as GPTQ's Hessian gives q/k/v and gate/up
             key = (parts[-4] if len(parts) >= 4 else "", SHARED_INPUT[parts[-2]])
             g_idx = g_idx[perms.setdefault(key, torch.randperm(k, generator=gen))]
-        q, scale, zero = _quantise(w, g_idx, groups, sym, 1 if method == "gptq" else 0)
+        q, scale, zero = _quantise(w, g_idx, groups, sym, 1 if v1 else 0)
         base = name.removesuffix(".weight")
         deq = (scale.float()[g_idx] * (q - zero[g_idx]).float()).t().contiguous()
         ref[name] = deq.to(t.dtype)
@@ -82,7 +85,7 @@ def write_quantised(src: str, out: str, ref_out: str, method: str, group_size: i
         quant[f"{base}.scales"] = scale
         if method == "gptq":
             quant[f"{base}.qweight"] = _pack_rows(q)
-            quant[f"{base}.qzeros"] = _pack_cols(zero - 1)  # v1: z - 1
+            quant[f"{base}.qzeros"] = _pack_cols(zero - 1 if v1 else zero)  # v1: z - 1
             quant[f"{base}.g_idx"] = g_idx.to(torch.int32)
         else:
             quant[f"{base}.qweight"] = _pack_cols(q, AWQ_ORDER)
@@ -96,7 +99,7 @@ def write_quantised(src: str, out: str, ref_out: str, method: str, group_size: i
     cfg = json.loads((Path(src) / "config.json").read_text())
     cfg["quantization_config"] = (
         {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order,
-         "sym": sym, "checkpoint_format": "gptq"} if method == "gptq" else
+         "sym": sym, "checkpoint_format": "gptq" if v1 else "gptq_v2"} if method == "gptq" else
         {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
          "version": "gemm"})
     (Path(out) / "config.json").write_text(json.dumps(cfg, indent=2))

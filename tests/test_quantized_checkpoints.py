@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(ops.backend(torch.device("cpu")) is None, reason
 PROJ = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 CASES = [("llama", "gptq", 32, True, False), ("llama", "gptq", 128, False, True),
          ("qwen2", "gptq", 32, False, True), ("qwen2", "gptq", 128, True, False),
+         ("llama", "gptq_v2", 64, False, True),
          ("llama", "awq", 32, False, False), ("qwen2", "awq", 128, False, False)]
 
 
