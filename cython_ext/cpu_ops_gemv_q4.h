@@ -29,6 +29,9 @@
 /* Batch 1: bytes ahead of the loads that each 64-byte line is prefetched into L2 (0: none). The
  * hardware prefetcher alone kept one core at ~9 GB/s on this kernel, where the int8 one (half
  * the instructions per byte) reached ~12; 1-2 KB ahead closes most of that (docs/cpu.md). */
+#ifndef PIPE_Q4_NEXT_BLOCK
+#define PIPE_Q4_NEXT_BLOCK 1
+#endif
 #ifndef PIPE_Q4_PREFETCH
 #define PIPE_Q4_PREFETCH 2048
 #endif
@@ -136,7 +139,13 @@ void pipe_q4_group_avx512(const int R, int64_t m0, int64_t b, const pipe_q4_args
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 static void pipe_q4_blocks_avx512(const pipe_q4_args *a, int64_t b0, int64_t b1) {
     float out[8][PIPE_Q4_BLOCK];
+    const int64_t bbytes = a->G * a->gs / 8 * 64;
     for (int64_t b = b0; b < b1; b++) {
+        /* Many rows reuse each block from L1 long enough to fetch the next one meanwhile (as
+         * the int8 kernel does; batch 1 prefetches within its loop instead). */
+        if (PIPE_Q4_NEXT_BLOCK && a->M >= 8 && b + 1 < b1)
+            for (int64_t off = 0; off < bbytes; off += 64)
+                _mm_prefetch((const char *)(a->P + (b + 1) * bbytes + off), _MM_HINT_T1);
         int64_t m0 = 0;
         for (; m0 + 8 <= a->M; m0 += 8) {
             pipe_q4_group_avx512(8, m0, b, a, out);
