@@ -33,7 +33,7 @@ def _gemv(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Te
 
 def _reference(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """x quantised per token to int8 as the kernel does, times the dequantised W, in float64."""
-    amax = x.abs().amax(dim=1, keepdim=True)  # float32 steps as the kernel's (x * (127 / amax))
+    amax = x.abs().amax(dim=1, keepdim=True)  # float32 steps as the kernel's: x * (127 / amax)
     xs = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
     xq = torch.round(x * torch.where(amax > 0, 127 / amax, torch.ones_like(amax))).clamp(-127, 127).double()
     y = (xq @ w.dequantize(torch.arange(w.out_features)).double().t()) * xs.double()
@@ -66,8 +66,11 @@ def test_gemv_matches_the_reference_on_every_isa_path(m, k, n, gs, sym, act_orde
         outs.append(_gemv(x, w, b))
     for y in outs:
         assert torch.equal(y, outs[0])  # exact int32 sums, the same float steps on every path
+    # Float rounding, plus one x value quantised to its neighbour: the kernel's 127 / amax may
+    # differ from torch's by an ulp (-ffast-math's reciprocal), which moves a near-.5 tie.
+    one_step = x.abs().amax(dim=1, keepdim=True).double() / 127 * w.dequantize(torch.arange(n)).abs().max()
     scale = ref.abs().max().item() + 1.0
-    assert (outs[0].double() - ref).abs().max().item() <= 1e-5 * scale
+    assert ((outs[0].double() - ref).abs() <= 1e-5 * scale + 1.01 * one_step).all()
 
 
 def test_isa_paths_exist():
