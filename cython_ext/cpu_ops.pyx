@@ -7,7 +7,7 @@ block ids, sequence lengths) in C and return the first bad index or -1. Every ke
 with the GIL released, on OpenMP threads. The ``stream`` arguments exist so the signature
 matches ``cuda_ops``; they are ignored on CPU. Owns no state.
 """
-from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uintptr_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uintptr_t
 from libc.stdlib cimport malloc, free
 
 
@@ -62,6 +62,16 @@ cdef extern from "cpu_ops_gemv_i8.h":
     void pipeline_cpu_dequant_i8(void *D, int dtype, const int8_t *Q, const float *scale,
                                  int64_t N, int64_t K) nogil
 
+cdef extern from "cpu_ops_gemv_q4.h":
+    int pipe_q4_level() nogil
+    int pipeline_cpu_gemv_q4(float *y, int64_t ldy, const float *x, int64_t ldx,
+                             const uint8_t *P, const uint16_t *S, const uint8_t *Z,
+                             const int32_t *perm, const float *bias, int64_t M, int64_t K,
+                             int64_t N, int64_t gs) nogil
+    void pipeline_cpu_dequant_q4(void *D, int dtype, const uint8_t *P, const uint16_t *S,
+                                 const uint8_t *Z, const int32_t *perm, int64_t N, int64_t K,
+                                 int64_t gs) nogil
+
 cdef extern from "cpu_ops_decoder.h":
     ctypedef struct pipe_layer:
         int fmt
@@ -73,6 +83,9 @@ cdef extern from "cpu_ops_decoder.h":
         float eps_in, eps_post
         char *k_cache
         char *v_cache
+        const uint8_t *zero[4]
+        const int32_t *perm[4]
+        int64_t group_size[4]
     ctypedef struct pipe_step:
         int64_t T, hidden, q_size, kv_size, num_heads, num_kv_heads, head_dim, inter
         float *residual
@@ -233,7 +246,7 @@ ISA_NAMES = ("portable", "avx2", "avx512")
 
 
 def set_isa(str cap) -> None:
-    """Cap the instruction set of the bf16/int8 kernels ("avx512", "avx2" or "portable");
+    """Cap the instruction set of the bf16/int8/int4 kernels ("avx512", "avx2" or "portable");
     each still uses the best level below the cap that the CPU has."""
     if cap not in ISA_NAMES:
         raise ValueError(f"isa must be one of {', '.join(ISA_NAMES)}, got {cap!r}")
@@ -241,10 +254,11 @@ def set_isa(str cap) -> None:
 
 
 def lp_isa(str kind, int64_t k) -> str:
-    """The instruction set the "bf16" or "int8" kernel runs with for rows of k values."""
-    if kind not in ("bf16", "int8"):
-        raise ValueError(f"kind must be bf16 or int8, got {kind!r}")
-    return ISA_NAMES[pipe_bf16_level(k) if kind == "bf16" else pipe_i8_level(k)]
+    """The instruction set the "bf16", "int8" or "int4" kernel runs with for rows of k values."""
+    if kind not in ("bf16", "int8", "int4"):
+        raise ValueError(f"kind must be bf16, int8 or int4, got {kind!r}")
+    return ISA_NAMES[pipe_bf16_level(k) if kind == "bf16" else
+                     pipe_i8_level(k) if kind == "int8" else pipe_q4_level()]
 
 
 def gemv_bf16(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t weight,
@@ -276,11 +290,40 @@ def dequant_i8(uintptr_t out, int dtype, uintptr_t q, uintptr_t scale, int64_t n
         pipeline_cpu_dequant_i8(<void *>out, dtype, <const int8_t *>q, <const float *>scale, n, k)
 
 
+def gemv_q4(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t q, uintptr_t scale,
+            uintptr_t zero, uintptr_t perm, uintptr_t bias, int64_t m, int64_t k, int64_t n,
+            int64_t group_size) -> None:
+    """float32 y [m, n] = x [m, k] @ W^T (+ bias), W group-wise 4-bit (cpu_ops_gemv_q4.h):
+    q uint8 [ceil(n/16), ceil(k/gs) * gs / 8, 64], scale fp16 and zero uint8 (0: all 8)
+    [ceil(n/16), ceil(k/gs), 16], perm int32 [k] or 0; x quantised per row to int8. Any m."""
+    cdef int rc
+    if group_size <= 0 or group_size % 8:
+        raise ValueError(f"group_size must be a positive multiple of 8, got {group_size}")
+    with nogil:
+        rc = pipeline_cpu_gemv_q4(<float *>y, ldy, <const float *>x, ldx, <const uint8_t *>q,
+                                  <const uint16_t *>scale, <const uint8_t *>zero,
+                                  <const int32_t *>perm, <const float *>bias, m, k, n, group_size)
+    if rc != 0:
+        raise MemoryError(f"gemv_q4: no scratch for {m} rows of {k} values")
+
+
+def dequant_q4(uintptr_t out, int dtype, uintptr_t q, uintptr_t scale, uintptr_t zero,
+               uintptr_t perm, int64_t n, int64_t k, int64_t group_size) -> None:
+    """out [n, k] = scale * (q - zero) (packed as for gemv_q4, columns in perm's order) as
+    float32 (dtype 0) or bfloat16 (dtype 1)."""
+    if group_size <= 0 or group_size % 8:
+        raise ValueError(f"group_size must be a positive multiple of 8, got {group_size}")
+    with nogil:
+        pipeline_cpu_dequant_q4(<void *>out, dtype, <const uint8_t *>q, <const uint16_t *>scale,
+                                <const uint8_t *>zero, <const int32_t *>perm, n, k, group_size)
+
+
 cdef class DecoderLayers:
     """The layer table of ``pipeline_cpu_decoder_layers`` (cpu_ops_decoder.h): per layer the
-    projection format (0 float32 [in, out], 1 bf16, 2 int8), the four projections' weight,
+    projection format (0 float32 [in, out], 1 bf16, 2 int8, 3 int4), the four projections' weight,
     scale and bias addresses (0: none), the two norms' weight addresses and eps, and
-    the layer's K/V cache addresses. Built once per model and KV cache; the model keeps the
+    the layer's K/V cache addresses; int4 rows add the zero-point and permutation addresses
+    (0: none) and the four group sizes. Built once per model and KV cache; the model keeps the
     tensors alive."""
     cdef pipe_layer *layers
     cdef readonly int64_t num_layers
@@ -293,10 +336,16 @@ cdef class DecoderLayers:
         if self.layers == NULL:
             raise MemoryError("DecoderLayers: no memory for the layer table")
         for i, row in enumerate(rows):
-            fmt, w, scale, bias, ln_in, ln_post, eps_in, eps_post, k_cache, v_cache = row
-            if fmt not in (0, 1, 2) or not (len(w) == len(scale) == len(bias) == 4):
+            fmt, w, scale, bias, ln_in, ln_post, eps_in, eps_post, k_cache, v_cache = row[:10]
+            zero, perm, gs = row[10:] if len(row) == 13 else ((0,) * 4, (0,) * 4, (8,) * 4)
+            if fmt not in (0, 1, 2, 3) or not (len(w) == len(scale) == len(bias) == 4) \
+                    or len(row) not in (10, 13) or len(gs) != 4 or any(g <= 0 or g % 8 for g in gs):
                 raise ValueError(f"layer {i}: bad row {row!r}")
             self.layers[i].fmt = fmt
+            for p in range(4):
+                self.layers[i].group_size[p] = gs[p]
+                self.layers[i].zero[p] = <const uint8_t *><uintptr_t>zero[p]
+                self.layers[i].perm[p] = <const int32_t *><uintptr_t>perm[p]
             for p in range(4):
                 self.layers[i].w[p] = <const void *><uintptr_t>w[p]
                 self.layers[i].scale[p] = <const float *><uintptr_t>scale[p]

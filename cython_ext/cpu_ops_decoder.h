@@ -11,7 +11,7 @@
  * released. The layer table (weights, norms, caches: fixed after load) is built once by
  * the model; the per-step arguments are the activation buffers and the batch metadata,
  * which layer 0 (on the checked Python path) has validated. Projections are float32 [in, out]
- * (kn), bf16 or int8 (cpu_ops_gemv_lp.h). Owns no state.
+ * (kn), bf16, int8 (cpu_ops_gemv_lp.h) or int4 (cpu_ops_gemv_q4.h). Owns no state.
  */
 #ifndef PIPELINE_CPU_OPS_DECODER_H
 #define PIPELINE_CPU_OPS_DECODER_H
@@ -22,8 +22,9 @@
 #include "cpu_ops_gemv.h"
 #include "cpu_ops_gemv_i8.h"
 #include "cpu_ops_gemv_lp.h"
+#include "cpu_ops_gemv_q4.h"
 
-enum { PIPE_W_F32_KN = 0, PIPE_W_BF16 = 1, PIPE_W_INT8 = 2 };
+enum { PIPE_W_F32_KN = 0, PIPE_W_BF16 = 1, PIPE_W_INT8 = 2, PIPE_W_INT4 = 3 };
 enum { PIPE_PROJ_QKV = 0, PIPE_PROJ_O = 1, PIPE_PROJ_GATE_UP = 2, PIPE_PROJ_DOWN = 3 };
 
 typedef struct {
@@ -34,6 +35,11 @@ typedef struct {
     const float *ln_in, *ln_post;
     float eps_in, eps_post;
     char *k_cache, *v_cache;
+    /* int4 only: scale[p] holds fp16 scales; zero points (NULL: symmetric), input
+     * permutations (NULL: none) and group sizes (cpu_ops_gemv_q4.h) */
+    const uint8_t *zero[4];
+    const int32_t *perm[4];
+    int64_t group_size[4];
 } pipe_layer;
 
 typedef struct {
@@ -59,6 +65,9 @@ static int pipe_decoder_proj(const pipe_layer *L, int p, float *y, const float *
         pipeline_cpu_gemv_bf16(y, N, x, K, (const uint16_t *)L->w[p], L->bias[p], T, K, N);
         return 0;
     }
+    if (L->fmt == PIPE_W_INT4)
+        return pipeline_cpu_gemv_q4(y, N, x, K, (const uint8_t *)L->w[p], (const uint16_t *)L->scale[p],
+                                    L->zero[p], L->perm[p], L->bias[p], T, K, N, L->group_size[p]);
     return pipeline_cpu_gemv_i8(y, N, x, K, (const int8_t *)L->w[p], L->scale[p],
                                 L->bias[p], T, K, N);
 }

@@ -13,9 +13,10 @@ import msgspec
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "default_model")
 MAX_BLOCK_SIZE = 256
+INT4_GROUP_SIZES = (32, 64, 128)  # layers/int4.py GROUP_SIZES (not imported: no torch here)
 MAX_CHAT_TEMPLATE_BYTES = 1 << 20  # --chat-template: the file travels to every stage
 CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16", "float16"),
-           "quantization": ("none", "int8"),
+           "quantization": ("none", "int8", "int4"),
            "preemption_policy": ("newest", "lowest_priority"), "role": ("mixed", "prefill", "decode"),
            "kv_transfer": ("auto", "ipc", "tcp"), "pd_fallback": ("none", "local"),
            "distributed_backend": ("auto", "nccl", "gloo")}
@@ -29,8 +30,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     model: str = DEFAULT_MODEL
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    # none | int8: CPU weights quantised per output channel at load (layers/lowp.py)
+    # none | int8 | int4: CPU weights quantised at load, int8 per output channel
+    # (layers/lowp.py), int4 in groups of quantization_group_size inputs (layers/int4.py)
     quantization: str = "none"
+    quantization_group_size: int = 128  # int4: 32, 64 or 128
     block_size: int = 0  # 0: 16 on CPU, 64 on GPU
     num_blocks: int = 0  # 0: from the memory budget
     kv_cache_memory: int = 0  # bytes on CPU; 0: 1 GiB or what max_model_len * max_num_seqs needs
@@ -119,7 +122,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                                  f"{getattr(self, name)!r}")
         if self.quantization != "none" and self.device == "cuda":  # auto: the worker checks
             raise ValueError(f"--quantization {self.quantization} runs on CPU only (the CUDA "
-                             f"path has no int8 kernels yet); use --device cpu")
+                             f"path has no int8/int4 kernels yet); use --device cpu")
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"{_flag('quantization_group_size')} must be one of "
+                             f"{', '.join(map(str, INT4_GROUP_SIZES))}, got {self.quantization_group_size}")
         if self.pd_fallback != "none" and self.role != "prefill":
             raise ValueError(f"--pd-fallback is for --role prefill (where KV is sent), not "
                              f"{self.role}; leave it at none")
@@ -152,7 +158,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=d.dtype, choices=CHOICES["dtype"],
                    help="on CPU, bfloat16 packs the weights as bf16 under float32 activations")
     p.add_argument("--quantization", default=d.quantization, choices=CHOICES["quantization"],
-                   help="int8: quantise float weights per output channel at load (CPU)")
+                   help="int8: quantise float weights per output channel at load (CPU); int4: "
+                        "in groups of --quantization-group-size inputs (CPU; GPTQ/AWQ checkpoints "
+                        "load as int4 whatever this says, unless int8)")
+    p.add_argument("--quantization-group-size", type=int, default=d.quantization_group_size,
+                   choices=INT4_GROUP_SIZES, help="int4: inputs per scale")
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help=f"tokens per KV block: a power of two up to {MAX_BLOCK_SIZE} (0: 16 on CPU, 64 on GPU)")
     p.add_argument("--num-blocks", type=int, default=d.num_blocks)

@@ -28,14 +28,19 @@ def bench(*flags: str) -> dict:
 def test_worker_formats_and_their_ratios(model):
     out = bench("worker", "--model", model, "--skip-hf", *SMALL)
     rows = {r["case"]: r for r in out["results"]}
-    for tag in ("", " bf16", " int8"):
+    for tag in ("", " bf16", " int8", " int4"):
         assert rows[f"decode batch 1{tag}"]["pipeline_tok_s"] > 0
         limit = rows[f"decode batch 1 vs bandwidth limit{tag}"]
         assert limit["fraction"] == pytest.approx(limit["pipeline_tok_s"] / limit["limit_tok_s"])
     m = out["machine"]
     # bf16 packs the projections in 2 bytes, int8 in 1 (+ a scale and a row sum per channel)
     assert m["weight_mib_bf16"] < 0.6 * m["weight_mib"] and m["weight_mib_int8"] < 0.6 * m["weight_mib_bf16"]
+    # int4 in 4 bits (+ an fp16 scale per 128)
+    assert m["weight_mib_int4"] < 0.6 * m["weight_mib_int8"]
     targets = {t["name"]: t for t in out["targets"]}
+    t = targets["int4 batch-1 decode vs int8"]
+    r = rows["decode batch 1 int4"]["pipeline_tok_s"] / rows["decode batch 1 int8"]["pipeline_tok_s"]
+    assert t["measured"] == round(r, 2) and t["met"] == (r >= 1.7)
     t = targets["int8 batch-1 decode vs float32"]
     r = rows["decode batch 1 int8"]["pipeline_tok_s"] / rows["decode batch 1"]["pipeline_tok_s"]
     assert t["measured"] == round(r, 2) and t["met"] == (r >= 2.5)

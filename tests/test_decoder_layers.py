@@ -1,6 +1,6 @@
 """The small-batch decoder stack in one C call (cpu_ops_decoder.h via
 layers/fused_decoder.py): the same floats as the per-layer Python loop over the same kernels,
-for float32, bf16 and int8 weights, biases, tied embeddings and a batch of up to eight (two for
+for float32, bf16, int8 and int4 weights, biases, tied embeddings and a batch of up to eight (two for
 bf16 weights that oneDNN multiplies from three rows on)."""
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from model_driver import Driver, make_runner, tiny_hf_model
 from pipeline.layers import ops
 
 pytestmark = pytest.mark.skipif(ops.backend(torch.device("cpu")) is None, reason="C CPU ops not built")
-FORMATS = {"float32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
+FORMATS = {"float32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"},
+           "int4": {"quantization": "int4"}}
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""Quality of the CPU worker's bf16 and int8 weights (issue 12) against float32, through the
-real engine (``pipeline.LLM``) on the embedded default model and the 25M bench checkpoint.
+"""Quality of the CPU worker's bf16, int8 (issue 12) and int4 (issue 23) weights against float32,
+through the real engine (``pipeline.LLM``) on the embedded default model and the 25M bench
+checkpoint.
 
 - Perplexity, exp(mean NLL), of held-out text: the prompt logprob of every token of 256-token
   windows (BOS first), the same windows for float32, bf16 and int8; bf16 within 1% and int8
@@ -10,8 +11,8 @@ real engine (``pipeline.LLM``) on the embedded default model and the 25M bench c
   float32's, decoded 8 at a time (the GEMV path); printed beside the perplexities
   (``pytest -s``), with only a loose floor on the trained default model.
 - ISA paths: the decode-path perplexity again under ``cpu_ops.set_isa`` caps (the LLM runs
-  its ModelRunner in this process, so the cap reaches it): int8 identical on every path
-  (exact int32 dot products), bf16 within its bound on each.
+  its ModelRunner in this process, so the cap reaches it): int8 and int4 identical on every
+  path (exact int32 dot products, the same float steps), bf16 within its bound on each.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 
 from pipeline.config import DEFAULT_MODEL
 from pipeline.layers import ops
-from pipeline.layers.lowp import LowpWeight
+from pipeline.layers.int4 import PACKED
 from pipeline.llm import LLM
 from pipeline.sampling_params import SamplingParams
 from pipeline.tokenizer.tokenizer import Tokenizer
@@ -35,8 +36,11 @@ pytestmark = pytest.mark.skipif(cpu_ops is None, reason="C CPU ops not built")
 WINDOW = 256  # tokens per perplexity window, BOS included
 NUM_PROMPTS, PROMPT_LEN, NEW_TOKENS = 64, 16, 32
 FORMATS: dict[str, dict[str, Any]] = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
-           "int8": {"quantization": "int8"}}
-BOUND = {"bf16": 0.01, "int8": 0.03}  # the issue's perplexity bounds, relative to float32
+           "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}}
+# The issues' perplexity bounds, relative to float32; int4: as int8's, which leaves the
+# measured default-model loss (0.8%) four times over and still fails a broken kernel or
+# packing (a wrong nibble order or group scale costs tens of percent).
+BOUND = {"bf16": 0.01, "int8": 0.03, "int4": 0.03}
 # Prefill windows 8 at a time (GEMM); greedy decode 8 at a time (M <= GEMV_MAX_M: the GEMVs).
 PREFILL: dict[str, Any] = {"max_model_len": 512, "max_num_seqs": 8}
 # Every step at most 8 tokens, so prompt logprobs too come out of the GEMVs.
@@ -117,7 +121,7 @@ def window_nll(llm: LLM, windows: list[list[int]]) -> list[list[float]]:
 def check_packed(llm: LLM, fmt: str) -> None:
     """The format took effect: every projection packed (bf16/int8) or none (float32)."""
     assert llm.worker is not None
-    packed = {m.fmt for m in llm.worker.model.modules() if isinstance(m, LowpWeight)}
+    packed = {m.fmt for m in llm.worker.model.modules() if isinstance(m, PACKED)}
     assert packed == (set() if fmt == "fp32" else {fmt})
 
 
@@ -139,7 +143,7 @@ def measure(name: str, model_dir: str, num_windows: int | None, decode_windows: 
     data = make_data(model_dir, num_windows)
     runs = {fmt: run_format(model_dir, fmt, data, decode_windows) for fmt in FORMATS}
     ref = runs["fp32"]
-    for fmt in ("bf16", "int8"):
+    for fmt in ("bf16", "int8", "int4"):
         r = runs[fmt]
         same = sum(a == b for a, b in zip(r.greedy, ref.greedy))
         isa = cpu_ops.lp_isa(fmt, hidden)
@@ -194,6 +198,9 @@ def test_default_model_greedy_continuations_mostly_unchanged(default_runs):
     # near-tie changes the rest of a continuation, so the floors leave wide room for other
     # CPUs and builds while still catching a broken kernel (then nearly none match).
     ref = default_runs["fp32"].greedy
+    # int4 is left out: its 16 levels move enough near-ties on this small model that few
+    # 32-token continuations survive whole (measured 1-3/64; the first token 60/64, 8 tokens
+    # 29/64), so a floor would not tell a broken kernel apart; its perplexity bound does.
     for fmt, floor in (("bf16", 0.5), ("int8", 0.35)):
         same = sum(a == b for a, b in zip(default_runs[fmt].greedy, ref))
         assert same / NUM_PROMPTS >= floor, (fmt, same)
@@ -230,7 +237,7 @@ def test_every_isa_path_of_the_gemvs_keeps_the_bounds(default_runs):
                       f"of fp32 ({ISA_WINDOWS} windows), identical to {native[fmt]}: "
                       f"{nll == native_nll}", flush=True)
                 assert abs(ratio - 1) <= BOUND[fmt], (fmt, level, ratio)
-                if fmt == "int8":  # exact int32 dot products on every path: same logprobs
+                if fmt in ("int8", "int4"):  # exact int32 dot products on every path: same logprobs
                     assert nll == native_nll, level
                 checked.append(f"{fmt} {level}")
     finally:

@@ -2,9 +2,10 @@
 worker against transformers' `generate` on the same checkpoint, in the same run, plus batch-1
 decode as a fraction of the memory-bandwidth limit: the machine's read bandwidth (a parallel
 read of a buffer far larger than the caches, every core) over the weight bytes one decode
-step reads. With ``--formats`` (default float32,bf16,int8) the worker runs once per weight
-format in the same run (bf16: ``--dtype bfloat16``, int8: ``--quantization int8``, both under
-float32 activations on CPU), and the issue-12 targets compare them with float32.
+step reads. With ``--formats`` (default float32,bf16,int8,int4) the worker runs once per weight
+format in the same run (bf16: ``--dtype bfloat16``, int8/int4: ``--quantization int8|int4``,
+all under float32 activations on CPU), and the issue-12 targets compare them with float32
+(issue 23's: int4 batch 1 with int8).
 ``--device cuda`` runs both sides on the GPU (float32 and bf16 only; transformers in each
 format's dtype) against the GPU's own read bandwidth.
 
@@ -44,8 +45,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="cpu: this process's CPU time (with --threads 1: tokens per core-second, "
                         "immune to other processes taking the cores)")
     p.add_argument("--skip-hf", action="store_true", help="do not run transformers")
-    p.add_argument("--formats", default="float32,bf16,int8",
-                   help="weight formats to run, comma-separated: float32, bf16, int8 (CPU only)")
+    p.add_argument("--formats", default="float32,bf16,int8,int4",
+                   help="weight formats to run, comma-separated: float32, bf16, int8, int4 (CPU only; "
+                        "int4 in groups of 128)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: both sides on the GPU, transformers in each format's dtype")
 
@@ -156,17 +158,17 @@ class _Steps:
 
 # format -> (--dtype, --quantization)
 FORMAT_FLAGS = {"float32": ("float32", "none"), "bf16": ("bfloat16", "none"),
-                "int8": ("float32", "int8")}
+                "int8": ("float32", "int8"), "int4": ("float32", "int4")}
 
 
 def step_weight_bytes(model: torch.nn.Module, tied: bool) -> int:
-    """Bytes of weights one decode step reads: every parameter and packed (bf16/int8) weight,
-    less an untied embedding table (only its looked-up rows are read)."""
-    from pipeline.layers.lowp import LowpWeight
+    """Bytes of weights one decode step reads: every parameter and packed (bf16/int8/int4)
+    weight, less an untied embedding table (only its looked-up rows are read)."""
+    from pipeline.layers.int4 import PACKED
     total = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                 if n != "embed_tokens" or tied)
     return total + sum(m.step_nbytes for n, m in model.named_modules()
-                       if isinstance(m, LowpWeight) and (n != "embed_tokens" or tied))
+                       if isinstance(m, PACKED) and (n != "embed_tokens" or tied))
 
 
 def bench_formats(model_dir: str, formats: list[str], batches: list[int], steps: int,
@@ -337,6 +339,11 @@ def main(args: argparse.Namespace) -> int:
             if f == "float32":
                 rep.target("batch-1 decode / read-bandwidth limit", round(frac, 3), ">= 0.8",
                            frac >= 0.8)
+    if "int8" in runs and "int4" in runs and 1 in batches:
+        r = runs["int4"][0][1] / runs["int8"][0][1]
+        rep.target("int4 batch-1 decode vs int8", round(r, 2), ">= 1.7x", r >= 1.7)
+        # what reading fewer bytes allows: the ratio of the two steps' weight bytes
+        rep.machine["int8_over_int4_weight_bytes"] = round(runs["int8"][2] / runs["int4"][2], 3)
     if "float32" in runs:
         base, base_prefill, _ = runs["float32"]
         goals = (("bf16", 1, 1.8), ("int8", 1, 2.5), ("bf16", 32, 1.4), ("int8", 32, 1.0))

@@ -4,7 +4,7 @@ Runs a Llama-family decoder (``models.llama.CausalLM``: its layers' weights, nor
 rotary tables) from embeddings to final hidden states with the fused CPU kernels
 (``ops_fused``, ``cpu_ops``), writing into activation buffers allocated once per step.
 The model calls it for float32 activations on CPU when the C ops are built; the projections
-may be float32 or packed ``LowpWeight``s (bf16/int8). Owns no state.
+may be float32 or packed ``LowpWeight``s (bf16/int8) or ``Int4Weight``s. Owns no state.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch import nn
 
 from pipeline.layers import ops, ops_fused
 from pipeline.layers.attention import AttentionMetadata
-from pipeline.layers.lowp import LowpWeight
+from pipeline.layers.int4 import PACKED
 
 
 def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
@@ -41,7 +41,7 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     qs, kvs, nh, nkv, hd = layer0.q_size, layer0.kv_size, layer0.num_heads, layer0.num_kv_heads, layer0.head_dim
     inter = layer0.intermediate_size
     w0 = layer0.qkv_weight  # packed bf16 weights leave the GEMV sooner (LowpWeight.gemv_max_m)
-    gemv = 0 < t <= (min(ops_fused.GEMV_MAX_M, w0.gemv_max_m) if isinstance(w0, LowpWeight)
+    gemv = 0 < t <= (min(ops_fused.GEMV_MAX_M, w0.gemv_max_m) if isinstance(w0, PACKED)
                      else ops_fused.GEMV_MAX_M)
     residual = x
     h, o, down = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
@@ -62,9 +62,9 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     cu, sl, bt = meta.cu_seqlens_q, meta.seq_lens, meta.block_tables
     cup, slp2, btp, nseq, maxb = cu.data_ptr(), sl.data_ptr(), bt.data_ptr(), sl.shape[0], bt.shape[1]
 
-    def proj(inp: torch.Tensor, inp_ptr: int, w: torch.Tensor | LowpWeight, b: torch.Tensor | None,
+    def proj(inp: torch.Tensor, inp_ptr: int, w: torch.Tensor | nn.Module, b: torch.Tensor | None,
              out: torch.Tensor, out_ptr: int, kn: bool) -> None:
-        if isinstance(w, LowpWeight):
+        if isinstance(w, PACKED):
             w.linear(inp, b, out)
         elif gemv and kn:
             ext.gemv(out_ptr, out.shape[1], inp_ptr, inp.shape[1], w.data_ptr(),
@@ -139,6 +139,9 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     return residual
 
 
+_FMT_CODE = {"bf16": 1, "int8": 2, "int4": 3}  # cpu_ops_decoder.h PIPE_W_*
+
+
 def _layer_table(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
     """The C layer table of ``model`` over ``kv_caches`` (cpu_ops.DecoderLayers), built once
     and kept on the model; None when a layer needs the Python loop (q/k norms, or float32
@@ -150,19 +153,24 @@ def _layer_table(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Ten
     rows = []
     for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
         ws = [getattr(layer, n) for n in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")]
-        lowp = [isinstance(w, LowpWeight) for w in ws]
-        if layer.q_norm is not None or (not any(lowp) and not layer.kn) or 0 < sum(lowp) < 4:
+        lowp = [isinstance(w, PACKED) for w in ws]
+        fmts = {getattr(w, "fmt", None) for w in ws}
+        if layer.q_norm is not None or (not any(lowp) and not layer.kn) or 0 < sum(lowp) < 4 \
+                or len(fmts) > 1:  # one format per layer in C
             model._c_layer_table = (key, None)
             return None
-        fmt = 0 if not lowp[0] else 1 if ws[0].fmt == "bf16" else 2
-        scale = [w.scale.data_ptr() if fmt == 2 else 0 for w in ws]
+        fmt = 0 if not lowp[0] else _FMT_CODE[ws[0].fmt]
+        scale = [w.scale.data_ptr() if fmt >= 2 else 0 for w in ws]
         biases = [getattr(layer, n) for n in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")]
-        rows.append((fmt, [w.weight.data_ptr() if fmt else w.data_ptr() for w in ws], scale,
-                     [0 if b is None else b.data_ptr() for b in biases],
-                     layer.input_layernorm.weight.data_ptr(),
-                     layer.post_attention_layernorm.weight.data_ptr(),
-                     layer.input_layernorm.eps, layer.post_attention_layernorm.eps,
-                     k_cache.data_ptr(), v_cache.data_ptr()))
+        row: tuple = (fmt, [w.weight.data_ptr() if fmt else w.data_ptr() for w in ws], scale,
+                      [0 if b is None else b.data_ptr() for b in biases],
+                      layer.input_layernorm.weight.data_ptr(),
+                      layer.post_attention_layernorm.weight.data_ptr(),
+                      layer.input_layernorm.eps, layer.post_attention_layernorm.eps,
+                      k_cache.data_ptr(), v_cache.data_ptr())
+        if fmt == _FMT_CODE["int4"]:
+            row += ([w._ptrs()[2] for w in ws], [w._ptrs()[3] for w in ws], [w.group_size for w in ws])
+        rows.append(row)
     ext = ops.backend(kv_caches[0][0].device)
     assert ext is not None, "forward_fused runs only with the C ops"
     table = ext.DecoderLayers(rows)

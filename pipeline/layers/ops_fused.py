@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.layers import ops_ref
+from pipeline.layers.int4 import PACKED, Int4Weight
 from pipeline.layers.lowp import LowpWeight
 from pipeline.layers.ops import _DTYPE_CODE, GEMV_MAX_M, _check_cache, _check_index, _check_rows, backend
 
@@ -120,15 +121,15 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | LowpWeight, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor | LowpWeight | Int4Weight, bias: torch.Tensor | None = None,
            kn: bool = False) -> torch.Tensor:
     """``x @ W^T + bias`` with W stored [out, in] (nn.Linear), or [in, out] when ``kn``, or
-    packed as a ``LowpWeight`` (bf16/int8, float32 x and result).
+    packed as a ``LowpWeight`` (bf16/int8) or ``Int4Weight`` (float32 x and result).
 
     Float32 CPU products of at most ``GEMV_MAX_M`` rows (small-batch decode, where reading W
     is the whole cost) run the C kernel that streams W in memory order; everything else goes
     to torch (BLAS)."""
-    if isinstance(weight, LowpWeight):
+    if isinstance(weight, PACKED):
         return weight.linear(x, bias)
     m = x.shape[0] if x.dim() == 2 else -1
     if (0 < m <= GEMV_MAX_M and x.dtype == torch.float32 and weight.dtype == torch.float32

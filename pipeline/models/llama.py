@@ -7,7 +7,8 @@ passed in on every forward. Two forwards compute the same math: on CPU in float3
 decoder of ``layers.fused_decoder`` (four element-wise C calls per layer, a C GEMV for small
 batches), elsewhere (CUDA, half types) the layers below one op at a time in torch, whose
 rounding sequence matches transformers'. On CPU the projections and the embedding may be
-packed as bfloat16 or int8 (``pack_weights``, ``layers.lowp``) under float32 activations.
+packed as bfloat16, int8 (``pack_weights``, ``layers.lowp``) or int4 (``layers.int4``) under
+float32 activations.
 Under tensor parallelism (``models.parallel``) the model is built from the rank's shard of
 the config and holds the rank's slices; ``tp`` sums the o/down projections and the embedding
 lookup over the ranks and gathers the logits.
@@ -24,6 +25,7 @@ from torch import nn
 from pipeline.layers import ops, ops_fused
 from pipeline.layers.attention import AttentionMetadata
 from pipeline.layers.fused_decoder import forward_fused
+from pipeline.layers.int4 import PACKED, Int4Weight
 from pipeline.layers.lowp import LowpWeight
 from pipeline.layers.norm import RMSNorm
 from pipeline.layers.rotary import RotaryEmbedding
@@ -130,15 +132,19 @@ class CausalLM(nn.Module):
             self.lm_head_kn = True
 
     @torch.no_grad()
-    def pack_weights(self, fmt: str, gemm_dtype: torch.dtype) -> None:
+    def pack_weights(self, fmt: str, gemm_dtype: torch.dtype, group_size: int = 128) -> None:
         """Replace the float32 projections, the embedding and lm_head (still [out, in]: call
-        instead of ``transpose_weights``) by ``LowpWeight``s of format ``fmt`` (bf16 or int8);
-        norms, biases and activations stay float32. A tied lm_head stays the embedding's."""
-        def pack(owner: nn.Module, name: str, table_only: bool = False) -> LowpWeight:
+        instead of ``transpose_weights``) by ``LowpWeight``s of format ``fmt`` (bf16 or int8)
+        or ``Int4Weight``s (int4, in groups of ``group_size``); weights already packed (a
+        GPTQ/AWQ checkpoint's) stay. Norms, biases and activations stay float32. A tied
+        lm_head stays the embedding's."""
+        def pack(owner: nn.Module, name: str, table_only: bool = False) -> LowpWeight | Int4Weight:
             w = getattr(owner, name)
-            if isinstance(w, LowpWeight):
+            if isinstance(w, PACKED):  # a GPTQ/AWQ checkpoint's projection
+                w.gemm_dtype = gemm_dtype
                 return w
-            packed = LowpWeight(w, fmt, gemm_dtype, table_only)
+            packed = (Int4Weight.from_float(w, group_size, gemm_dtype) if fmt == "int4"
+                      else LowpWeight(w, fmt, gemm_dtype, table_only))
             delattr(owner, name)
             setattr(owner, name, packed)
             return packed
@@ -159,7 +165,7 @@ class CausalLM(nn.Module):
             input_ids = input_ids - tp.shard.vocab_start
             outside = (input_ids < 0) | (input_ids >= tp.shard.vocab_per_rank)
             input_ids = input_ids.masked_fill(outside, 0)
-        if isinstance(self.embed_tokens, LowpWeight):
+        if isinstance(self.embed_tokens, PACKED):
             x = self.embed_tokens.embed(input_ids)
         else:
             x = F.embedding(input_ids, self.embed_tokens)

@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from pipeline.models.llama import CausalLM
 from pipeline.models.parallel import TPShard
+from pipeline.models.quantized import Int4Loader, checkpoint_quantization
 
 # Checkpoint tensors that carry no weights we need (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -153,6 +154,12 @@ def load_weights(model: CausalLM, model_dir: str | Path, quiet: bool = False,
     files = checkpoint_files(model_dir)
     rank = f"rank {shard.rank}: " if shard is not None and shard.size > 1 else ""
     asm = _Assembler(model)
+    # GPTQ/AWQ: the quantised tensors go to their own loader (models/quantized.py).
+    qc = checkpoint_quantization(model_dir)
+    if qc is not None and shard is not None and shard.size > 1:
+        raise ValueError(f"--tensor-parallel-size {shard.size}: a {qc['quant_method']} checkpoint "
+                         f"loads on one rank only")
+    int4 = Int4Loader(model, qc, torch.float32) if qc is not None else None
     dtype = model.embed_tokens.dtype
     total = 0
     t0 = time.perf_counter()
@@ -163,12 +170,15 @@ def load_weights(model: CausalLM, model_dir: str | Path, quiet: bool = False,
             for j, key in enumerate(keys, 1):
                 t = read_shard(key, f.get_slice(key), shard)
                 total += t.numel() * t.element_size()
-                asm.add(key, t.to(dtype))
+                if int4 is None or not int4.add(key, t):
+                    asm.add(key, t.to(dtype))
                 now = time.perf_counter()
                 # A line per shard, and one every few seconds inside a big shard.
                 if not quiet and (j == len(keys) or now - last >= 5.0):
                     last = now
                     print(f"{rank}loading weights: shard {i}/{len(files)} {path.name}: tensor {j}/{len(keys)} "
                           f"({total / 2**20:.1f} MiB, {now - t0:.1f}s)", file=sys.stderr, flush=True)
+    if int4 is not None:
+        asm.loaded |= int4.finish()
     asm.finish()
     return total

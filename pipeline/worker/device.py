@@ -55,17 +55,17 @@ def worker_threads(requested: int = 0) -> int:
 
 def cpu_weight_format(dtype: torch.dtype, quantization: str, device: torch.device,
                       have_ops: bool) -> str | None:
-    """How a CPU model packs its weights under float32 activations: "int8" for
-    ``--quantization int8``, "bf16" for a bfloat16 dtype, None for plain float32 (or on CUDA,
-    where bf16 stays the activation dtype too). Both need the C ops (``make build``)."""
+    """How a CPU model packs its weights under float32 activations: "int8" or "int4" for
+    ``--quantization int8|int4``, "bf16" for a bfloat16 dtype, None for plain float32 (or on
+    CUDA, where bf16 stays the activation dtype too). All need the C ops (``make build``)."""
     if device.type != "cpu":
         if quantization != "none":
             raise ValueError(f"--quantization {quantization} runs on CPU only, not {device}")
         return None
-    fmt = "int8" if quantization == "int8" else "bf16" if dtype == torch.bfloat16 else None
+    fmt = quantization if quantization in ("int8", "int4") else "bf16" if dtype == torch.bfloat16 else None
     if fmt is not None and not have_ops:
-        if fmt == "int8":
-            raise ValueError("--quantization int8 needs the C CPU ops (pipeline._ext.cpu_ops); "
+        if fmt != "bf16":
+            raise ValueError(f"--quantization {fmt} needs the C CPU ops (pipeline._ext.cpu_ops); "
                              "build them with `make build`")
         return None  # bf16 falls back to torch's bf16 ops, one at a time
     return fmt

@@ -25,12 +25,13 @@ import torch
 
 from pipeline.config import EngineConfig
 from pipeline.layers import ops
-from pipeline.layers.lowp import LowpWeight
+from pipeline.layers.int4 import PACKED
 from pipeline.messages import ModelRunnerOutput, SchedulerOutput
 from pipeline.models.config import load_model_config, model_hash
 from pipeline.models.llama import CausalLM
 from pipeline.models.loader import load_weights
 from pipeline.models.parallel import TPGroup, TPShard
+from pipeline.models.quantized import checkpoint_quantization, weight_format
 from pipeline.worker.cuda_graphs import DecodeGraphs
 from pipeline.worker.device import cpu_has_fast_bf16, cpu_weight_format, resolve_dtype, worker_threads
 from pipeline.worker.input_batch import InputBatch
@@ -118,6 +119,7 @@ class ModelRunner:
         self.tp.check_same({
             "model": model_hash(cfg.model), "tensor_parallel_size": str(cfg.tensor_parallel_size),
             "nnodes": str(cfg.nnodes), "dtype": str(self.dtype), "quantization": cfg.quantization,
+            "quantization_group_size": str(cfg.quantization_group_size),
             "block_size": str(self.block_size), "max_model_len": str(self.max_model_len),
             "max_num_seqs": str(cfg.max_num_seqs), "device": self.device.type})
 
@@ -129,6 +131,9 @@ class ModelRunner:
         # CPU bf16/int8: float32 activations, the projections packed after loading.
         fmt = cpu_weight_format(self.dtype, self.config.quantization, self.device,
                                 ops.backend(self.device) is not None)
+        # A GPTQ/AWQ checkpoint: int4 (its projections as stored, the rest quantised).
+        fmt = weight_format(checkpoint_quantization(self.config.model), self.config.quantization,
+                            self.device.type) or fmt
         with torch.device("meta"):
             model = CausalLM(self.shard.model_config(mc) if self.shard else mc, self.max_model_len)
         # What Module.to_empty does, without its empty_like: on meta tensors that goes through
@@ -141,12 +146,13 @@ class ModelRunner:
         load_weights(model, self.config.model, shard=self.shard)
         model.tp = self.tp
         if fmt is not None:
-            model.pack_weights(fmt, torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
+            model.pack_weights(fmt, torch.bfloat16 if cpu_has_fast_bf16() else torch.float32,
+                               self.config.quantization_group_size)
         elif self.device.type == "cpu":
             model.transpose_weights()
         self.model = model.eval()
         nparams = sum(p.numel() for p in model.parameters()) + sum(
-            m.weight.numel() for m in model.modules() if isinstance(m, LowpWeight))
+            m.out_features * m.in_features for m in model.modules() if isinstance(m, PACKED))
         weights = f"{fmt} weights, float32 activations" if fmt else str(self.dtype)
         part = f" (rank {self.rank} of {self.shard.size})" if self.shard else ""
         print(f"model: {mc.architecture} {nparams / 1e6:.1f}M params{part}, {weights}, {self.device}, "
