@@ -16,9 +16,10 @@ output tok/s, TTFT p50/p99, inter-token p50/p99.
 
 With ``--llamacpp DIR`` (a llama.cpp tree built with cmake) llama.cpp's F16, Q8_0 and Q4_0 run
 beside bf16, int8 and int4 (``cpu_llamacpp``). With ``--vllm-env DIR`` (made by
-../shared/tools/vllm-cpu.sh install DIR) vLLM runs beside this engine, with the same threads (VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)), and the issue's
-targets are reported as ratios. Without it, the figures are set against the machine's limits
-measured in the same run (``cpu_limits``: DRAM read bandwidth, peak FLOP/s).
+../shared/tools/vllm-cpu.sh install DIR) vLLM runs beside this engine, with the same threads
+(VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)), and the issue's targets are reported as ratios.
+Without it, the figures are set against the machine's limits measured in the same run
+(``cpu_limits``: DRAM read bandwidth, peak FLOP/s).
 Owns nothing beyond the run.
 """
 from __future__ import annotations
@@ -148,7 +149,7 @@ def offline(args, rep: Report, shape: str, model: str, batches: list[int], lim: 
         fmt = name.split()[-1]
         wb = weight_bytes(model, fmt)
         for b, f in r["batches"].items():
-            row = rep.add(f"{shape} offline {name} batch {b}", **{k: round(v, 4) for k, v in f.items()},
+            row = rep.add(f"{shape} offline {name} batch {b}", **{k: round(v, 6) for k, v in f.items()},
                           load_s=round(r["load_s"], 2), max_rss_mib=round(r["max_rss_mib"]),
                           rss_mib=round(r["rss_mib"]))
             # Decode reads every weight once per step: tok/s per sequence x bytes vs the bandwidth.
