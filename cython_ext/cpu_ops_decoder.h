@@ -11,7 +11,7 @@
  * released. The layer table (weights, norms, caches: fixed after load) is built once by
  * the model; the per-step arguments are the activation buffers and the batch metadata,
  * which layer 0 (on the checked Python path) has validated. Projections are float32 [in, out]
- * (kn), bf16 or int8 (cpu_ops_gemv_lp.h). Owns no state.
+ * (kn), bf16 or int8, both packed in blocks of 16 outputs (cpu_ops_gemv_lp.h). Owns no state.
  */
 #ifndef PIPELINE_CPU_OPS_DECODER_H
 #define PIPELINE_CPU_OPS_DECODER_H
@@ -56,8 +56,7 @@ static int pipe_decoder_proj(const pipe_layer *L, int p, float *y, const float *
         return 0;
     }
     if (L->fmt == PIPE_W_BF16) {
-        pipeline_cpu_gemv_bf16(y, N, x, K, (const uint16_t *)L->w[p], L->bias[p], T, K, N);
-        return 0;
+        return pipeline_cpu_gemv_bf16(y, N, x, K, (const uint16_t *)L->w[p], L->bias[p], T, K, N);
     }
     return pipeline_cpu_gemv_i8(y, N, x, K, (const int8_t *)L->w[p], L->scale[p],
                                 L->bias[p], T, K, N);
