@@ -39,6 +39,9 @@
 #ifndef PIPE_AMX_A_BYTES
 #define PIPE_AMX_A_BYTES (768 << 10)
 #endif
+#ifndef PIPE_AMX_KSTEPS
+#define PIPE_AMX_KSTEPS 8
+#endif
 
 static int pipe_amx_granted = -1; /* -1: not asked yet */
 
@@ -73,111 +76,144 @@ static void pipe_amx_config(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* One row block pair (nm x 16 rows) by one column block pair (nn x 16 columns) over all of
- * K: the 4 (or fewer) accumulators into c[i][16][16]. a: A rows, lda bytes apart; b0/b1:
- * the two blocks' B panels (1 KB per depth step); steps: K / tile depth. */
+/* One row block pair (nm x 16 rows) by one column block pair (nn x 16 columns) over `steps`
+ * depth steps: the 4 (or fewer) accumulators start from zero (first) or from c, and go back
+ * to c (rows of 32 values, 128 bytes: the two column blocks side by side). a: the first row
+ * block's A tiles (1 KB per depth step), the second's lda bytes further; b0/b1: the two
+ * column blocks' B tiles (1 KB per depth step). */
 #define PIPE_AMX_TILE_LOOP(DP)                                                                \
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);                               \
+    if (first) {                                                                              \
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);                           \
+    } else {                                                                                  \
+        _tile_loadd(0, c, 128);                                                               \
+        if (nn == 2) _tile_loadd(1, c + 16, 128);                                             \
+        if (nm == 2) { _tile_loadd(2, c + 512, 128); if (nn == 2) _tile_loadd(3, c + 528, 128); } \
+    }                                                                                         \
     for (int64_t s = 0; s < steps; s++) {                                                     \
-        _tile_loadd(4, a + s * 64, lda);                                                      \
+        _tile_loadd(4, a + s * 1024, 64);                                                     \
         _tile_loadd(6, b0 + s * 1024, 64);                                                    \
         DP(0, 4, 6);                                                                          \
         if (nn == 2) { _tile_loadd(7, b1 + s * 1024, 64); DP(1, 4, 7); }                      \
         if (nm == 2) {                                                                        \
-            _tile_loadd(5, a + 16 * lda + s * 64, lda);                                       \
+            _tile_loadd(5, a + lda + s * 1024, 64);                                           \
             DP(2, 5, 6);                                                                      \
             if (nn == 2) DP(3, 5, 7);                                                         \
         }                                                                                     \
     }                                                                                         \
-    _tile_stored(0, c[0], 64);                                                                \
-    if (nn == 2) _tile_stored(1, c[1], 64);                                                   \
-    if (nm == 2) { _tile_stored(2, c[2], 64); if (nn == 2) _tile_stored(3, c[3], 64); }
+    _tile_stored(0, c, 128);                                                                  \
+    if (nn == 2) _tile_stored(1, c + 16, 128);                                                \
+    if (nm == 2) { _tile_stored(2, c + 512, 128); if (nn == 2) _tile_stored(3, c + 528, 128); }
 
 __attribute__((target("amx-tile,amx-bf16"))) static inline __attribute__((always_inline))
 void pipe_amx_bf16_tiles(const int nm, const int nn, const char *a, int64_t lda, const char *b0,
-                         const char *b1, int64_t steps, float (*c)[16][16]) {
+                         const char *b1, int64_t steps, int first, float *c) {
     PIPE_AMX_TILE_LOOP(_tile_dpbf16ps)
 }
 
 __attribute__((target("amx-tile,amx-int8"))) static inline __attribute__((always_inline))
 void pipe_amx_i8_tiles(const int nm, const int nn, const char *a, int64_t lda, const char *b0,
-                       const char *b1, int64_t steps, int32_t (*c)[16][16]) {
+                       const char *b1, int64_t steps, int first, int32_t *c) {
     PIPE_AMX_TILE_LOOP(_tile_dpbssd)
 }
 
 /* The arguments of one product, shared by the bf16 and int8 drivers. */
 typedef struct {
     float *y;
-    int64_t ldy, M, N, NB, steps, lda, panel; /* panel: bytes of one block's B */
+    int64_t ldy, M, N, NB, steps, arow, panel; /* arow: A bytes per row, panel: per block of B */
     const char *A, *W;
     const float *bias, *xs, *scale;           /* xs, scale: int8 only */
 } pipe_amx_args;
 
-__attribute__((target("amx-tile,amx-bf16,amx-int8")))
-static void pipe_amx_run(const pipe_amx_args *g, int i8) {
+/* Each thread's accumulators for one chunk of rows (PIPE_AMX_MAX_CHUNK x 32 values). */
+#define PIPE_AMX_MAX_CHUNK 512
+static __thread float *pipe_amx_cbuf = NULL;
+
+__attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,fma")))
+static int pipe_amx_run(const pipe_amx_args *g, int i8) {
     const int64_t pairs = (g->NB + 1) / 2, Mp = (g->M + 15) / 16 * 16;
-    int64_t chunk = PIPE_AMX_A_BYTES / (g->lda > 0 ? g->lda : 1) / 32 * 32;
-    if (chunk < 32) chunk = 32;
-    #pragma omp parallel if (pairs > 1 && omp_get_max_threads() > 1)
+    const int64_t lda = 16 * g->arow;
+    int64_t chunk = PIPE_AMX_A_BYTES / (g->arow > 0 ? g->arow : 1) / 32 * 32;
+    chunk = chunk < 32 ? 32 : chunk > PIPE_AMX_MAX_CHUNK ? PIPE_AMX_MAX_CHUNK : chunk;
+    int failed = 0;
+    #pragma omp parallel if (pairs > 1 && omp_get_max_threads() > 1) reduction(| : failed)
     {
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
-        float c[4][16][16] __attribute__((aligned(64)));
-        pipe_amx_config();
-        for (int64_t mc = 0; mc < Mp; mc += chunk)
+        if (pipe_amx_cbuf == NULL)
+            pipe_amx_cbuf = (float *)aligned_alloc(64, PIPE_AMX_MAX_CHUNK * 32 * sizeof(float));
+        float *cbuf = pipe_amx_cbuf;
+        failed = cbuf == NULL;
+        if (cbuf) pipe_amx_config();
+        for (int64_t mc = 0; cbuf && mc < Mp; mc += chunk)
             for (int64_t p = p0; p < p1; p++) {
                 const int64_t b = 2 * p;
                 const int nn = b + 1 < g->NB ? 2 : 1;
                 const char *b0 = g->W + b * g->panel, *b1 = b0 + g->panel;
-                for (int64_t m = mc; m < Mp && m < mc + chunk; m += 32) {
-                    const int nm = Mp - m >= 32 ? 2 : 1;
-                    const char *a = g->A + m * g->lda;
-                    /* constant nm/nn per call: the branches of the tile loop fold away */
-                    if (i8) {
-                        int32_t (*ci)[16][16] = (int32_t (*)[16][16])c;
-                        if (nm == 2 && nn == 2) pipe_amx_i8_tiles(2, 2, a, g->lda, b0, b1, g->steps, ci);
-                        else if (nm == 2) pipe_amx_i8_tiles(2, 1, a, g->lda, b0, b1, g->steps, ci);
-                        else if (nn == 2) pipe_amx_i8_tiles(1, 2, a, g->lda, b0, b1, g->steps, ci);
-                        else pipe_amx_i8_tiles(1, 1, a, g->lda, b0, b1, g->steps, ci);
-                    } else if (nm == 2 && nn == 2) pipe_amx_bf16_tiles(2, 2, a, g->lda, b0, b1, g->steps, c);
-                    else if (nm == 2) pipe_amx_bf16_tiles(2, 1, a, g->lda, b0, b1, g->steps, c);
-                    else if (nn == 2) pipe_amx_bf16_tiles(1, 2, a, g->lda, b0, b1, g->steps, c);
-                    else pipe_amx_bf16_tiles(1, 1, a, g->lda, b0, b1, g->steps, c);
-                    for (int i = 0; i < 2 * nm; i++) {
-                        if ((i & 1) >= nn) continue;
-                        const int64_t bb = b + (i & 1), m0 = m + 16 * (i >> 1);
-                        for (int64_t r = 0; r < 16 && m0 + r < g->M; r++) {
-                            if (i8) {
-                                pipe_i8_store(g->y, g->ldy, (const int32_t *)c[i][r], m0 + r, bb,
-                                              g->N, g->xs, g->scale, g->bias);
-                                continue;
+                /* depth in slices whose B tiles (2 x PIPE_AMX_KSTEPS KB) stay in L1 while
+                 * every row block of the chunk multiplies them */
+                for (int64_t k0 = 0; k0 < g->steps; k0 += PIPE_AMX_KSTEPS) {
+                    const int64_t ks = g->steps - k0 < PIPE_AMX_KSTEPS ? g->steps - k0 : PIPE_AMX_KSTEPS;
+                    const int first = k0 == 0, last = k0 + ks == g->steps;
+                    for (int64_t m = mc; m < Mp && m < mc + chunk; m += 32) {
+                        const int nm = Mp - m >= 32 ? 2 : 1;
+                        const char *a = g->A + m * g->arow + k0 * 1024;
+                        const char *k0b0 = b0 + k0 * 1024, *k0b1 = b1 + k0 * 1024;
+                        float *c = cbuf + (m - mc) * 32;
+                        /* constant nm/nn per call: the branches of the tile loop fold away */
+                        if (i8) {
+                            int32_t *ci = (int32_t *)c;
+                            if (nm == 2 && nn == 2) pipe_amx_i8_tiles(2, 2, a, lda, k0b0, k0b1, ks, first, ci);
+                            else if (nm == 2) pipe_amx_i8_tiles(2, 1, a, lda, k0b0, k0b1, ks, first, ci);
+                            else if (nn == 2) pipe_amx_i8_tiles(1, 2, a, lda, k0b0, k0b1, ks, first, ci);
+                            else pipe_amx_i8_tiles(1, 1, a, lda, k0b0, k0b1, ks, first, ci);
+                        } else if (nm == 2 && nn == 2) pipe_amx_bf16_tiles(2, 2, a, lda, k0b0, k0b1, ks, first, c);
+                        else if (nm == 2) pipe_amx_bf16_tiles(2, 1, a, lda, k0b0, k0b1, ks, first, c);
+                        else if (nn == 2) pipe_amx_bf16_tiles(1, 2, a, lda, k0b0, k0b1, ks, first, c);
+                        else pipe_amx_bf16_tiles(1, 1, a, lda, k0b0, k0b1, ks, first, c);
+                        if (!last) continue;
+                        for (int64_t r = 0; r < 16 * nm && m + r < g->M; r++)
+                            for (int j = 0; j < nn; j++) {
+                                const float *cr = c + r * 32 + 16 * j;
+                                if (i8) pipe_i8_store16(g->y, g->ldy, (const int32_t *)cr, m + r,
+                                                        b + j, g->N, g->xs, g->scale, g->bias);
+                                else pipe_bf16_store16(g->y, g->ldy, _mm512_load_ps(cr), m + r,
+                                                       b + j, g->N, g->bias);
                             }
-                            float *yr = g->y + (m0 + r) * g->ldy + bb * 16;
-                            for (int64_t j = 0; j < 16 && bb * 16 + j < g->N; j++)
-                                yr[j] = c[i][r][j] + (g->bias ? g->bias[bb * 16 + j] : 0.0f);
-                        }
                     }
                 }
             }
-        _tile_release();
+        if (cbuf) _tile_release();
     }
+    return failed ? -1 : 0;
 }
 
-/* x rounded to bf16 into Mp rows of Kp (zeros past M and K): AVX-512 BF16 (every AMX CPU has
- * it), rounding to nearest even as pipe_f32_to_bf16 does. */
+/* The A buffer holds tiles, not rows: the 16 x 64-byte tile of row block m / 16 and depth
+ * step s is 1 KB at (m / 16 * steps + s) KB, so every tile load reads one contiguous KB (as
+ * B's do) that the hardware prefetcher follows. This is where row m's 64 bytes of step s go. */
+static inline int64_t pipe_amx_aoff(int64_t m, int64_t s, int64_t steps) {
+    return ((m / 16 * steps + s) * 16 + m % 16) * 64;
+}
+
+/* x rounded to bf16 into the tiles of Mp rows of Kp (zeros past M and K): AVX-512 BF16 (every
+ * AMX CPU has it), rounding to nearest even as pipe_f32_to_bf16 does. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-static void pipe_amx_round_rows(uint16_t *xb, const float *x, int64_t ldx, int64_t M,
+static void pipe_amx_round_rows(char *xb, const float *x, int64_t ldx, int64_t M,
                                 int64_t Mp, int64_t K, int64_t Kp) {
+    const int64_t steps = Kp / 32;
     #pragma omp parallel for if (M * K >= (1 << 16)) schedule(static)
-    for (int64_t m = 0; m < Mp; m++) {
-        uint16_t *d = xb + m * Kp;
-        int64_t k = 0;
-        if (m < M)
-            for (; k + 16 <= K; k += 16)
-                _mm256_storeu_si256((__m256i *)(d + k),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + m * ldx + k)));
-        for (; k < Kp; k++) d[k] = m < M && k < K ? pipe_f32_to_bf16(x[m * ldx + k]) : 0;
-    }
+    for (int64_t m = 0; m < Mp; m++)
+        for (int64_t s = 0; s < steps; s++) {
+            uint16_t *d = (uint16_t *)(xb + pipe_amx_aoff(m, s, steps));
+            const int64_t k0 = s * 32;
+            if (m < M && k0 + 32 <= K) {
+                const float *xr = x + m * ldx + k0;
+                _mm512_storeu_si512(d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 16),
+                                                                     _mm512_loadu_ps(xr)));
+                continue;
+            }
+            for (int64_t k = 0; k < 32; k++)
+                d[k] = m < M && k0 + k < K ? pipe_f32_to_bf16(x[m * ldx + k0 + k]) : 0;
+        }
 }
 
 /* Returns -1 without AMX or scratch memory (the caller then takes another kernel). */
@@ -187,13 +223,12 @@ static int pipeline_cpu_amx_bf16(float *y, int64_t ldy, const float *x, int64_t 
     if (M <= 0 || N <= 0) return 0;
     if (!pipe_amx_ok()) return -1;
     const int64_t Kp = pipe_bf16_kp(K), Mp = (M + 15) / 16 * 16;
-    uint16_t *xb = (uint16_t *)pipe_lp_buffer((size_t)(Mp * Kp) * 2);
+    char *xb = (char *)pipe_lp_buffer((size_t)(Mp * Kp) * 2);
     if (xb == NULL) return -1;
     pipe_amx_round_rows(xb, x, ldx, M, Mp, K, Kp);
     pipe_amx_args g = {y, ldy, M, N, (N + 15) / 16, Kp / 32, Kp * 2, 16 * Kp * 2,
                        (const char *)xb, (const char *)W, bias, NULL, NULL};
-    pipe_amx_run(&g, 0);
-    return 0;
+    return pipe_amx_run(&g, 0);
 }
 
 /* Whether the int8 AMX kernel takes rows of K: the packed depth K4 = ceil(K/4) must fill
@@ -212,15 +247,17 @@ static int pipeline_cpu_amx_i8(float *y, int64_t ldy, const float *x, int64_t ld
     if (buf == NULL) return -1;
     int8_t *xq = (int8_t *)buf;
     float *xs = (float *)(buf + abytes);
+    const int64_t steps = K4 / 16;
     #pragma omp parallel for if (M * K >= (1 << 16)) schedule(static)
     for (int64_t m = 0; m < Mp; m++) {
-        if (m < M) xs[m] = pipe_quantize_row(x + m * ldx, K, K4, xq + m * lda);
-        else memset(xq + m * lda, 0, (size_t)lda);
+        int8_t row[lda]; /* quantised as by the GEMV, then cut into the tiles */
+        if (m < M) xs[m] = pipe_quantize_row(x + m * ldx, K, K4, row);
+        else memset(row, 0, (size_t)lda);
+        for (int64_t s = 0; s < steps; s++) memcpy(xq + pipe_amx_aoff(m, s, steps), row + s * 64, 64);
     }
-    pipe_amx_args g = {y, ldy, M, N, (N + 15) / 16, K4 / 16, lda, 16 * lda,
+    pipe_amx_args g = {y, ldy, M, N, (N + 15) / 16, steps, lda, 16 * lda,
                        (const char *)xq, (const char *)P, bias, xs, scale};
-    pipe_amx_run(&g, 1);
-    return 0;
+    return pipe_amx_run(&g, 1);
 }
 
 /* FLOP/s of `threads` threads each issuing `iters` x 4 independent tile products (bf16:

@@ -39,16 +39,30 @@ static float pipe_quantize_row(const float *x, int64_t K, int64_t K4, int8_t *q)
     return amax / 127.0f;
 }
 
-/* y[m, b*16 + j] for j < 16 (and < N) from the 16 int32 sums of block b. Not inlined: one
- * compiled copy for every path, so -ffast-math cannot reorder the scaling differently in
- * each and the paths stay bit-identical. */
+/* y[m, b*16 + j] for j < 16 (and < N) from the 16 int32 sums of block b: one fused
+ * multiply-add, sum * (xs * scale) + bias, written as fmaf so that this scalar copy and the
+ * AVX-512 one (pipe_i8_store16, the AMX kernel's) round alike: the paths stay bit-identical
+ * whatever -ffast-math contracts. Not inlined: one compiled copy for every scalar caller. */
 static __attribute__((noinline)) void pipe_i8_store(float *y, int64_t ldy, const int32_t *sums, int64_t m,
                                  int64_t b, int64_t N, const float *xs, const float *scale,
                                  const float *bias) {
     const int64_t n0 = b * PIPE_I8_BLOCK;
     const int64_t n1 = n0 + PIPE_I8_BLOCK < N ? n0 + PIPE_I8_BLOCK : N;
     for (int64_t n = n0; n < n1; n++)
-        y[m * ldy + n] = (float)sums[n - n0] * (xs[m] * scale[n]) + (bias ? bias[n] : 0.0f);
+        y[m * ldy + n] = fmaf((float)sums[n - n0], xs[m] * scale[n], bias ? bias[n] : 0.0f);
+}
+
+/* pipe_i8_store with AVX-512: the same operations, 16 lanes at once. */
+__attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+static inline void pipe_i8_store16(float *y, int64_t ldy, const int32_t *sums, int64_t m,
+                                   int64_t b, int64_t N, const float *xs, const float *scale,
+                                   const float *bias) {
+    const int64_t n0 = b * PIPE_I8_BLOCK;
+    const __mmask16 k = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+    const __m512 s = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums));
+    const __m512 f = _mm512_mul_ps(_mm512_set1_ps(xs[m]), _mm512_maskz_loadu_ps(k, scale + n0));
+    const __m512 c = bias ? _mm512_maskz_loadu_ps(k, bias + n0) : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(y + m * ldy + n0, k, _mm512_fmadd_ps(s, f, c));
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static inline __attribute__((always_inline))
