@@ -72,6 +72,14 @@ cdef extern from "cpu_ops_amx.h":
                             const int8_t *P, const float *scale, const float *bias, int64_t M,
                             int64_t K, int64_t N) nogil
     double pipe_amx_peak(int kind, int64_t iters, int threads) nogil
+    int PIPE_BF16_GEMV_MAX_M
+    int PIPE_I8_GEMV_MAX_M
+    int pipeline_cpu_linear_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                 const uint16_t *W, const float *bias, int64_t M, int64_t K,
+                                 int64_t N) nogil
+    int pipeline_cpu_linear_i8(float *y, int64_t ldy, const float *x, int64_t ldx,
+                               const int8_t *P, const float *scale, const float *bias, int64_t M,
+                               int64_t K, int64_t N) nogil
 
 cdef extern from "cpu_ops_decoder.h":
     ctypedef struct pipe_layer:
@@ -256,6 +264,37 @@ def lp_isa(str kind, int64_t k) -> str:
     if kind not in ("bf16", "int8"):
         raise ValueError(f"kind must be bf16 or int8, got {kind!r}")
     return ISA_NAMES[pipe_bf16_level(k) if kind == "bf16" else pipe_i8_level(k)]
+
+
+BF16_GEMV_MAX_M = PIPE_BF16_GEMV_MAX_M
+INT8_GEMV_MAX_M = PIPE_I8_GEMV_MAX_M
+
+
+def linear_bf16(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t weight,
+                uintptr_t bias, int64_t m, int64_t k, int64_t n) -> bool:
+    """As gemv_bf16, by the GEMV up to BF16_GEMV_MAX_M rows and on AMX tiles beyond (the
+    GEMV where AMX is absent and the CPU has AVX-512 BF16 or m <= GEMV_MAX_M); False
+    (nothing written) where neither applies: the caller multiplies a dequantised copy."""
+    cdef int rc
+    with nogil:
+        rc = pipeline_cpu_linear_bf16(<float *>y, ldy, <const float *>x, ldx,
+                                      <const uint16_t *>weight, <const float *>bias, m, k, n)
+    if rc < 0:
+        raise MemoryError(f"linear_bf16: no scratch for {m} rows of {k} values")
+    return rc == 0
+
+
+def linear_i8(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t q, uintptr_t scale,
+              uintptr_t bias, int64_t m, int64_t k, int64_t n) -> bool:
+    """As gemv_i8, by the GEMV up to INT8_GEMV_MAX_M rows and on AMX tiles beyond (the GEMV
+    up to 32 rows where AMX or amx_i8_fits(k) is not); False (nothing written) otherwise."""
+    cdef int rc
+    with nogil:
+        rc = pipeline_cpu_linear_i8(<float *>y, ldy, <const float *>x, ldx, <const int8_t *>q,
+                                    <const float *>scale, <const float *>bias, m, k, n)
+    if rc < 0:
+        raise MemoryError(f"linear_i8: no scratch for {m} rows of {k} values")
+    return rc == 0
 
 
 def amx_ok() -> bool:

@@ -2,6 +2,7 @@
  *
  *   pipeline_cpu_amx_bf16: y [M, N] = x [M, K] @ W^T (+ bias), W packed as for the bf16 GEMV
  *   pipeline_cpu_amx_i8:   y [M, N] = x [M, K] @ (scale * Q)^T (+ bias), Q packed as for gemv_i8
+ *   pipeline_cpu_linear_bf16 / _i8: the GEMV or the AMX kernel, whichever is faster for M
  *   pipe_amx_peak:         FLOP/s of TDPBF16PS / TDPBSSD on tiles in registers (no memory)
  *
  * Both weight layouts are already AMX B tiles: a bf16 block [Kp/2][16][2] and an int8 block
@@ -39,6 +40,13 @@
 #ifndef PIPE_AMX_A_BYTES
 #define PIPE_AMX_A_BYTES (768 << 10)
 #endif
+/* Rows up to which the GEMVs run where AMX could: measured on the 0.5B model's projections
+ * (docs/cpu.md), AMX ties the GEMVs at one row (both read the weights at DRAM speed) and wins
+ * from two. Without AMX the int8 GEMV serves up to PIPE_I8_NO_AMX_GEMV_MAX_M rows (then
+ * dequantise + BLAS), the bf16 one any number with AVX-512 BF16, else PIPE_GEMV_MAX_M. */
+#define PIPE_BF16_GEMV_MAX_M 1
+#define PIPE_I8_GEMV_MAX_M 1
+#define PIPE_I8_NO_AMX_GEMV_MAX_M 32
 #ifndef PIPE_AMX_KSTEPS
 #define PIPE_AMX_KSTEPS 8
 #endif
@@ -258,6 +266,29 @@ static int pipeline_cpu_amx_i8(float *y, int64_t ldy, const float *x, int64_t ld
     pipe_amx_args g = {y, ldy, M, N, (N + 15) / 16, steps, lda, 16 * lda,
                        (const char *)xq, (const char *)P, bias, xs, scale};
     return pipe_amx_run(&g, 1);
+}
+
+/* y = x @ W^T (+ bias) with bf16 W packed: 0 done, -1 out of scratch memory, 1 not taken
+ * (no AMX, no AVX-512 BF16, M > PIPE_GEMV_MAX_M: the caller dequantises for BLAS). */
+static int pipeline_cpu_linear_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                    const uint16_t *W, const float *bias, int64_t M, int64_t K,
+                                    int64_t N) {
+    if (M > PIPE_BF16_GEMV_MAX_M && pipeline_cpu_amx_bf16(y, ldy, x, ldx, W, bias, M, K, N) == 0)
+        return 0;
+    if (M <= PIPE_GEMV_MAX_M || pipe_bf16_level(K) == PIPE_ISA_AVX512)
+        return pipeline_cpu_gemv_bf16(y, ldy, x, ldx, W, bias, M, K, N);
+    return 1;
+}
+
+/* The same for int8 P (packed, per-channel scale). */
+static int pipeline_cpu_linear_i8(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                  const int8_t *P, const float *scale, const float *bias,
+                                  int64_t M, int64_t K, int64_t N) {
+    if (M > PIPE_I8_GEMV_MAX_M && pipeline_cpu_amx_i8(y, ldy, x, ldx, P, scale, bias, M, K, N) == 0)
+        return 0;
+    if (M <= PIPE_I8_NO_AMX_GEMV_MAX_M)
+        return pipeline_cpu_gemv_i8(y, ldy, x, ldx, P, scale, bias, M, K, N);
+    return 1;
 }
 
 /* FLOP/s of `threads` threads each issuing `iters` x 4 independent tile products (bf16:

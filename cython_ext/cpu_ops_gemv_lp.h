@@ -72,6 +72,9 @@ static void *pipe_lp_buffer(size_t bytes) {
 /* ---- bf16 ------------------------------------------------------------------------------ */
 
 #define PIPE_BF16_KALIGN 32 /* Kp: K rounded up to this (an AMX tile's depth in bf16) */
+#ifndef PIPE_BF16_PF
+#define PIPE_BF16_PF 1024 /* bytes ahead the one-row GEMV prefetches its block */
+#endif
 
 static inline int64_t pipe_bf16_kp(int64_t K) {
     return (K + PIPE_BF16_KALIGN - 1) / PIPE_BF16_KALIGN * PIPE_BF16_KALIGN;
@@ -97,6 +100,13 @@ void pipe_bf16_group_avx512(const int R, int64_t m0, const uint16_t *pb, const u
         const uint32_t *xr = (const uint32_t *)(xb + m0 * Kp);
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t k2 = 0; k2 < K2; k2 += 4) { /* K2 is a multiple of 16 */
+            /* the 256 bytes PIPE_BF16_PF ahead, past the ends of 4 KB pages where the
+             * hardware prefetcher stops (into the next block at the end: it comes next) */
+            const char *pf = (const char *)(pb + k2 * 32) + PIPE_BF16_PF;
+            _mm_prefetch(pf, _MM_HINT_T0);
+            _mm_prefetch(pf + 64, _MM_HINT_T0);
+            _mm_prefetch(pf + 128, _MM_HINT_T0);
+            _mm_prefetch(pf + 192, _MM_HINT_T0);
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(pb + k2 * 32), (__m512bh)_mm512_set1_epi32((int)xr[k2]));
             a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(pb + k2 * 32 + 32), (__m512bh)_mm512_set1_epi32((int)xr[k2 + 1]));
             a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(pb + k2 * 32 + 64), (__m512bh)_mm512_set1_epi32((int)xr[k2 + 2]));
@@ -107,6 +117,7 @@ void pipe_bf16_group_avx512(const int R, int64_t m0, const uint16_t *pb, const u
     }
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t k2 = 0; k2 < K2; k2++) {
+        if (R < 8) _mm_prefetch((const char *)(pb + k2 * 32) + PIPE_BF16_PF, _MM_HINT_T0);
         const __m512bh w = (__m512bh)_mm512_loadu_si512(pb + k2 * 32);
         for (int r = 0; r < R; r++)
             acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_set1_epi32(
@@ -132,6 +143,10 @@ static void pipe_bf16_blocks_avx512(float *y, int64_t ldy, const uint16_t *xb, c
         for (; m0 + 4 <= M; m0 += 4) {
             pipe_bf16_group_avx512(4, m0, pb, xb, Kp, acc);
             for (int r = 0; r < 4; r++) pipe_bf16_store16(y, ldy, acc[r], m0 + r, b, N, bias);
+        }
+        for (; m0 + 2 <= M; m0 += 2) {
+            pipe_bf16_group_avx512(2, m0, pb, xb, Kp, acc);
+            for (int r = 0; r < 2; r++) pipe_bf16_store16(y, ldy, acc[r], m0 + r, b, N, bias);
         }
         for (; m0 < M; m0++) {
             pipe_bf16_group_avx512(1, m0, pb, xb, Kp, acc);

@@ -13,15 +13,14 @@ of a CPU model when the worker runs ``--dtype bfloat16`` or ``--quantization int
 Both are packed in blocks of 16 output channels, in the VNNI layout of an AMX B tile: bf16
 ``[N/16][Kp/2][16][2]`` (``pack_bf16``; Kp = K rounded up to 32), int8 ``[N/16][K/4][16][4]``.
 That one copy serves every product and the lookups: ``linear`` runs ``x @ W^T + b`` into
-float32, up to ``gemv_max_m`` rows (decode) in the C GEMVs of ``cpu_ops_gemv_lp.h`` /
+float32, one row (batch-1 decode) in the C GEMVs of ``cpu_ops_gemv_lp.h`` /
 ``cpu_ops_gemv_i8.h``, which stream each 16-channel block once (int8 also quantises x per
-token there); more rows (prefill, large batches) on AMX tiles (``cpu_ops_amx.h``: bf16 x
-rounded once, int8 x quantised per token, exact int32 sums). Without AMX, bf16 keeps the
+token there); more rows (batches, prefill) on AMX tiles (``cpu_ops_amx.h``: bf16 x rounded
+once, int8 x quantised per token, exact int32 sums; the thresholds are measured there). Without AMX, bf16 keeps the
 VDPBF16PS kernel for any rows where the CPU has AVX-512 BF16; elsewhere (and for int8 of a
 depth the AMX kernel does not take) the weight is dequantised by all threads into a scratch
 matrix that a BLAS GEMM then reads (bf16 when the CPU multiplies bf16 natively, float32
-otherwise). ``embed`` gathers rows out of the blocks for the embedding lookup. The GEMV /
-AMX thresholds are measured (docs/cpu.md). A bf16 weight holds 2 bytes per parameter (plus
+otherwise). ``embed`` gathers rows out of the blocks for the embedding lookup. A bf16 weight holds 2 bytes per parameter (plus
 the padding of N to 16 and K to 32), one copy.
 Owns: the packed weight tensors of one projection; the module
 owns the one scratch matrix per GEMM dtype that every LowpWeight dequantises into.
@@ -34,12 +33,6 @@ from torch import nn
 from pipeline.layers.ops import GEMV_MAX_M, backend
 
 FORMATS = ("bf16", "int8")
-# Rows up to which the GEMVs beat the AMX kernels (measured on the 0.5B model's projections:
-# docs/cpu.md). Without AMX the int8 GEMV beats dequantise + GEMM up to 32 rows, and the bf16
-# one serves GEMV_MAX_M rows (any number where the CPU has AVX-512 BF16).
-BF16_GEMV_MAX_M = 2
-INT8_GEMV_MAX_M = 4
-INT8_NO_AMX_GEMV_MAX_M = 32
 _DEQUANT_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -132,16 +125,6 @@ class LowpWeight(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)  # None: not a buffer (bf16)
 
-    @property
-    def gemv_max_m(self) -> int:
-        """Rows up to which linear() runs the C GEMV rather than a GEMM (the ISA cap of
-        cpu_ops.set_isa may change it)."""
-        ext = backend(self.weight.device)
-        amx = ext is not None and ext.amx_ok()
-        if self.fmt == "int8":
-            return INT8_GEMV_MAX_M if amx and ext.amx_i8_fits(self.in_features) else INT8_NO_AMX_GEMV_MAX_M
-        return BF16_GEMV_MAX_M if amx else GEMV_MAX_M
-
     def extra_repr(self) -> str:
         return f"{self.fmt}, out={self.out_features}, in={self.in_features}"
 
@@ -197,23 +180,13 @@ class LowpWeight(nn.Module):
         if m == 0:
             return out
         ext = backend(x.device)
-        if ext is not None:
+        if ext is not None:  # the GEMV or AMX tiles by the number of rows (cpu_ops_amx.h)
             args = (out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), self.weight.data_ptr())
             b = 0 if bias is None else bias.data_ptr()
-            small = m <= self.gemv_max_m
-            if self.fmt == "bf16":
-                if not small and ext.amx_bf16(*args, b, m, k, n):
-                    return out
-                if small or ext.lp_isa("bf16", k) == "avx512":  # VDPBF16PS serves any rows
-                    ext.gemv_bf16(*args, b, m, k, n)
-                    return out
-            else:
-                assert self.scale is not None
-                if not small and ext.amx_i8(*args, self.scale.data_ptr(), b, m, k, n):
-                    return out
-                if small:
-                    ext.gemv_i8(*args, self.scale.data_ptr(), b, m, k, n)
-                    return out
+            if self.fmt == "bf16" and ext.linear_bf16(*args, b, m, k, n):
+                return out
+            if self.scale is not None and ext.linear_i8(*args, self.scale.data_ptr(), b, m, k, n):
+                return out
         w = self.dense(self.gemm_dtype)
         y = torch.mm(x.to(w.dtype), w.t())
         if bias is not None:
