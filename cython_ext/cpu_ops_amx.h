@@ -208,11 +208,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 static void pipe_amx_round_rows(char *xb, const float *x, int64_t ldx, int64_t M,
                                 int64_t Mp, int64_t K, int64_t Kp) {
     const int64_t steps = Kp / 32;
+    /* in the buffer's order, one tile (1 KB) after the other: row-order writes 1 KB apart
+     * ran 4x slower */
     #pragma omp parallel for if (M * K >= (1 << 16)) schedule(static)
-    for (int64_t m = 0; m < Mp; m++)
-        for (int64_t s = 0; s < steps; s++) {
-            uint16_t *d = (uint16_t *)(xb + pipe_amx_aoff(m, s, steps));
-            const int64_t k0 = s * 32;
+    for (int64_t t = 0; t < Mp / 16 * steps; t++) {
+        const int64_t m0 = t / steps * 16, k0 = t % steps * 32;
+        uint16_t *d = (uint16_t *)(xb + t * 1024);
+        for (int64_t r = 0; r < 16; r++, d += 32) {
+            const int64_t m = m0 + r;
             if (m < M && k0 + 32 <= K) {
                 const float *xr = x + m * ldx + k0;
                 _mm512_storeu_si512(d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 16),
@@ -222,6 +225,7 @@ static void pipe_amx_round_rows(char *xb, const float *x, int64_t ldx, int64_t M
             for (int64_t k = 0; k < 32; k++)
                 d[k] = m < M && k0 + k < K ? pipe_f32_to_bf16(x[m * ldx + k0 + k]) : 0;
         }
+    }
 }
 
 /* Returns -1 without AMX or scratch memory (the caller then takes another kernel). */
