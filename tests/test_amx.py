@@ -61,9 +61,13 @@ def test_amx_bf16_matches_float64_and_every_vector_path(m, n, k, bias, seed):
         cpu_ops.set_isa(isa)
         level = cpu_ops.lp_isa("bf16", k)
         yv = _call("gemv_bf16", x, lw, b).double()
-        # VDPBF16PS rounds x to bf16 as AMX does; AVX2/portable multiply float32 x
-        tol = 1e-5 if level == "avx512" else 2e-2
-        assert float((yv - y.double()).abs().max() / scale) < tol, level
+        # VDPBF16PS rounds x to bf16 as AMX does; AVX2/portable multiply float32 x, which
+        # bf16 rounding (8 significant bits) moves by at most 2^-8 relative per element
+        if level == "avx512":
+            assert float((yv - y.double()).abs().max() / scale) < 1e-5, level
+        else:
+            bound = (2.0 ** -8 + 1e-5) * (x.double().abs() @ wd.abs().t()) + 1e-7
+            assert bool(((yv - y.double()).abs() <= bound).all()), level
         ref32 = x.double() @ wd.t() + bd
         if level != "avx512":
             assert float((yv - ref32).abs().max() / scale) < 1e-5, level
