@@ -23,9 +23,44 @@
 
 #define PIPE_I8_BLOCK 16
 
+/* pipe_quantize_row with AVX-512: the same absmax, product and rounding (to nearest even, as
+ * lrintf), 16 values at a time; every path of the GEMV and the AMX kernel goes through the
+ * one function that pipe_quantize_row picks, so they quantise alike. */
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static float pipe_quantize_row_avx512(const float *x, int64_t K, int64_t K4, int8_t *q) {
+    const int64_t K16 = K / 16 * 16;
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int64_t k = 0; k < K16; k += 16) {
+        const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + k));
+        bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ); /* inf or NaN */
+        amax = _mm512_max_ps(amax, a);
+    }
+    float m = _mm512_reduce_max_ps(amax);
+    int finite = bad == 0;
+    for (int64_t k = K16; k < K; k++) {
+        m = fmaxf(m, fabsf(x[k]));
+        finite &= isfinite(x[k]);
+    }
+    memset(q + K16, 0, (size_t)(K4 * 4 - K16));
+    if (!finite || !(m > 0.0f)) {
+        memset(q, 0, (size_t)K16);
+        return finite ? 0.0f : NAN;
+    }
+    const float inv = 127.0f / m;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (int64_t k = 0; k < K16; k += 16)
+        _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(
+            _mm512_mul_ps(_mm512_loadu_ps(x + k), vinv))));
+    for (int64_t k = K16; k < K; k++) q[k] = (int8_t)lrintf(x[k] * inv);
+    return m / 127.0f;
+}
+
 /* Row x (K values) quantised into q (K4 * 4 bytes, zero-padded); returns its scale (0 for a
  * zero row, NaN for a row with NaN/inf, which then poisons its outputs as in float32). */
 static float pipe_quantize_row(const float *x, int64_t K, int64_t K4, int8_t *q) {
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+        return pipe_quantize_row_avx512(x, K, K4, q);
     float amax = 0.0f;
     int finite = 1;
     for (int64_t k = 0; k < K; k++) {
