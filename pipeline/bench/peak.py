@@ -52,14 +52,14 @@ def add_peak_rows(rep: Report, runs: dict, batches: list[int], prefill_tokens: i
         for b in batches:
             if b < 2:
                 continue
-            flop_tok = 2 * (layer_p + head_p)
-            gflop = decode[b] * flop_tok / 1e9
-            bound = min(peak / flop_tok, read_bw / weight_bytes * b)
+            decode_flop = 2.0 * (layer_p + head_p)  # per token
+            gflop = decode[b] * decode_flop / 1e9
+            bound = min(peak / decode_flop, read_bw / weight_bytes * b)
             rep.add(f"decode batch {b} {fmt} vs peak", pipeline_tok_s=decode[b],
                     gflop_s=gflop, peak_fraction=gflop * 1e9 / peak,
                     bound_tok_s=bound, bound_fraction=decode[b] / bound)
         seqs = 4  # bench_formats' prefill step: 4 sequences, one lm_head row each
-        flop_tok = 2 * layer_p + 2 * head_p * seqs / prefill_tokens
-        gflop = prefill * flop_tok / 1e9
+        prefill_flop = 2.0 * layer_p + 2.0 * head_p * seqs / prefill_tokens  # per token
+        gflop = prefill * prefill_flop / 1e9
         rep.add(f"prefill {prefill_tokens} tokens {fmt} vs peak", pipeline_tok_s=prefill,
                 gflop_s=gflop, peak_fraction=gflop * 1e9 / peak)

@@ -16,12 +16,13 @@ That one copy serves every product and the lookups: ``linear`` runs ``x @ W^T + 
 float32, one row (batch-1 decode) in the C GEMVs of ``cpu_ops_gemv_lp.h`` /
 ``cpu_ops_gemv_i8.h``, which stream each 16-channel block once (int8 also quantises x per
 token there); more rows (batches, prefill) on AMX tiles (``cpu_ops_amx.h``: bf16 x rounded
-once, int8 x quantised per token, exact int32 sums; the thresholds are measured there). Without AMX, bf16 keeps the
-VDPBF16PS kernel for any rows where the CPU has AVX-512 BF16; elsewhere (and for int8 of a
-depth the AMX kernel does not take) the weight is dequantised by all threads into a scratch
-matrix that a BLAS GEMM then reads (bf16 when the CPU multiplies bf16 natively, float32
-otherwise). ``embed`` gathers rows out of the blocks for the embedding lookup. A bf16 weight holds 2 bytes per parameter (plus
-the padding of N to 16 and K to 32), one copy.
+once, int8 x quantised per token, exact int32 sums; the thresholds are measured there).
+Without AMX, bf16 keeps the VDPBF16PS kernel for any rows where the CPU has AVX-512 BF16 and
+int8 its GEMV up to 32 rows; beyond (or for int8 of a depth the AMX kernel does not take)
+the weight is dequantised by all threads into a scratch matrix that a BLAS GEMM then reads
+(bf16 when the CPU multiplies bf16 natively, float32 otherwise). ``embed`` gathers rows out
+of the blocks for the embedding lookup (an untied table stays row-major). A bf16 weight holds
+2 bytes per parameter (plus the padding of N to 16 and K to 32), one copy.
 Owns: the packed weight tensors of one projection; the module
 owns the one scratch matrix per GEMM dtype that every LowpWeight dequantises into.
 """
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.layers.ops import GEMV_MAX_M, backend
+from pipeline.layers.ops import backend
 
 FORMATS = ("bf16", "int8")
 _DEQUANT_CODE = {torch.float32: 0, torch.bfloat16: 1}
