@@ -91,13 +91,13 @@ static __attribute__((noinline)) void pipe_i8_store(float *y, int64_t ldy, const
 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 static inline void pipe_i8_store16(float *y, int64_t ldy, const int32_t *sums, int64_t m,
                                    int64_t b, int64_t N, const float *xs, const float *scale,
-                                   const float *bias) {
+                                   const float *bias, int nt) {
     const int64_t n0 = b * PIPE_I8_BLOCK;
     const __mmask16 k = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
     const __m512 s = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums));
     const __m512 f = _mm512_mul_ps(_mm512_set1_ps(xs[m]), _mm512_maskz_loadu_ps(k, scale + n0));
     const __m512 c = bias ? _mm512_maskz_loadu_ps(k, bias + n0) : _mm512_setzero_ps();
-    _mm512_mask_storeu_ps(y + m * ldy + n0, k, _mm512_fmadd_ps(s, f, c));
+    pipe_store16(y + m * ldy + n0, k, _mm512_fmadd_ps(s, f, c), nt);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static inline __attribute__((always_inline))

@@ -80,14 +80,22 @@ static inline int64_t pipe_bf16_kp(int64_t K) {
     return (K + PIPE_BF16_KALIGN - 1) / PIPE_BF16_KALIGN * PIPE_BF16_KALIGN;
 }
 
+/* 16 floats to y (lanes in mask k); nt: a whole aligned line (k full, y 64-byte aligned),
+ * written around the caches (a product's output larger than they are, cpu_ops_amx.h). */
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static inline void pipe_store16(float *y, __mmask16 k, __m512 v, int nt) {
+    if (nt && k == (__mmask16)0xffff) _mm512_stream_ps(y, v);
+    else _mm512_mask_storeu_ps(y, k, v);
+}
+
 /* Block b's 16 sums (lanes) of row m into y, plus bias, the lanes < N only. */
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 static inline void pipe_bf16_store16(float *y, int64_t ldy, __m512 acc, int64_t m, int64_t b,
-                                     int64_t N, const float *bias) {
+                                     int64_t N, const float *bias, int nt) {
     const int64_t n0 = b * 16;
     const __mmask16 k = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
     if (bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(k, bias + n0));
-    _mm512_mask_storeu_ps(y + m * ldy + n0, k, acc);
+    pipe_store16(y + m * ldy + n0, k, acc, nt);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static inline __attribute__((always_inline))
@@ -150,7 +158,7 @@ void pipe_bf16_quad_avx512(const int R, float *y, int64_t ldy, const uint16_t *p
         }
     }
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) pipe_bf16_store16(y, ldy, acc[r][j], r, b + j, N, bias);
+        for (int j = 0; j < 4; j++) pipe_bf16_store16(y, ldy, acc[r][j], r, b + j, N, bias, 0);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -173,19 +181,19 @@ static void pipe_bf16_blocks_avx512(float *y, int64_t ldy, const uint16_t *xb, c
         int64_t m0 = 0;
         for (; m0 + 8 <= M; m0 += 8) {
             pipe_bf16_group_avx512(8, m0, pb, xb, Kp, acc);
-            for (int r = 0; r < 8; r++) pipe_bf16_store16(y, ldy, acc[r], m0 + r, b, N, bias);
+            for (int r = 0; r < 8; r++) pipe_bf16_store16(y, ldy, acc[r], m0 + r, b, N, bias, 0);
         }
         for (; m0 + 4 <= M; m0 += 4) {
             pipe_bf16_group_avx512(4, m0, pb, xb, Kp, acc);
-            for (int r = 0; r < 4; r++) pipe_bf16_store16(y, ldy, acc[r], m0 + r, b, N, bias);
+            for (int r = 0; r < 4; r++) pipe_bf16_store16(y, ldy, acc[r], m0 + r, b, N, bias, 0);
         }
         for (; m0 + 2 <= M; m0 += 2) {
             pipe_bf16_group_avx512(2, m0, pb, xb, Kp, acc);
-            for (int r = 0; r < 2; r++) pipe_bf16_store16(y, ldy, acc[r], m0 + r, b, N, bias);
+            for (int r = 0; r < 2; r++) pipe_bf16_store16(y, ldy, acc[r], m0 + r, b, N, bias, 0);
         }
         for (; m0 < M; m0++) {
             pipe_bf16_group_avx512(1, m0, pb, xb, Kp, acc);
-            pipe_bf16_store16(y, ldy, acc[0], m0, b, N, bias);
+            pipe_bf16_store16(y, ldy, acc[0], m0, b, N, bias, 0);
         }
     }
 }

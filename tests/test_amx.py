@@ -98,6 +98,19 @@ def test_amx_int8_is_bit_identical_to_every_gemv_path(m, n, k64, k_tail, bias, s
 
 
 @needs_amx
+def test_an_output_larger_than_the_caches_is_streamed_unchanged():
+    """An output of 8 MiB or more is written with non-temporal stores: the same values."""
+    torch.manual_seed(3)
+    m, k, n = 520, 64, 4112  # 8.2 MiB of float32 out, rows 64-byte aligned
+    x, w, b = torch.randn(m, k), torch.randn(n, k) * 0.1, torch.randn(n)
+    lb, lq = LowpWeight(w, "bf16", torch.bfloat16), LowpWeight(w, "int8", torch.bfloat16)
+    y = _call("amx_bf16", x, lb, b)
+    ref = x.bfloat16().double() @ lb.dense(torch.float32).double().t() + b.double()
+    assert float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+    assert torch.equal(_call("amx_i8", x, lq, b), _call("gemv_i8", x, lq, b))
+
+
+@needs_amx
 def test_amx_int8_refuses_a_depth_that_does_not_fill_its_tiles():
     lw = LowpWeight(torch.randn(20, 100), "int8", torch.bfloat16)
     assert not cpu_ops.amx_i8_fits(100)
