@@ -41,6 +41,7 @@ cdef extern from "cpu_ops_attn.h":
 
 cdef extern from "cpu_ops_bw.h":
     double pipe_read_sum(const float *x, int64_t n, int threads) nogil
+    double pipe_amx_peak(int kind, int64_t iters, int threads) nogil
 
 cdef extern from "cpu_ops_gemv.h":
     int PIPE_GEMV_MAX_M
@@ -71,7 +72,6 @@ cdef extern from "cpu_ops_amx.h":
     int pipeline_cpu_amx_i8(float *y, int64_t ldy, const float *x, int64_t ldx,
                             const int8_t *P, const float *scale, const float *bias, int64_t M,
                             int64_t K, int64_t N) nogil
-    double pipe_amx_peak(int kind, int64_t iters, int threads) nogil
     int PIPE_BF16_GEMV_MAX_M
     int PIPE_I8_GEMV_MAX_M
     int pipeline_cpu_linear_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,

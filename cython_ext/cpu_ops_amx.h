@@ -3,7 +3,6 @@
  *   pipeline_cpu_amx_bf16: y [M, N] = x [M, K] @ W^T (+ bias), W packed as for the bf16 GEMV
  *   pipeline_cpu_amx_i8:   y [M, N] = x [M, K] @ (scale * Q)^T (+ bias), Q packed as for gemv_i8
  *   pipeline_cpu_linear_bf16 / _i8: the GEMV or the AMX kernel, whichever is faster for M
- *   pipe_amx_peak:         FLOP/s of TDPBF16PS / TDPBSSD on tiles in registers (no memory)
  *
  * Both weight layouts are already AMX B tiles: a bf16 block [Kp/2][16][2] and an int8 block
  * [K/4][16][4] hold, for 32 (bf16) or 64 (int8) inputs, one 16-row x 64-byte tile, 1 KB
@@ -301,44 +300,6 @@ static int pipeline_cpu_linear_i8(float *y, int64_t ldy, const float *x, int64_t
     if (M <= PIPE_I8_NO_AMX_GEMV_MAX_M)
         return pipeline_cpu_gemv_i8(y, ldy, x, ldx, P, scale, bias, M, K, N);
     return 1;
-}
-
-/* FLOP/s of `threads` threads each issuing `iters` x 4 independent tile products (bf16:
- * kind 0, TDPBF16PS; int8: kind 1, TDPBSSD, ops counted as FLOP) on tiles loaded once: the
- * instructions' peak, no memory traffic. 0 without AMX. */
-__attribute__((target("amx-tile,amx-bf16,amx-int8")))
-static double pipe_amx_peak(int kind, int64_t iters, int threads) {
-    if (!pipe_amx_ok()) return 0.0;
-    static const char zeros[1024] __attribute__((aligned(64))) = {0};
-    double t0 = 0.0, t1 = 0.0;
-    #pragma omp parallel num_threads(threads)
-    {
-        pipe_amx_config();
-        _tile_loadd(4, zeros, 64);
-        _tile_loadd(5, zeros, 64);
-        _tile_loadd(6, zeros, 64);
-        _tile_loadd(7, zeros, 64);
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        #pragma omp barrier
-        #pragma omp master
-        t0 = omp_get_wtime();
-        if (kind == 0)
-            for (int64_t i = 0; i < iters; i++) {
-                _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-            }
-        else
-            for (int64_t i = 0; i < iters; i++) {
-                _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 4, 7);
-                _tile_dpbssd(2, 5, 6); _tile_dpbssd(3, 5, 7);
-            }
-        _tile_release();
-        #pragma omp barrier
-        #pragma omp master
-        t1 = omp_get_wtime();
-    }
-    const double per_tile = 16.0 * 16.0 * (kind == 0 ? 32.0 : 64.0) * 2.0;
-    return (double)threads * (double)iters * 4.0 * per_tile / (t1 - t0);
 }
 
 #endif
