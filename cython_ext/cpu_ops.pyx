@@ -41,6 +41,7 @@ cdef extern from "cpu_ops_attn.h":
 
 cdef extern from "cpu_ops_bw.h":
     double pipe_read_sum(const float *x, int64_t n, int threads) nogil
+    double pipe_amx_peak(int kind, int64_t iters, int threads) nogil
 
 cdef extern from "cpu_ops_gemv.h":
     int PIPE_GEMV_MAX_M
@@ -50,9 +51,9 @@ cdef extern from "cpu_ops_gemv.h":
 cdef extern from "cpu_ops_gemv_lp.h":
     int pipe_bf16_level(int64_t K) nogil
     void pipeline_cpu_set_isa(int cap) nogil
-    void pipeline_cpu_gemv_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
-                                const uint16_t *W, const float *bias, int64_t M, int64_t K,
-                                int64_t N) nogil
+    int pipeline_cpu_gemv_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
+                               const uint16_t *W, const float *bias, int64_t M, int64_t K,
+                               int64_t N) nogil
 
 cdef extern from "cpu_ops_gemv_i8.h":
     int pipe_i8_level(int64_t K) nogil
@@ -71,6 +72,24 @@ cdef extern from "cpu_ops_gemv_q4.h":
     void pipeline_cpu_dequant_q4(void *D, int dtype, const uint8_t *P, const uint16_t *S,
                                  const uint8_t *Z, const int32_t *perm, int64_t N, int64_t K,
                                  int64_t gs) nogil
+
+cdef extern from "cpu_ops_amx.h":
+    int pipe_amx_ok() nogil
+    int pipe_amx_i8_fits(int64_t K) nogil
+    int pipeline_cpu_amx_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
+                              const uint16_t *W, const float *bias, int64_t M, int64_t K,
+                              int64_t N) nogil
+    int pipeline_cpu_amx_i8(float *y, int64_t ldy, const float *x, int64_t ldx,
+                            const int8_t *P, const float *scale, const float *bias, int64_t M,
+                            int64_t K, int64_t N) nogil
+    int PIPE_BF16_GEMV_MAX_M
+    int PIPE_I8_GEMV_MAX_M
+    int pipeline_cpu_linear_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                 const uint16_t *W, const float *bias, int64_t M, int64_t K,
+                                 int64_t N) nogil
+    int pipeline_cpu_linear_i8(float *y, int64_t ldy, const float *x, int64_t ldx,
+                               const int8_t *P, const float *scale, const float *bias, int64_t M,
+                               int64_t K, int64_t N) nogil
 
 cdef extern from "cpu_ops_decoder.h":
     ctypedef struct pipe_layer:
@@ -242,12 +261,12 @@ def read_sum(uintptr_t x, int64_t n, int threads) -> float:
     return total
 
 
-ISA_NAMES = ("portable", "avx2", "avx512")
+ISA_NAMES = ("portable", "avx2", "avx512", "amx")
 
 
 def set_isa(str cap) -> None:
-    """Cap the instruction set of the bf16/int8/int4 kernels ("avx512", "avx2" or "portable");
-    each still uses the best level below the cap that the CPU has."""
+    """Cap the instruction set of the bf16/int8/int4 kernels ("amx", the default, "avx512",
+    "avx2" or "portable"); each still uses the best level below the cap that the CPU has."""
     if cap not in ISA_NAMES:
         raise ValueError(f"isa must be one of {', '.join(ISA_NAMES)}, got {cap!r}")
     pipeline_cpu_set_isa(ISA_NAMES.index(cap))
@@ -261,12 +280,88 @@ def lp_isa(str kind, int64_t k) -> str:
                      pipe_i8_level(k) if kind == "int8" else pipe_q4_level()]
 
 
+BF16_GEMV_MAX_M = PIPE_BF16_GEMV_MAX_M
+INT8_GEMV_MAX_M = PIPE_I8_GEMV_MAX_M
+
+
+def linear_bf16(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t weight,
+                uintptr_t bias, int64_t m, int64_t k, int64_t n) -> bool:
+    """As gemv_bf16, by the GEMV up to BF16_GEMV_MAX_M rows and on AMX tiles beyond (the
+    GEMV where AMX is absent and the CPU has AVX-512 BF16 or m <= GEMV_MAX_M); False
+    (nothing written) where neither applies: the caller multiplies a dequantised copy."""
+    cdef int rc
+    with nogil:
+        rc = pipeline_cpu_linear_bf16(<float *>y, ldy, <const float *>x, ldx,
+                                      <const uint16_t *>weight, <const float *>bias, m, k, n)
+    if rc < 0:
+        raise MemoryError(f"linear_bf16: no scratch for {m} rows of {k} values")
+    return rc == 0
+
+
+def linear_i8(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t q, uintptr_t scale,
+              uintptr_t bias, int64_t m, int64_t k, int64_t n) -> bool:
+    """As gemv_i8, by the GEMV up to INT8_GEMV_MAX_M rows and on AMX tiles beyond (the GEMV
+    up to 32 rows where AMX or amx_i8_fits(k) is not); False (nothing written) otherwise."""
+    cdef int rc
+    with nogil:
+        rc = pipeline_cpu_linear_i8(<float *>y, ldy, <const float *>x, ldx, <const int8_t *>q,
+                                    <const float *>scale, <const float *>bias, m, k, n)
+    if rc < 0:
+        raise MemoryError(f"linear_i8: no scratch for {m} rows of {k} values")
+    return rc == 0
+
+
+def amx_ok() -> bool:
+    """Whether the AMX kernels run: the CPU has AMX bf16/int8, the kernel granted this process
+    the tile data (asked once) and set_isa does not cap it."""
+    return bool(pipe_amx_ok())
+
+
+def amx_i8_fits(int64_t k) -> bool:
+    """Whether the int8 AMX kernel takes rows of k values (ceil(k/4) a multiple of 16)."""
+    return bool(pipe_amx_i8_fits(k))
+
+
+def amx_peak(int kind, int64_t iters, int threads) -> float:
+    """FLOP/s of ``threads`` threads issuing tile products with no memory traffic: kind 0
+    TDPBF16PS, 1 TDPBSSD (int8 ops). 0.0 without AMX."""
+    cdef double r
+    with nogil:
+        r = pipe_amx_peak(kind, iters, threads)
+    return r
+
+
 def gemv_bf16(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t weight,
               uintptr_t bias, int64_t m, int64_t k, int64_t n) -> None:
-    """float32 y [m, n] = x [m, k] @ W^T (+ bias), W bfloat16 [n, k], m <= GEMV_MAX_M."""
+    """float32 y [m, n] = x [m, k] @ W^T (+ bias), W bfloat16 packed [ceil(n/16), kp/2, 16, 2]
+    (kp: k rounded up to 32; cpu_ops_gemv_lp.h). Any m."""
+    cdef int rc
     with nogil:
-        pipeline_cpu_gemv_bf16(<float *>y, ldy, <const float *>x, ldx, <const uint16_t *>weight,
-                               <const float *>bias, m, k, n)
+        rc = pipeline_cpu_gemv_bf16(<float *>y, ldy, <const float *>x, ldx,
+                                    <const uint16_t *>weight, <const float *>bias, m, k, n)
+    if rc != 0:
+        raise MemoryError(f"gemv_bf16: no scratch for {m} rows of {k} values")
+
+
+def amx_bf16(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t weight,
+             uintptr_t bias, int64_t m, int64_t k, int64_t n) -> bool:
+    """As gemv_bf16, on AMX tiles; False (nothing written) without AMX or scratch memory."""
+    cdef int rc
+    with nogil:
+        rc = pipeline_cpu_amx_bf16(<float *>y, ldy, <const float *>x, ldx,
+                                   <const uint16_t *>weight, <const float *>bias, m, k, n)
+    return rc == 0
+
+
+def amx_i8(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t q, uintptr_t scale,
+           uintptr_t bias, int64_t m, int64_t k, int64_t n) -> bool:
+    """As gemv_i8, on AMX tiles (the same floats); False (nothing written) without AMX, for a
+    k that amx_i8_fits refuses, or without scratch memory."""
+    cdef int rc
+    with nogil:
+        rc = pipeline_cpu_amx_i8(<float *>y, ldy, <const float *>x, ldx, <const int8_t *>q,
+                                 <const float *>scale, <const float *>bias, m, k, n)
+    return rc == 0
 
 
 def gemv_i8(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t q, uintptr_t scale,

@@ -1,16 +1,20 @@
-/* Bench support, CPU ops: the machine's read bandwidth, the physical limit of a decode step
- * that streams its weights once (`pipeline bench worker`).
+/* Bench support, CPU ops: the machine's limits (`pipeline bench worker`): its read bandwidth,
+ * the limit of a decode step that streams its weights once, and the peak of the AMX tile
+ * products (cpu_ops_amx.h), the limit of a prefill or a large batch.
  *
  *   pipe_read_sum: the sum of n floats, read by `threads` OpenMP threads, each over one
  *   contiguous slice, with eight independent vector accumulators: the loop is bound by
  *   loads, not by the latency of one add chain (torch.sum ran at ~60 % of this, a one-thread
- *   memcpy measures one core's copy, not the memory system). No state.
+ *   memcpy measures one core's copy, not the memory system).
+ *   pipe_amx_peak: FLOP/s of TDPBF16PS / TDPBSSD on tiles loaded once (no memory traffic).
+ * No state.
  */
 #ifndef PIPELINE_CPU_OPS_BW_H
 #define PIPELINE_CPU_OPS_BW_H
 
 #include <stdint.h>
 #include <omp.h>
+#include "cpu_ops_amx.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -55,6 +59,44 @@ static double pipe_read_sum(const float *x, int64_t n, int threads) {
         total += pipe_read_slice(x + lo, hi - lo);
     }
     return total;
+}
+
+/* FLOP/s of `threads` threads each issuing `iters` x 4 independent tile products (bf16:
+ * kind 0, TDPBF16PS; int8: kind 1, TDPBSSD, ops counted as FLOP) on tiles loaded once: the
+ * instructions' peak, no memory traffic. 0 without AMX. */
+__attribute__((target("amx-tile,amx-bf16,amx-int8")))
+static double pipe_amx_peak(int kind, int64_t iters, int threads) {
+    if (!pipe_amx_ok()) return 0.0;
+    static const char zeros[1024] __attribute__((aligned(64))) = {0};
+    double t0 = 0.0, t1 = 0.0;
+    #pragma omp parallel num_threads(threads)
+    {
+        pipe_amx_config();
+        _tile_loadd(4, zeros, 64);
+        _tile_loadd(5, zeros, 64);
+        _tile_loadd(6, zeros, 64);
+        _tile_loadd(7, zeros, 64);
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        #pragma omp barrier
+        #pragma omp master
+        t0 = omp_get_wtime();
+        if (kind == 0)
+            for (int64_t i = 0; i < iters; i++) {
+                _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+            }
+        else
+            for (int64_t i = 0; i < iters; i++) {
+                _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 4, 7);
+                _tile_dpbssd(2, 5, 6); _tile_dpbssd(3, 5, 7);
+            }
+        _tile_release();
+        #pragma omp barrier
+        #pragma omp master
+        t1 = omp_get_wtime();
+    }
+    const double per_tile = 16.0 * 16.0 * (kind == 0 ? 32.0 : 64.0) * 2.0;
+    return (double)threads * (double)iters * 4.0 * per_tile / (t1 - t0);
 }
 
 #endif

@@ -11,12 +11,15 @@
  * released. The layer table (weights, norms, caches: fixed after load) is built once by
  * the model; the per-step arguments are the activation buffers and the batch metadata,
  * which layer 0 (on the checked Python path) has validated. Projections are float32 [in, out]
- * (kn), bf16, int8 (cpu_ops_gemv_lp.h) or int4 (cpu_ops_gemv_q4.h). Owns no state.
+ * (kn), bf16 or int8, both packed in blocks of 16 outputs, each multiplied by the GEMV or on AMX
+ * tiles as LowpWeight.linear would (pipeline_cpu_linear_*, cpu_ops_amx.h), or int4
+ * (cpu_ops_gemv_q4.h). Owns no state.
  */
 #ifndef PIPELINE_CPU_OPS_DECODER_H
 #define PIPELINE_CPU_OPS_DECODER_H
 
 #include <stdint.h>
+#include "cpu_ops_amx.h"
 #include "cpu_ops_attn.h"
 #include "cpu_ops_fused.h"
 #include "cpu_ops_gemv.h"
@@ -61,15 +64,13 @@ static int pipe_decoder_proj(const pipe_layer *L, int p, float *y, const float *
         pipeline_cpu_gemv(y, N, x, K, (const float *)L->w[p], L->bias[p], T, K, N, 1);
         return 0;
     }
-    if (L->fmt == PIPE_W_BF16) {
-        pipeline_cpu_gemv_bf16(y, N, x, K, (const uint16_t *)L->w[p], L->bias[p], T, K, N);
-        return 0;
-    }
+    if (L->fmt == PIPE_W_BF16)
+        return pipeline_cpu_linear_bf16(y, N, x, K, (const uint16_t *)L->w[p], L->bias[p], T, K, N);
     if (L->fmt == PIPE_W_INT4)
         return pipeline_cpu_gemv_q4(y, N, x, K, (const uint8_t *)L->w[p], (const uint16_t *)L->scale[p],
                                     L->zero[p], L->perm[p], L->bias[p], T, K, N, L->group_size[p]);
-    return pipeline_cpu_gemv_i8(y, N, x, K, (const int8_t *)L->w[p], L->scale[p],
-                                L->bias[p], T, K, N);
+    return pipeline_cpu_linear_i8(y, N, x, K, (const int8_t *)L->w[p], L->scale[p], L->bias[p],
+                                  T, K, N);
 }
 
 /* Returns -1 when done; else 4 * layer + what failed (0: scratch memory, 1: RoPE/cache

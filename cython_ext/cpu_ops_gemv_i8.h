@@ -23,9 +23,44 @@
 
 #define PIPE_I8_BLOCK 16
 
+/* pipe_quantize_row with AVX-512: the same absmax, product and rounding (to nearest even, as
+ * lrintf), 16 values at a time; every path of the GEMV and the AMX kernel goes through the
+ * one function that pipe_quantize_row picks, so they quantise alike. */
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static float pipe_quantize_row_avx512(const float *x, int64_t K, int64_t K4, int8_t *q) {
+    const int64_t K16 = K / 16 * 16;
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int64_t k = 0; k < K16; k += 16) {
+        const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + k));
+        bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ); /* inf or NaN */
+        amax = _mm512_max_ps(amax, a);
+    }
+    float m = _mm512_reduce_max_ps(amax);
+    int finite = bad == 0;
+    for (int64_t k = K16; k < K; k++) {
+        m = fmaxf(m, fabsf(x[k]));
+        finite &= isfinite(x[k]);
+    }
+    memset(q + K16, 0, (size_t)(K4 * 4 - K16));
+    if (!finite || !(m > 0.0f)) {
+        memset(q, 0, (size_t)K16);
+        return finite ? 0.0f : NAN;
+    }
+    const float inv = 127.0f / m;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (int64_t k = 0; k < K16; k += 16)
+        _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(
+            _mm512_mul_ps(_mm512_loadu_ps(x + k), vinv))));
+    for (int64_t k = K16; k < K; k++) q[k] = (int8_t)lrintf(x[k] * inv);
+    return m / 127.0f;
+}
+
 /* Row x (K values) quantised into q (K4 * 4 bytes, zero-padded); returns its scale (0 for a
  * zero row, NaN for a row with NaN/inf, which then poisons its outputs as in float32). */
 static float pipe_quantize_row(const float *x, int64_t K, int64_t K4, int8_t *q) {
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+        return pipe_quantize_row_avx512(x, K, K4, q);
     float amax = 0.0f;
     int finite = 1;
     for (int64_t k = 0; k < K; k++) {
@@ -39,16 +74,30 @@ static float pipe_quantize_row(const float *x, int64_t K, int64_t K4, int8_t *q)
     return amax / 127.0f;
 }
 
-/* y[m, b*16 + j] for j < 16 (and < N) from the 16 int32 sums of block b. Not inlined: one
- * compiled copy for every path, so -ffast-math cannot reorder the scaling differently in
- * each and the paths stay bit-identical. */
+/* y[m, b*16 + j] for j < 16 (and < N) from the 16 int32 sums of block b: one fused
+ * multiply-add, sum * (xs * scale) + bias, written as fmaf so that this scalar copy and the
+ * AVX-512 one (pipe_i8_store16, the AMX kernel's) round alike: the paths stay bit-identical
+ * whatever -ffast-math contracts. Not inlined: one compiled copy for every scalar caller. */
 static __attribute__((noinline)) void pipe_i8_store(float *y, int64_t ldy, const int32_t *sums, int64_t m,
                                  int64_t b, int64_t N, const float *xs, const float *scale,
                                  const float *bias) {
     const int64_t n0 = b * PIPE_I8_BLOCK;
     const int64_t n1 = n0 + PIPE_I8_BLOCK < N ? n0 + PIPE_I8_BLOCK : N;
     for (int64_t n = n0; n < n1; n++)
-        y[m * ldy + n] = (float)sums[n - n0] * (xs[m] * scale[n]) + (bias ? bias[n] : 0.0f);
+        y[m * ldy + n] = fmaf((float)sums[n - n0], xs[m] * scale[n], bias ? bias[n] : 0.0f);
+}
+
+/* pipe_i8_store with AVX-512: the same operations, 16 lanes at once. */
+__attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+static inline void pipe_i8_store16(float *y, int64_t ldy, const int32_t *sums, int64_t m,
+                                   int64_t b, int64_t N, const float *xs, const float *scale,
+                                   const float *bias, int nt) {
+    const int64_t n0 = b * PIPE_I8_BLOCK;
+    const __mmask16 k = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+    const __m512 s = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums));
+    const __m512 f = _mm512_mul_ps(_mm512_set1_ps(xs[m]), _mm512_maskz_loadu_ps(k, scale + n0));
+    const __m512 c = bias ? _mm512_maskz_loadu_ps(k, bias + n0) : _mm512_setzero_ps();
+    pipe_store16(y + m * ldy + n0, k, _mm512_fmadd_ps(s, f, c), nt);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static inline __attribute__((always_inline))

@@ -1,13 +1,17 @@
 /* Worker stage, CPU ops: matrix products with bfloat16 weights, float32 activations, and the
- * run-time instruction-set dispatch they share with the int8 ones (cpu_ops_gemv_i8.h).
+ * run-time instruction-set dispatch they share with the int8 and AMX ones (cpu_ops_gemv_i8.h,
+ * cpu_ops_amx.h).
  *
- *   pipeline_cpu_gemv_bf16: y [M, N] = x [M, K] @ W[N, K]^T (+ bias), W bfloat16
+ *   pipeline_cpu_gemv_bf16: y [M, N] = x [M, K] @ W^T (+ bias), W bfloat16 packed
  *
- * For M <= PIPE_GEMV_MAX_M (decode at small batch) a step is bound by reading W, so this
- * streams W once, in memory order, two bytes per weight instead of four: with AVX-512 BF16
- * the rows of x are rounded to bf16 once and each 32 weights take one VDPBF16PS (float32
- * accumulate); on AVX2 the weights are widened in registers (a shift) and multiplied with
- * float32 x. Larger M goes to a bf16 GEMM in torch (layers/lowp.py).
+ * W is packed in blocks of 16 outputs x 2 inputs per 64 bytes, P[N/16][Kp/2][16][2] (Kp = K
+ * rounded up to 32, N to 16, padding zero): the VNNI layout of an AMX B tile, so the AMX GEMM,
+ * this kernel and the embedding lookup read the one copy. One block is one contiguous stream
+ * and its 16 sums stay in the 16 lanes of a register (no horizontal reduction). At small M a
+ * step is bound by reading W, which this streams once: with AVX-512 BF16 the rows of x are
+ * rounded to bf16 once and each 64-byte line takes one VDPBF16PS per row (rows in groups of up
+ * to 8 reuse the line from L1, so it also serves any M where AMX is absent); on AVX2 a line is
+ * widened in registers (a shift and a mask) and multiplied with float32 x.
  *
  * Dispatch is at run time (the build may be -march=native elsewhere): each kernel has an
  * AVX-512 body, an AVX2 body (compiled with target attributes) and a portable one, and
@@ -27,16 +31,17 @@
 #include "cpu_ops_dtype.h"
 #include "cpu_ops_gemv.h"
 
-enum { PIPE_ISA_PORTABLE = 0, PIPE_ISA_AVX2 = 1, PIPE_ISA_AVX512 = 2 };
+enum { PIPE_ISA_PORTABLE = 0, PIPE_ISA_AVX2 = 1, PIPE_ISA_AVX512 = 2, PIPE_ISA_AMX = 3 };
 /* Weight bytes from which the bf16/int8 GEMVs use every thread; lower than the float32
  * GEMV's since a 2- or 1-byte weight is read in a half or a quarter of the time. Tunable
  * (PIPE_LP_PAR_MIN_BYTES) for the measurement in docs/cpu.md. */
 #ifndef PIPE_LP_PAR_MIN_BYTES
 #define PIPE_LP_PAR_MIN_BYTES (1 << 17)
 #endif
-static int pipe_isa_cap = PIPE_ISA_AVX512;
+static int pipe_isa_cap = PIPE_ISA_AMX;
 
-/* The best level the CPU has for kernel `kind` (0: bf16, 1: int8), capped. */
+/* The best vector level (not AMX: cpu_ops_amx.h) the CPU has for kernel `kind` (0: bf16,
+ * 1: int8), capped. */
 static int pipe_lp_level(int kind) {
     int best = PIPE_ISA_PORTABLE;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = PIPE_ISA_AVX2;
@@ -66,124 +71,237 @@ static void *pipe_lp_buffer(size_t bytes) {
 
 /* ---- bf16 ------------------------------------------------------------------------------ */
 
+#define PIPE_BF16_KALIGN 32 /* Kp: K rounded up to this (an AMX tile's depth in bf16) */
+#ifndef PIPE_BF16_PF
+#define PIPE_BF16_PF 1024 /* bytes ahead the one-row GEMV prefetches its block */
+#endif
+
+static inline int64_t pipe_bf16_kp(int64_t K) {
+    return (K + PIPE_BF16_KALIGN - 1) / PIPE_BF16_KALIGN * PIPE_BF16_KALIGN;
+}
+
+/* 16 floats to y (lanes in mask k); nt: a whole aligned line (k full, y 64-byte aligned),
+ * written around the caches (a product's output larger than they are, cpu_ops_amx.h). */
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static inline void pipe_store16(float *y, __mmask16 k, __m512 v, int nt) {
+    if (nt && k == (__mmask16)0xffff) _mm512_stream_ps(y, v);
+    else _mm512_mask_storeu_ps(y, k, v);
+}
+
+/* Block b's 16 sums (lanes) of row m into y, plus bias, the lanes < N only. */
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static inline void pipe_bf16_store16(float *y, int64_t ldy, __m512 acc, int64_t m, int64_t b,
+                                     int64_t N, const float *bias, int nt) {
+    const int64_t n0 = b * 16;
+    const __mmask16 k = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+    if (bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(k, bias + n0));
+    pipe_store16(y + m * ldy + n0, k, acc, nt);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static inline __attribute__((always_inline))
+void pipe_bf16_group_avx512(const int R, int64_t m0, const uint16_t *pb, const uint16_t *xb,
+                            int64_t Kp, __m512 *acc) {
+    /* pb: one block, Kp/2 lines of 64 bytes (16 outputs x 2 inputs); xb: rows of Kp bf16, a
+     * pair of inputs broadcast per line. */
+    const int64_t K2 = Kp / 2;
+    if (R == 1) { /* four chains, or each line waits for the previous VDPBF16PS */
+        const uint32_t *xr = (const uint32_t *)(xb + m0 * Kp);
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t k2 = 0; k2 < K2; k2 += 4) { /* K2 is a multiple of 16 */
+            /* the 256 bytes PIPE_BF16_PF ahead, past the ends of 4 KB pages where the
+             * hardware prefetcher stops (into the next block at the end: it comes next) */
+            const char *pf = (const char *)(pb + k2 * 32) + PIPE_BF16_PF;
+            _mm_prefetch(pf, _MM_HINT_T0);
+            _mm_prefetch(pf + 64, _MM_HINT_T0);
+            _mm_prefetch(pf + 128, _MM_HINT_T0);
+            _mm_prefetch(pf + 192, _MM_HINT_T0);
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(pb + k2 * 32), (__m512bh)_mm512_set1_epi32((int)xr[k2]));
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(pb + k2 * 32 + 32), (__m512bh)_mm512_set1_epi32((int)xr[k2 + 1]));
+            a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(pb + k2 * 32 + 64), (__m512bh)_mm512_set1_epi32((int)xr[k2 + 2]));
+            a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(pb + k2 * 32 + 96), (__m512bh)_mm512_set1_epi32((int)xr[k2 + 3]));
+        }
+        acc[0] = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+        return;
+    }
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k2 = 0; k2 < K2; k2++) {
+        if (R < 8) _mm_prefetch((const char *)(pb + k2 * 32) + PIPE_BF16_PF, _MM_HINT_T0);
+        const __m512bh w = (__m512bh)_mm512_loadu_si512(pb + k2 * 32);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_set1_epi32(
+                (int)((const uint32_t *)(xb + (m0 + r) * Kp))[k2]));
+    }
+}
+
+/* One or two rows (decode at batch 1-2) over four blocks at once: four streams, each line
+ * taking one VDPBF16PS per row with x's pair broadcast once for the four, and the next four
+ * blocks' lines prefetched at the same depth (8 streams in flight: one stream with prefetch
+ * ahead read its weights ~15 % slower from DRAM). */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static inline __attribute__((always_inline))
+void pipe_bf16_quad_avx512(const int R, float *y, int64_t ldy, const uint16_t *pb,
+                           const uint16_t *xb, const float *bias, int64_t Kp, int64_t N,
+                           int64_t b, int prefetch) {
+    const int64_t K2 = Kp / 2, bs = 16 * Kp; /* bs: elements per block */
+    __m512 acc[2][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t k2 = 0; k2 < K2; k2++) {
+        if (prefetch)
+            for (int j = 0; j < 4; j++)
+                _mm_prefetch((const char *)(pb + (4 + j) * bs + k2 * 32), _MM_HINT_T0);
+        __m512bh xv[2];
+        for (int r = 0; r < R; r++)
+            xv[r] = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)(xb + r * Kp))[k2]);
+        for (int j = 0; j < 4; j++) {
+            const __m512bh w = (__m512bh)_mm512_loadu_si512(pb + j * bs + k2 * 32);
+            for (int r = 0; r < R; r++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], w, xv[r]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) pipe_bf16_store16(y, ldy, acc[r][j], r, b + j, N, bias, 0);
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-static void pipe_bf16_rows_avx512(float *y, int64_t ldy, const uint16_t *xb, const uint16_t *W,
-                                  const float *bias, int64_t M, int64_t K, int64_t n0, int64_t n1) {
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) {
-        const uint16_t *w0 = W + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-        for (int64_t m = 0; m < M; m++) {
-            const uint16_t *xr = xb + m * K;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t k = 0; k < K; k += 32) {
-                if (m == 0 && n + 8 <= n1) { /* the next four rows, a line per row per 32 */
-                    _mm_prefetch((const char *)(w0 + 4 * K + k), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(w1 + 4 * K + k), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(w2 + 4 * K + k), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(w3 + 4 * K + k), _MM_HINT_T0);
-                }
-                const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + k);
-                a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w0 + k), xv);
-                a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w1 + k), xv);
-                a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w2 + k), xv);
-                a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w3 + k), xv);
+static void pipe_bf16_blocks_avx512(float *y, int64_t ldy, const uint16_t *xb, const uint16_t *W,
+                                    const float *bias, int64_t M, int64_t Kp, int64_t N,
+                                    int64_t b0, int64_t b1) {
+    __m512 acc[8];
+    if (M <= 2) { /* four blocks at a time, then the rest one by one */
+        for (; b0 + 4 <= b1; b0 += 4) {
+            const int pf = b0 + 8 <= b1;
+            if (M == 1) pipe_bf16_quad_avx512(1, y, ldy, W + b0 * 16 * Kp, xb, bias, Kp, N, b0, pf);
+            else pipe_bf16_quad_avx512(2, y, ldy, W + b0 * 16 * Kp, xb, bias, Kp, N, b0, pf);
+        }
+    }
+    for (int64_t b = b0; b < b1; b++) {
+        const uint16_t *pb = W + b * 16 * Kp;
+        if (M >= 8 && b + 1 < b1) /* many rows: fetch the next block while this one is reused */
+            for (int64_t off = 0; off < 16 * Kp; off += 32)
+                _mm_prefetch((const char *)(pb + 16 * Kp + off), _MM_HINT_T1);
+        int64_t m0 = 0;
+        for (; m0 + 8 <= M; m0 += 8) {
+            pipe_bf16_group_avx512(8, m0, pb, xb, Kp, acc);
+            for (int r = 0; r < 8; r++) pipe_bf16_store16(y, ldy, acc[r], m0 + r, b, N, bias, 0);
+        }
+        for (; m0 + 4 <= M; m0 += 4) {
+            pipe_bf16_group_avx512(4, m0, pb, xb, Kp, acc);
+            for (int r = 0; r < 4; r++) pipe_bf16_store16(y, ldy, acc[r], m0 + r, b, N, bias, 0);
+        }
+        for (; m0 + 2 <= M; m0 += 2) {
+            pipe_bf16_group_avx512(2, m0, pb, xb, Kp, acc);
+            for (int r = 0; r < 2; r++) pipe_bf16_store16(y, ldy, acc[r], m0 + r, b, N, bias, 0);
+        }
+        for (; m0 < M; m0++) {
+            pipe_bf16_group_avx512(1, m0, pb, xb, Kp, acc);
+            pipe_bf16_store16(y, ldy, acc[0], m0, b, N, bias, 0);
+        }
+    }
+}
+
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
+void pipe_bf16_group_avx2(const int R, int64_t m0, const uint16_t *pb, const float *x, int64_t ldx,
+                          int64_t K, __m256 (*acc)[2]) {
+    /* A line's 32-bit lane j holds outputs j's inputs k (low half) and k + 1 (high half):
+     * a shift and a mask make two float32 vectors of 8 outputs each. */
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 2) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(pb + k * 16));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(pb + k * 16 + 16));
+        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi));
+        const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+        const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi));
+        for (int r = 0; r < R; r++) {
+            const float *xr = x + (m0 + r) * ldx;
+            const __m256 xe = _mm256_set1_ps(xr[k]);
+            const __m256 xo = _mm256_set1_ps(k + 1 < K ? xr[k + 1] : 0.0f);
+            acc[r][0] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, acc[r][0]));
+            acc[r][1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, acc[r][1]));
+        }
+    }
+}
+
+__attribute__((target("avx2,fma")))
+static void pipe_bf16_blocks_avx2(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                  const uint16_t *W, const float *bias, int64_t M, int64_t K,
+                                  int64_t Kp, int64_t N, int64_t b0, int64_t b1) {
+    __m256 acc[4][2];
+    float out[16];
+    for (int64_t b = b0; b < b1; b++) {
+        const uint16_t *pb = W + b * 16 * Kp;
+        for (int64_t m0 = 0; m0 < M;) {
+            const int R = M - m0 >= 4 ? 4 : 1;
+            if (R == 4) pipe_bf16_group_avx2(4, m0, pb, x, ldx, K, acc);
+            else pipe_bf16_group_avx2(1, m0, pb, x, ldx, K, acc);
+            for (int r = 0; r < R; r++) {
+                _mm256_storeu_ps(out, acc[r][0]);
+                _mm256_storeu_ps(out + 8, acc[r][1]);
+                for (int64_t j = 0; j < 16 && b * 16 + j < N; j++)
+                    y[(m0 + r) * ldy + b * 16 + j] = out[j] + (bias ? bias[b * 16 + j] : 0.0f);
             }
-            float *yr = y + m * ldy + n;
-            yr[0] = _mm512_reduce_add_ps(a0) + (bias ? bias[n] : 0.0f);
-            yr[1] = _mm512_reduce_add_ps(a1) + (bias ? bias[n + 1] : 0.0f);
-            yr[2] = _mm512_reduce_add_ps(a2) + (bias ? bias[n + 2] : 0.0f);
-            yr[3] = _mm512_reduce_add_ps(a3) + (bias ? bias[n + 3] : 0.0f);
-        }
-    }
-    for (; n < n1; n++) {
-        for (int64_t m = 0; m < M; m++) {
-            __m512 a0 = _mm512_setzero_ps();
-            for (int64_t k = 0; k < K; k += 32)
-                a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(W + n * K + k),
-                                      (__m512bh)_mm512_loadu_si512(xb + m * K + k));
-            y[m * ldy + n] = _mm512_reduce_add_ps(a0) + (bias ? bias[n] : 0.0f);
+            m0 += R;
         }
     }
 }
 
-__attribute__((target("avx2,fma")))
-static inline __m256 pipe_bf16x8(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-__attribute__((target("avx2,fma")))
-static inline float pipe_lp_hsum8(__m256 a) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
-
-__attribute__((target("avx2,fma")))
-static void pipe_bf16_rows_avx2(float *y, int64_t ldy, const float *x, int64_t ldx,
-                                const uint16_t *W, const float *bias, int64_t M, int64_t K,
-                                int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n += 2) {
-        const int two = n + 1 < n1;
-        const uint16_t *w0 = W + n * K, *w1 = two ? w0 + K : w0;
+static void pipe_bf16_blocks_portable(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                      const uint16_t *W, const float *bias, int64_t M, int64_t K,
+                                      int64_t Kp, int64_t N, int64_t b0, int64_t b1) {
+    float s[16];
+    for (int64_t b = b0; b < b1; b++) {
+        const uint16_t *pb = W + b * 16 * Kp;
         for (int64_t m = 0; m < M; m++) {
-            const float *xr = x + m * ldx;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
-            for (int64_t k = 0; k < K; k += 16) {
-                const __m256 x0 = _mm256_loadu_ps(xr + k), x1 = _mm256_loadu_ps(xr + k + 8);
-                a0 = _mm256_fmadd_ps(pipe_bf16x8(w0 + k), x0, a0);
-                a1 = _mm256_fmadd_ps(pipe_bf16x8(w0 + k + 8), x1, a1);
-                b0 = _mm256_fmadd_ps(pipe_bf16x8(w1 + k), x0, b0);
-                b1 = _mm256_fmadd_ps(pipe_bf16x8(w1 + k + 8), x1, b1);
-            }
-            y[m * ldy + n] = pipe_lp_hsum8(_mm256_add_ps(a0, a1)) + (bias ? bias[n] : 0.0f);
-            if (two) y[m * ldy + n + 1] = pipe_lp_hsum8(_mm256_add_ps(b0, b1)) + (bias ? bias[n + 1] : 0.0f);
+            memset(s, 0, sizeof s);
+            for (int64_t k = 0; k < K; k++)
+                for (int j = 0; j < 16; j++)
+                    s[j] += x[m * ldx + k] * pipe_bf16_to_f32(pb[(k / 2) * 32 + j * 2 + (k & 1)]);
+            for (int64_t j = 0; j < 16 && b * 16 + j < N; j++)
+                y[m * ldy + b * 16 + j] = s[j] + (bias ? bias[b * 16 + j] : 0.0f);
         }
     }
 }
 
-static void pipe_bf16_rows_portable(float *y, int64_t ldy, const float *x, int64_t ldx,
-                                    const uint16_t *W, const float *bias, int64_t M, int64_t K,
-                                    int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++)
-        for (int64_t m = 0; m < M; m++) {
-            float s = 0.0f;
-            for (int64_t k = 0; k < K; k++) s += x[m * ldx + k] * pipe_bf16_to_f32(W[n * K + k]);
-            y[m * ldy + n] = s + (bias ? bias[n] : 0.0f);
-        }
-}
-
-/* The level the bf16 kernel uses for this K (the vector bodies need K % 32 / % 16 == 0). */
+/* The level the bf16 kernel uses (the packed layout has no alignment needs; K is kept for
+ * the interface). */
 static int pipe_bf16_level(int64_t K) {
-    int level = pipe_lp_level(0);
-    if (level == PIPE_ISA_AVX512 && K % 32) level = PIPE_ISA_AVX2;
-    if (level == PIPE_ISA_AVX2 && K % 16) level = PIPE_ISA_PORTABLE;
-    return level;
+    (void)K;
+    return pipe_lp_level(0);
 }
 
-static void pipeline_cpu_gemv_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
-                                   const uint16_t *W, const float *bias, int64_t M, int64_t K,
-                                   int64_t N) {
-    const int level = pipe_bf16_level(K);
-    uint16_t *xb = NULL;
-    if (level == PIPE_ISA_AVX512) { /* x rounded to bf16 once, M*K*2 bytes */
-        xb = (uint16_t *)pipe_lp_buffer((size_t)(M * K) * 2);
-        if (xb == NULL) return;
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t k = 0; k < K; k++) xb[m * K + k] = pipe_f32_to_bf16(x[m * ldx + k]);
+/* x rounded to bf16 into rows of Kp (zero past K), M*Kp*2 bytes. */
+static void pipe_bf16_round_rows(uint16_t *xb, const float *x, int64_t ldx, int64_t M,
+                                 int64_t K, int64_t Kp) {
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t k = 0; k < K; k++) xb[m * Kp + k] = pipe_f32_to_bf16(x[m * ldx + k]);
+        for (int64_t k = K; k < Kp; k++) xb[m * Kp + k] = 0;
     }
-    const int par = K * N * 2 >= PIPE_LP_PAR_MIN_BYTES && omp_get_max_threads() > 1;
+}
+
+/* W packed as above. Returns -1 without scratch memory. */
+static int pipeline_cpu_gemv_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                  const uint16_t *W, const float *bias, int64_t M, int64_t K,
+                                  int64_t N) {
+    if (M <= 0 || N <= 0) return 0;
+    const int level = pipe_bf16_level(K);
+    const int64_t Kp = pipe_bf16_kp(K), NB = (N + 15) / 16;
+    uint16_t *xb = NULL;
+    if (level == PIPE_ISA_AVX512) { /* x rounded to bf16 once */
+        xb = (uint16_t *)pipe_lp_buffer((size_t)(M * Kp) * 2);
+        if (xb == NULL) return -1;
+        pipe_bf16_round_rows(xb, x, ldx, M, K, Kp);
+    }
+    const int par = NB * 16 * Kp * 2 * (M > 8 ? 8 : 1) >= PIPE_LP_PAR_MIN_BYTES
+                    && omp_get_max_threads() > 1;
     #pragma omp parallel if (par)
     {
-        int64_t lo, hi;
-        pipe_split_cols(N, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);
-        if (lo < hi) {
-            if (level == PIPE_ISA_AVX512) pipe_bf16_rows_avx512(y, ldy, xb, W, bias, M, K, lo, hi);
-            else if (level == PIPE_ISA_AVX2) pipe_bf16_rows_avx2(y, ldy, x, ldx, W, bias, M, K, lo, hi);
-            else pipe_bf16_rows_portable(y, ldy, x, ldx, W, bias, M, K, lo, hi);
-        }
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t b0 = NB * t / nt, b1 = NB * (t + 1) / nt;
+        if (level == PIPE_ISA_AVX512) pipe_bf16_blocks_avx512(y, ldy, xb, W, bias, M, Kp, N, b0, b1);
+        else if (level == PIPE_ISA_AVX2) pipe_bf16_blocks_avx2(y, ldy, x, ldx, W, bias, M, K, Kp, N, b0, b1);
+        else pipe_bf16_blocks_portable(y, ldy, x, ldx, W, bias, M, K, Kp, N, b0, b1);
     }
+    return 0;
 }
 
 #endif

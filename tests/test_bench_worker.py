@@ -47,6 +47,27 @@ def test_worker_formats_and_their_ratios(model):
     assert "bf16 prefill tokens/s vs float32" in targets
 
 
+def test_worker_peak_rows_are_the_step_flops_over_the_measured_peak(model):
+    from pipeline._ext import cpu_ops
+    from pipeline.bench.peak import projection_params
+    out = bench("worker", "--model", model, "--skip-hf", "--formats", "bf16,int8", "--peak", *SMALL)
+    rows = {r["case"]: r for r in out["results"]}
+    m = out["machine"]
+    if not cpu_ops.amx_ok():
+        assert not any(c.endswith("vs peak") for c in rows)
+        pytest.skip("no AMX: no peak to measure")
+    layer_p, head_p = projection_params(model)
+    for fmt in ("bf16", "int8"):
+        peak = m[f"amx_peak_gflop_s_{fmt}"]
+        row = rows[f"decode batch 2 {fmt} vs peak"]
+        tok_s = rows[f"decode batch 2 {fmt}"]["pipeline_tok_s"]
+        assert row["gflop_s"] == pytest.approx(tok_s * 2 * (layer_p + head_p) / 1e9)
+        assert row["peak_fraction"] == pytest.approx(row["gflop_s"] / peak, rel=1e-3)
+        assert row["bound_fraction"] == pytest.approx(tok_s / row["bound_tok_s"])
+        assert f"prefill 32 tokens {fmt} vs peak" in rows
+    assert m["amx_peak_gflop_s_int8"] > 0 and m["amx_peak_gflop_s_bf16"] > 0
+
+
 def test_threads_default_against_explicit_counts(model):
     out = bench("threads", "--model", model, "--rounds", "1", "--phases", "quiet,busy", *SMALL)
     cores = out["machine"]["cores"]

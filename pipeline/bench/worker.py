@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.bench.peak import add_peak_rows, projection_params
 from pipeline.bench.report import Report
 from pipeline.config import EngineConfig
 from pipeline.messages import CachedRequestData, NewRequestData, SchedulerOutput, ids_to_bytes
@@ -48,6 +49,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", default="float32,bf16,int8,int4",
                    help="weight formats to run, comma-separated: float32, bf16, int8, int4 (CPU only; "
                         "int4 in groups of 128)")
+    p.add_argument("--peak", action="store_true",
+                   help="bf16/int8 prefill and batched decode as a fraction of the AMX tile "
+                        "products' peak, measured in the same run (bench/peak.py)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: both sides on the GPU, transformers in each format's dtype")
 
@@ -301,6 +305,7 @@ def main(args: argparse.Namespace) -> int:
                 raise SystemExit(f"--formats: {f!r} is not one of {', '.join(FORMAT_FLAGS)}")
             if cuda and FORMAT_FLAGS[f][1] != "none":
                 raise SystemExit(f"--formats: {f} runs on the CPU only, not with --device cuda")
+        params = projection_params(model_dir) if args.peak else (0, 0)
         runs = bench_formats(model_dir, formats, batches, args.decode_steps,
                              args.prefill_tokens, vocab, args.repeats, args.device)
         # transformers per format: in float32 for all on CPU (its own bf16 there is no baseline),
@@ -344,6 +349,8 @@ def main(args: argparse.Namespace) -> int:
         rep.target("int4 batch-1 decode vs int8", round(r, 2), ">= 1.7x", r >= 1.7)
         # what reading fewer bytes allows: the ratio of the two steps' weight bytes
         rep.machine["int8_over_int4_weight_bytes"] = round(runs["int8"][2] / runs["int4"][2], 3)
+    if args.peak and not cuda:
+        add_peak_rows(rep, runs, batches, args.prefill_tokens, params, torch.get_num_threads(), bw)
     if "float32" in runs:
         base, base_prefill, _ = runs["float32"]
         goals = (("bf16", 1, 1.8), ("int8", 1, 2.5), ("bf16", 32, 1.4), ("int8", 32, 1.0))

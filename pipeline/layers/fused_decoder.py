@@ -28,8 +28,7 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     once per step. Layer 0 goes through the checked ``ops`` wrappers; every later layer
     has the same shapes, dtypes and metadata, so it calls the kernels directly (their
     index checks still run in C). At batch 1 this is most of what is left of a step
-    besides reading the weights; so for up to ``GEMV_MAX_M`` tokens (fewer for bf16 weights
-    that oneDNN multiplies faster: ``LowpWeight.gemv_max_m``) all layers run in one C
+    besides reading the weights; so for up to ``GEMV_MAX_M`` tokens all layers run in one C
     call instead (``cpu_ops_decoder.h``: the same kernels in the same order, so the same
     floats), unless a layer needs Python (q/k norms, a layer-signal callback, the all-reduces
     of tensor parallelism)."""
@@ -40,9 +39,7 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     t, hidden = x.shape
     qs, kvs, nh, nkv, hd = layer0.q_size, layer0.kv_size, layer0.num_heads, layer0.num_kv_heads, layer0.head_dim
     inter = layer0.intermediate_size
-    w0 = layer0.qkv_weight  # packed bf16 weights leave the GEMV sooner (LowpWeight.gemv_max_m)
-    gemv = 0 < t <= (min(ops_fused.GEMV_MAX_M, w0.gemv_max_m) if isinstance(w0, PACKED)
-                     else ops_fused.GEMV_MAX_M)
+    gemv = 0 < t <= ops_fused.GEMV_MAX_M  # packed weights pick GEMV or AMX tiles in C alike
     residual = x
     h, o, down = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
     qkv = torch.empty((t, qs + 2 * kvs), dtype=torch.float32)

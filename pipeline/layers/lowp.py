@@ -10,19 +10,19 @@ of a CPU model when the worker runs ``--dtype bfloat16`` or ``--quantization int
   a float conversion and FMA per group per output), and the perplexity tests
   (tests/test_lowp_quality.py) show the per-channel loss is within the issue's bounds.
 
-``linear`` runs ``x @ W^T + b`` into float32: up to ``GEMV_MAX_M`` rows (decode) in the C
-GEMVs of ``cpu_ops_gemv_lp.h``, which stream the 2- or 1-byte weights once (int8 also
-quantises x per token there); more rows (prefill, large batches) in one GEMM: bf16 weights
-multiply a bf16 copy of x through oneDNN (AMX or AVX-512 BF16 where the CPU has them), from a
-copy of the weight that oneDNN laid out for itself once at load (``_onednn_pack``: without it
-oneDNN re-lays the weight out on every call, which cost as much as the product at batch 32);
-int8 weights are first dequantised by all threads into a scratch matrix (bf16 when the CPU
-multiplies bf16 natively, float32 otherwise), which a GEMM then reads from cache. ``embed``
-looks rows up for the embedding. The bf16 GEMV serves at most ``BF16_GEMV_MAX_M`` rows where
-that oneDNN copy exists: from 3 rows on, AMX tiles beat streaming the weight once per row group
-(measured: docs/cpu.md). The price is memory: a bf16 projection then holds 4 bytes per
-parameter, its row-major copy for the GEMV and the lookups and oneDNN's for the GEMM (as much
-as float32; int8 keeps its saving).
+Both are packed in blocks of 16 output channels, in the VNNI layout of an AMX B tile: bf16
+``[N/16][Kp/2][16][2]`` (``pack_bf16``; Kp = K rounded up to 32), int8 ``[N/16][K/4][16][4]``.
+That one copy serves every product and the lookups: ``linear`` runs ``x @ W^T + b`` into
+float32, one row (batch-1 decode) in the C GEMVs of ``cpu_ops_gemv_lp.h`` /
+``cpu_ops_gemv_i8.h``, which stream each 16-channel block once (int8 also quantises x per
+token there); more rows (batches, prefill) on AMX tiles (``cpu_ops_amx.h``: bf16 x rounded
+once, int8 x quantised per token, exact int32 sums; the thresholds are measured there).
+Without AMX, bf16 keeps the VDPBF16PS kernel for any rows where the CPU has AVX-512 BF16 and
+int8 its GEMV up to 32 rows; beyond (or for int8 of a depth the AMX kernel does not take)
+the weight is dequantised by all threads into a scratch matrix that a BLAS GEMM then reads
+(bf16 when the CPU multiplies bf16 natively, float32 otherwise). ``embed`` gathers rows out
+of the blocks for the embedding lookup (an untied table stays row-major). A bf16 weight holds
+2 bytes per parameter (plus the padding of N to 16 and K to 32), one copy.
 Owns: the packed weight tensors of one projection; the module
 owns the one scratch matrix per GEMM dtype that every LowpWeight dequantises into.
 """
@@ -31,15 +31,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.layers.ops import GEMV_MAX_M, backend
+from pipeline.layers.ops import backend
 
 FORMATS = ("bf16", "int8")
-# The int8 kernel keeps Q's blocks in L1 for every group of rows of x, so it beats
-# dequantise + GEMM up to this many rows (measured: docs/cpu.md).
-INT8_GEMV_MAX_M = 32
-# With oneDNN's own bf16 layout (AMX or AVX-512 BF16), its GEMM beats the bf16 GEMV from
-# 3 rows on (measured: docs/cpu.md); without it the GEMV serves up to GEMV_MAX_M.
-BF16_GEMV_MAX_M = 2
 _DEQUANT_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -76,20 +70,23 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
     return padded.view(nb, 16, k4, 4).permute(0, 2, 1, 3).contiguous()
 
 
-def unpack_int8(packed: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
-    """Rows ``rows`` of the ``[out, in]`` matrix that ``pack_int8`` packed, as int8 [len, k]."""
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """bf16 ``[out, in]`` -> the kernels' blocks ``[ceil(out/16), kp/2, 16, 2]`` (kp: in
+    rounded up to 32; cpu_ops_gemv_lp.h: 2 inputs of 16 outputs per 64 bytes), zero-padded."""
+    n, k = w.shape
+    nb, kp = -(-n // 16), -(-k // 32) * 32
+    padded = torch.zeros((nb * 16, kp), dtype=torch.bfloat16)
+    padded[:n, :k] = w
+    return padded.view(nb, 16, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_rows(packed: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows ``rows`` of the ``[out, in]`` matrix that ``pack_int8`` or ``pack_bf16`` packed,
+    in its dtype, [len, k]."""
     return packed[rows // 16, :, rows % 16, :].reshape(rows.shape[0], -1)[:, :k]
 
 
-def _onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
-    """``w`` (bf16 [out, in]) in the blocked layout oneDNN's bf16 linear reads, or None
-    where torch has no oneDNN or the CPU no native bf16 products."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(w, None)
-    except RuntimeError:  # a torch whose oneDNN cannot lay out bf16 on this CPU
-        return None
+unpack_int8 = unpack_rows
 
 
 def _pad(t: torch.Tensor, n: int, value: float | int) -> torch.Tensor:
@@ -108,16 +105,15 @@ class LowpWeight(nn.Module):
             raise ValueError(f"a low-precision weight must be a 2-D CPU tensor, got "
                              f"{tuple(weight.shape)} on {weight.device}")
         self.fmt = fmt
-        # An untied embedding is only looked up: int8 rows stay [out, in], not in kernel blocks.
+        # An untied embedding is only looked up: its rows stay [out, in], not in kernel blocks.
         self.table_only = table_only
         self.out_features, self.in_features = weight.shape
         # The dtype x (and a dequantised int8 weight) takes in a GEMM of more than GEMV_MAX_M rows.
         self.gemm_dtype = gemm_dtype
-        onednn = None
         if fmt == "bf16":
             weight, scale = weight.to(torch.bfloat16).contiguous(), None
-            if gemm_dtype == torch.bfloat16 and not table_only:
-                onednn = _onednn_pack(weight)
+            if not table_only:
+                weight = pack_bf16(weight)
         else:  # packed in blocks of 16 channels; scale padded to match
             q, scale = quantize_int8(weight)
             if not table_only:
@@ -129,46 +125,38 @@ class LowpWeight(nn.Module):
         self.scale: torch.Tensor | None
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)  # None: not a buffer (bf16)
-        self.onednn: torch.Tensor | None
-        self.register_buffer("onednn", onednn)  # None: not a buffer
-        # Rows up to which linear() runs the C GEMV rather than a GEMM.
-        self.gemv_max_m = (INT8_GEMV_MAX_M if fmt == "int8" else
-                           BF16_GEMV_MAX_M if onednn is not None else GEMV_MAX_M)
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, out={self.out_features}, in={self.in_features}"
 
     @property
     def nbytes(self) -> int:
-        """Memory held (both bf16 copies, where oneDNN has its own)."""
+        """Memory held: the packed weight and its scales."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     @property
     def step_nbytes(self) -> int:
-        """Bytes a small-batch (GEMV) step reads: the weight and its scales, not oneDNN's copy."""
-        return sum(b.numel() * b.element_size() for b in (self.weight, self.scale) if b is not None)
+        """Bytes a small-batch (GEMV) step reads: the weight and its scales."""
+        return self.nbytes
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` as float32 (the embedding lookup of a tied or packed table)."""
-        if self.scale is None:
-            return self.weight[ids].float()
-        rows = self.weight[ids] if self.table_only else unpack_int8(self.weight, ids, self.in_features)
-        return rows.float().mul_(self.scale[ids, None])
+        rows = self.weight[ids] if self.table_only else unpack_rows(self.weight, ids, self.in_features)
+        return rows.float() if self.scale is None else rows.float().mul_(self.scale[ids, None])
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The whole weight ``[out, in]`` in ``dtype`` (float32 or bfloat16): a bf16 weight
-        itself, else the shared scratch, valid until the next ``dense`` of any LowpWeight."""
-        if self.fmt == "bf16" and dtype == torch.bfloat16:
-            return self.weight
+        """The whole weight ``[out, in]`` in ``dtype`` (float32 or bfloat16) in the shared
+        scratch, valid until the next ``dense`` of any LowpWeight."""
         shape = (self.out_features, self.in_features)
         scratch = _scratch(dtype, shape[0] * shape[1]).view(shape)
-        if self.fmt == "bf16":  # a CPU without native bf16 GEMMs: float32 for BLAS
-            return scratch.copy_(self.weight)
+        rows = torch.arange(self.out_features)
+        if self.fmt == "bf16":  # a CPU without AVX-512 BF16: unpacked for BLAS
+            return scratch.copy_(self.weight if self.table_only else
+                                 unpack_rows(self.weight, rows, self.in_features))
         assert self.scale is not None
         ext = backend(self.weight.device)
         if ext is None:
-            rows = torch.arange(self.out_features)
-            return scratch.copy_(unpack_int8(self.weight, rows, self.in_features).float()
+            return scratch.copy_(unpack_rows(self.weight, rows, self.in_features).float()
                                  * self.scale[:self.out_features, None])
         ext.dequant_i8(scratch.data_ptr(), _DEQUANT_CODE[dtype], self.weight.data_ptr(),
                        self.scale.data_ptr(), self.out_features, self.in_features)
@@ -190,24 +178,16 @@ class LowpWeight(nn.Module):
             out = torch.empty((m, n), dtype=torch.float32)
         elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
             raise ValueError(f"out must be float32 [{m}, {n}] with dense rows")
-        ext = backend(x.device)
-        if 0 < m <= self.gemv_max_m and ext is not None:
-            b = 0 if bias is None else bias.data_ptr()
-            if self.fmt == "bf16":
-                ext.gemv_bf16(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0),
-                              self.weight.data_ptr(), b, m, k, n)
-            else:
-                assert self.scale is not None
-                ext.gemv_i8(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0),
-                            self.weight.data_ptr(), self.scale.data_ptr(),
-                            b, m, k, n)
-            return out
         if m == 0:
             return out
-        if self.onednn is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.onednn, None, "none", [], "")
-            out.copy_(y)
-            return out if bias is None else out.add_(bias)
+        ext = backend(x.device)
+        if ext is not None:  # the GEMV or AMX tiles by the number of rows (cpu_ops_amx.h)
+            args = (out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), self.weight.data_ptr())
+            b = 0 if bias is None else bias.data_ptr()
+            if self.fmt == "bf16" and ext.linear_bf16(*args, b, m, k, n):
+                return out
+            if self.scale is not None and ext.linear_i8(*args, self.scale.data_ptr(), b, m, k, n):
+                return out
         w = self.dense(self.gemm_dtype)
         y = torch.mm(x.to(w.dtype), w.t())
         if bias is not None:

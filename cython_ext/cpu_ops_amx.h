@@ -1,0 +1,305 @@
+/* Worker stage, CPU ops: bf16 and int8 matrix products on AMX tiles (prefill, batches).
+ *
+ *   pipeline_cpu_amx_bf16: y [M, N] = x [M, K] @ W^T (+ bias), W packed as for the bf16 GEMV
+ *   pipeline_cpu_amx_i8:   y [M, N] = x [M, K] @ (scale * Q)^T (+ bias), Q packed as for gemv_i8
+ *   pipeline_cpu_linear_bf16 / _i8: the GEMV or the AMX kernel, whichever is faster for M
+ *
+ * Both weight layouts are already AMX B tiles: a bf16 block [Kp/2][16][2] and an int8 block
+ * [K/4][16][4] hold, for 32 (bf16) or 64 (int8) inputs, one 16-row x 64-byte tile, 1 KB
+ * contiguous. x is converted once per call into an A buffer (bf16 rounded, or int8 quantised
+ * per token exactly as the int8 GEMV does), rows padded with zeros to a multiple of 16. The
+ * eight tiles are 4 accumulators (2 row blocks x 2 column blocks of 16), 2 A and 2 B, so each
+ * A and B tile loaded feeds two products. Threads split the pairs of column blocks; each goes
+ * over the rows in chunks whose A slice stays in L2 while its B panels are reused.
+ * int8 sums are exact int32 (TDPBSSD: signed x signed), scaled by the same code as the GEMV's
+ * (pipe_i8_store), so both give the same floats.
+ *
+ * The kernel needs the tile data state, which Linux grants per process on request
+ * (arch_prctl ARCH_REQ_XCOMP_PERM); pipe_amx_ok() asks once and says no when the CPU, the
+ * kernel or the ISA cap (pipeline_cpu_set_isa) refuses, and the callers then take the vector
+ * kernels. State: that answer; each thread configures its tiles per call and releases them.
+ */
+#ifndef PIPELINE_CPU_OPS_AMX_H
+#define PIPELINE_CPU_OPS_AMX_H
+
+#include <cpuid.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <omp.h>
+#include <immintrin.h>
+#include "cpu_ops_gemv_i8.h"
+#include "cpu_ops_gemv_lp.h"
+
+#define PIPE_AMX_PERM 0x1023  /* ARCH_REQ_XCOMP_PERM */
+#define PIPE_AMX_XTILEDATA 18 /* XFEATURE_XTILEDATA */
+/* A rows per chunk: the chunk's A slice (at most this many bytes) stays in L2 while each
+ * pair of B panels is multiplied over it. */
+#ifndef PIPE_AMX_A_BYTES
+#define PIPE_AMX_A_BYTES (768 << 10)
+#endif
+/* Rows up to which the GEMVs run where AMX could: measured on the 0.5B model's projections
+ * (docs/cpu.md), AMX ties the GEMVs at one row (both read the weights at DRAM speed) and wins
+ * from two. Without AMX the int8 GEMV serves up to PIPE_I8_NO_AMX_GEMV_MAX_M rows (then
+ * dequantise + BLAS), the bf16 one any number with AVX-512 BF16, else PIPE_GEMV_MAX_M. */
+#define PIPE_BF16_GEMV_MAX_M 1
+#define PIPE_I8_GEMV_MAX_M 1
+#define PIPE_I8_NO_AMX_GEMV_MAX_M 32
+#ifndef PIPE_AMX_NT_BYTES
+#define PIPE_AMX_NT_BYTES (8 << 20)
+#endif
+#ifndef PIPE_AMX_KSTEPS
+#define PIPE_AMX_KSTEPS 8
+#endif
+
+static int pipe_amx_granted = -1; /* -1: not asked yet */
+
+/* CPU has AMX-TILE/BF16/INT8 (CPUID 7.0 EDX 24, 22, 25) and the kernel granted the tile data. */
+static int pipe_amx_ok(void) {
+    if (pipe_amx_granted < 0) {
+        unsigned a, b, c, d;
+        int ok = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1)
+                 && (d >> 25 & 1);
+        if (ok) ok = syscall(SYS_arch_prctl, PIPE_AMX_PERM, PIPE_AMX_XTILEDATA) == 0;
+        pipe_amx_granted = ok;
+    }
+    return pipe_amx_granted && pipe_isa_cap >= PIPE_ISA_AMX;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} pipe_tilecfg;
+
+/* Tiles 0-3: C (16 x 16 float32 / int32), 4-5: A, 6-7: B, all 16 rows x 64 bytes. */
+__attribute__((target("amx-tile")))
+static void pipe_amx_config(void) {
+    pipe_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* One row block pair (nm x 16 rows) by one column block pair (nn x 16 columns) over `steps`
+ * depth steps: the 4 (or fewer) accumulators start from zero (first) or from c, and go back
+ * to c (rows of 32 values, 128 bytes: the two column blocks side by side). a: the first row
+ * block's A tiles (1 KB per depth step), the second's lda bytes further; b0/b1: the two
+ * column blocks' B tiles (1 KB per depth step). */
+#define PIPE_AMX_TILE_LOOP(DP)                                                                \
+    if (first) {                                                                              \
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);                           \
+    } else {                                                                                  \
+        _tile_loadd(0, c, 128);                                                               \
+        if (nn == 2) _tile_loadd(1, c + 16, 128);                                             \
+        if (nm == 2) { _tile_loadd(2, c + 512, 128); if (nn == 2) _tile_loadd(3, c + 528, 128); } \
+    }                                                                                         \
+    for (int64_t s = 0; s < steps; s++) {                                                     \
+        _tile_loadd(4, a + s * 1024, 64);                                                     \
+        _tile_loadd(6, b0 + s * 1024, 64);                                                    \
+        DP(0, 4, 6);                                                                          \
+        if (nn == 2) { _tile_loadd(7, b1 + s * 1024, 64); DP(1, 4, 7); }                      \
+        if (nm == 2) {                                                                        \
+            _tile_loadd(5, a + lda + s * 1024, 64);                                           \
+            DP(2, 5, 6);                                                                      \
+            if (nn == 2) DP(3, 5, 7);                                                         \
+        }                                                                                     \
+    }                                                                                         \
+    _tile_stored(0, c, 128);                                                                  \
+    if (nn == 2) _tile_stored(1, c + 16, 128);                                                \
+    if (nm == 2) { _tile_stored(2, c + 512, 128); if (nn == 2) _tile_stored(3, c + 528, 128); }
+
+__attribute__((target("amx-tile,amx-bf16"))) static inline __attribute__((always_inline))
+void pipe_amx_bf16_tiles(const int nm, const int nn, const char *a, int64_t lda, const char *b0,
+                         const char *b1, int64_t steps, int first, float *c) {
+    PIPE_AMX_TILE_LOOP(_tile_dpbf16ps)
+}
+
+__attribute__((target("amx-tile,amx-int8"))) static inline __attribute__((always_inline))
+void pipe_amx_i8_tiles(const int nm, const int nn, const char *a, int64_t lda, const char *b0,
+                       const char *b1, int64_t steps, int first, int32_t *c) {
+    PIPE_AMX_TILE_LOOP(_tile_dpbssd)
+}
+
+/* The arguments of one product, shared by the bf16 and int8 drivers. */
+typedef struct {
+    float *y;
+    int64_t ldy, M, N, NB, steps, arow, panel; /* arow: A bytes per row, panel: per block of B */
+    const char *A, *W;
+    const float *bias, *xs, *scale;           /* xs, scale: int8 only */
+} pipe_amx_args;
+
+/* Each thread's accumulators for one chunk of rows (PIPE_AMX_MAX_CHUNK x 32 values). */
+#define PIPE_AMX_MAX_CHUNK 512
+static __thread float *pipe_amx_cbuf = NULL;
+
+__attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,fma")))
+static int pipe_amx_run(const pipe_amx_args *g, int i8) {
+    const int64_t pairs = (g->NB + 1) / 2, Mp = (g->M + 15) / 16 * 16;
+    const int64_t lda = 16 * g->arow;
+    int64_t chunk = PIPE_AMX_A_BYTES / (g->arow > 0 ? g->arow : 1) / 32 * 32;
+    chunk = chunk < 32 ? 32 : chunk > PIPE_AMX_MAX_CHUNK ? PIPE_AMX_MAX_CHUNK : chunk;
+    /* An output far larger than L2 is written around the caches: no line is read for
+     * ownership first (gate_up of a 512-token prefill: 20 MB, 841 -> 1114 GFLOP/s). */
+    const int stream = (size_t)g->M * g->N * 4 >= PIPE_AMX_NT_BYTES && (uintptr_t)g->y % 64 == 0
+                   && g->ldy % 16 == 0;
+    int failed = 0;
+    #pragma omp parallel if (pairs > 1 && omp_get_max_threads() > 1) reduction(| : failed)
+    {
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
+        if (pipe_amx_cbuf == NULL)
+            pipe_amx_cbuf = (float *)aligned_alloc(64, PIPE_AMX_MAX_CHUNK * 32 * sizeof(float));
+        float *cbuf = pipe_amx_cbuf;
+        failed = cbuf == NULL;
+        if (cbuf) pipe_amx_config();
+        for (int64_t mc = 0; cbuf && mc < Mp; mc += chunk)
+            for (int64_t p = p0; p < p1; p++) {
+                const int64_t b = 2 * p;
+                const int nn = b + 1 < g->NB ? 2 : 1;
+                const char *b0 = g->W + b * g->panel, *b1 = b0 + g->panel;
+                /* depth in slices whose B tiles (2 x PIPE_AMX_KSTEPS KB) stay in L1 while
+                 * every row block of the chunk multiplies them */
+                for (int64_t k0 = 0; k0 < g->steps; k0 += PIPE_AMX_KSTEPS) {
+                    const int64_t ks = g->steps - k0 < PIPE_AMX_KSTEPS ? g->steps - k0 : PIPE_AMX_KSTEPS;
+                    const int first = k0 == 0, last = k0 + ks == g->steps;
+                    for (int64_t m = mc; m < Mp && m < mc + chunk; m += 32) {
+                        const int nm = Mp - m >= 32 ? 2 : 1;
+                        const char *a = g->A + m * g->arow + k0 * 1024;
+                        const char *k0b0 = b0 + k0 * 1024, *k0b1 = b1 + k0 * 1024;
+                        float *c = cbuf + (m - mc) * 32;
+                        /* constant nm/nn per call: the branches of the tile loop fold away */
+                        if (i8) {
+                            int32_t *ci = (int32_t *)c;
+                            if (nm == 2 && nn == 2) pipe_amx_i8_tiles(2, 2, a, lda, k0b0, k0b1, ks, first, ci);
+                            else if (nm == 2) pipe_amx_i8_tiles(2, 1, a, lda, k0b0, k0b1, ks, first, ci);
+                            else if (nn == 2) pipe_amx_i8_tiles(1, 2, a, lda, k0b0, k0b1, ks, first, ci);
+                            else pipe_amx_i8_tiles(1, 1, a, lda, k0b0, k0b1, ks, first, ci);
+                        } else if (nm == 2 && nn == 2) pipe_amx_bf16_tiles(2, 2, a, lda, k0b0, k0b1, ks, first, c);
+                        else if (nm == 2) pipe_amx_bf16_tiles(2, 1, a, lda, k0b0, k0b1, ks, first, c);
+                        else if (nn == 2) pipe_amx_bf16_tiles(1, 2, a, lda, k0b0, k0b1, ks, first, c);
+                        else pipe_amx_bf16_tiles(1, 1, a, lda, k0b0, k0b1, ks, first, c);
+                        if (!last) continue;
+                        for (int64_t r = 0; r < 16 * nm && m + r < g->M; r++)
+                            for (int j = 0; j < nn; j++) {
+                                const float *cr = c + r * 32 + 16 * j;
+                                if (i8) pipe_i8_store16(g->y, g->ldy, (const int32_t *)cr, m + r,
+                                                        b + j, g->N, g->xs, g->scale, g->bias, stream);
+                                else pipe_bf16_store16(g->y, g->ldy, _mm512_load_ps(cr), m + r,
+                                                       b + j, g->N, g->bias, stream);
+                            }
+                    }
+                }
+            }
+        if (cbuf) _tile_release();
+        if (stream) _mm_sfence(); /* the streamed lines visible before the caller reads y */
+    }
+    return failed ? -1 : 0;
+}
+
+/* The A buffer holds tiles, not rows: the 16 x 64-byte tile of row block m / 16 and depth
+ * step s is 1 KB at (m / 16 * steps + s) KB, so every tile load reads one contiguous KB (as
+ * B's do) that the hardware prefetcher follows. This is where row m's 64 bytes of step s go. */
+static inline int64_t pipe_amx_aoff(int64_t m, int64_t s, int64_t steps) {
+    return ((m / 16 * steps + s) * 16 + m % 16) * 64;
+}
+
+/* x rounded to bf16 into the tiles of Mp rows of Kp (zeros past M and K): AVX-512 BF16 (every
+ * AMX CPU has it), rounding to nearest even as pipe_f32_to_bf16 does. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+static void pipe_amx_round_rows(char *xb, const float *x, int64_t ldx, int64_t M,
+                                int64_t Mp, int64_t K, int64_t Kp) {
+    const int64_t steps = Kp / 32;
+    /* in the buffer's order, one tile (1 KB) after the other: row-order writes 1 KB apart
+     * ran 4x slower */
+    #pragma omp parallel for if (M * K >= (1 << 16)) schedule(static)
+    for (int64_t t = 0; t < Mp / 16 * steps; t++) {
+        const int64_t m0 = t / steps * 16, k0 = t % steps * 32;
+        uint16_t *d = (uint16_t *)(xb + t * 1024);
+        for (int64_t r = 0; r < 16; r++, d += 32) {
+            const int64_t m = m0 + r;
+            if (m < M && k0 + 32 <= K) {
+                const float *xr = x + m * ldx + k0;
+                _mm512_storeu_si512(d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 16),
+                                                                     _mm512_loadu_ps(xr)));
+                continue;
+            }
+            for (int64_t k = 0; k < 32; k++)
+                d[k] = m < M && k0 + k < K ? pipe_f32_to_bf16(x[m * ldx + k0 + k]) : 0;
+        }
+    }
+}
+
+/* Returns -1 without AMX or scratch memory (the caller then takes another kernel). */
+static int pipeline_cpu_amx_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                 const uint16_t *W, const float *bias, int64_t M, int64_t K,
+                                 int64_t N) {
+    if (M <= 0 || N <= 0) return 0;
+    if (!pipe_amx_ok()) return -1;
+    const int64_t Kp = pipe_bf16_kp(K), Mp = (M + 15) / 16 * 16;
+    char *xb = (char *)pipe_lp_buffer((size_t)(Mp * Kp) * 2);
+    if (xb == NULL) return -1;
+    pipe_amx_round_rows(xb, x, ldx, M, Mp, K, Kp);
+    pipe_amx_args g = {y, ldy, M, N, (N + 15) / 16, Kp / 32, Kp * 2, 16 * Kp * 2,
+                       (const char *)xb, (const char *)W, bias, NULL, NULL};
+    return pipe_amx_run(&g, 0);
+}
+
+/* Whether the int8 AMX kernel takes rows of K: the packed depth K4 = ceil(K/4) must fill
+ * whole tiles (16 groups of 4). */
+static int pipe_amx_i8_fits(int64_t K) { return (K + 3) / 4 % 16 == 0; }
+
+/* Returns -1 without AMX, for a K it does not take, or without scratch memory. */
+static int pipeline_cpu_amx_i8(float *y, int64_t ldy, const float *x, int64_t ldx,
+                               const int8_t *P, const float *scale, const float *bias,
+                               int64_t M, int64_t K, int64_t N) {
+    if (M <= 0 || N <= 0) return 0;
+    if (!pipe_amx_ok() || !pipe_amx_i8_fits(K)) return -1;
+    const int64_t K4 = (K + 3) / 4, Mp = (M + 15) / 16 * 16, lda = K4 * 4;
+    const size_t abytes = ((size_t)(Mp * lda) + 63) / 64 * 64;
+    char *buf = (char *)pipe_lp_buffer(abytes + (size_t)Mp * 4);
+    if (buf == NULL) return -1;
+    int8_t *xq = (int8_t *)buf;
+    float *xs = (float *)(buf + abytes);
+    const int64_t steps = K4 / 16;
+    #pragma omp parallel for if (M * K >= (1 << 16)) schedule(static)
+    for (int64_t m = 0; m < Mp; m++) {
+        int8_t row[lda]; /* quantised as by the GEMV, then cut into the tiles */
+        if (m < M) xs[m] = pipe_quantize_row(x + m * ldx, K, K4, row);
+        else memset(row, 0, (size_t)lda);
+        for (int64_t s = 0; s < steps; s++) memcpy(xq + pipe_amx_aoff(m, s, steps), row + s * 64, 64);
+    }
+    pipe_amx_args g = {y, ldy, M, N, (N + 15) / 16, steps, lda, 16 * lda,
+                       (const char *)xq, (const char *)P, bias, xs, scale};
+    return pipe_amx_run(&g, 1);
+}
+
+/* y = x @ W^T (+ bias) with bf16 W packed: 0 done, -1 out of scratch memory, 1 not taken
+ * (no AMX, no AVX-512 BF16, M > PIPE_GEMV_MAX_M: the caller dequantises for BLAS). */
+static int pipeline_cpu_linear_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                    const uint16_t *W, const float *bias, int64_t M, int64_t K,
+                                    int64_t N) {
+    if (M > PIPE_BF16_GEMV_MAX_M && pipeline_cpu_amx_bf16(y, ldy, x, ldx, W, bias, M, K, N) == 0)
+        return 0;
+    if (M <= PIPE_GEMV_MAX_M || pipe_bf16_level(K) == PIPE_ISA_AVX512)
+        return pipeline_cpu_gemv_bf16(y, ldy, x, ldx, W, bias, M, K, N);
+    return 1;
+}
+
+/* The same for int8 P (packed, per-channel scale). */
+static int pipeline_cpu_linear_i8(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                  const int8_t *P, const float *scale, const float *bias,
+                                  int64_t M, int64_t K, int64_t N) {
+    if (M > PIPE_I8_GEMV_MAX_M && pipeline_cpu_amx_i8(y, ldy, x, ldx, P, scale, bias, M, K, N) == 0)
+        return 0;
+    if (M <= PIPE_I8_NO_AMX_GEMV_MAX_M)
+        return pipeline_cpu_gemv_i8(y, ldy, x, ldx, P, scale, bias, M, K, N);
+    return 1;
+}
+
+#endif
