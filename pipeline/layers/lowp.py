@@ -59,10 +59,19 @@ def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel symmetric int8 of a float ``[out, in]`` weight: (q int8 [out, in]
     in [-127, 127], scale float32 [out]). An all-zero row gets scale 1 and zeros."""
-    w = w.float()
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    # Rows in chunks of ~4 MB of float32, so every pass stays in cache (whole-matrix
+    # temporaries made loading 3x slower); the same float32 max, division and rounding.
+    n, k = w.shape
+    rows = max(1, (1 << 20) // max(k, 1))
+    q = torch.empty((n, k), dtype=torch.int8)
+    scale = torch.empty(n, dtype=torch.float32)
+    tmp = torch.empty((min(rows, n), k), dtype=torch.float32)
+    for r in range(0, n, rows):
+        t = tmp[:min(n, r + rows) - r].copy_(w[r:r + rows])
+        amax = torch.maximum(t.amax(dim=1), t.amin(dim=1).neg())
+        s = scale[r:r + rows].copy_(torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)))
+        t.div_(s[:, None]).round_().clamp_(-127, 127)
+        q[r:r + rows].copy_(t)
     return q, scale.contiguous()
 
 

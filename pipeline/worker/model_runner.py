@@ -31,6 +31,7 @@ from pipeline.models.config import load_model_config, model_hash
 from pipeline.models.llama import CausalLM
 from pipeline.models.loader import load_weights
 from pipeline.models.parallel import TPGroup, TPShard
+from pipeline.models.weights import WeightPlan
 from pipeline.worker.cuda_graphs import DecodeGraphs
 from pipeline.worker.device import cpu_has_fast_bf16, cpu_weight_format, resolve_dtype, worker_threads
 from pipeline.worker.input_batch import InputBatch
@@ -126,24 +127,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.shard is not None:
             self._join_group()
-        # CPU bf16/int8: float32 activations, the projections packed after loading.
+        # CPU bf16/int8: float32 activations, the projections packed as they load.
         fmt = cpu_weight_format(self.dtype, self.config.quantization, self.device,
                                 ops.backend(self.device) is not None)
+        plan = WeightPlan(torch.float32 if fmt else self.dtype, self.device, fmt,
+                          torch.bfloat16 if cpu_has_fast_bf16() else torch.float32,
+                          kn=fmt is None and self.device.type == "cpu")
         with torch.device("meta"):
             model = CausalLM(self.shard.model_config(mc) if self.shard else mc, self.max_model_len)
-        # What Module.to_empty does, without its empty_like: on meta tensors that goes through
-        # torch._refs, which imports sympy (~0.5 s of start-up for nothing).
-        dev = self.device
-        model = model.to(torch.float32 if fmt else self.dtype)._apply(
-            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev))
-        model.rotary.reset()
-        model.tie_weights()
-        load_weights(model, self.config.model, shard=self.shard)
+        load_weights(model, self.config.model, plan, shard=self.shard)
         model.tp = self.tp
-        if fmt is not None:
-            model.pack_weights(fmt, torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
-        elif self.device.type == "cpu":
-            model.transpose_weights()
         self.model = model.eval()
         nparams = sum(p.numel() for p in model.parameters()) + sum(
             m.weight.numel() for m in model.modules() if isinstance(m, LowpWeight))
