@@ -75,3 +75,16 @@ class WeightPlan:
         if tied:
             delattr(model, "lm_head")
             model.lm_head = value
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights hold (parameters and packed buffers, a tied one once; not
+    the RoPE tables)."""
+    seen: set[int] = set()
+    total = 0
+    packed = [b for m in model.modules() if isinstance(m, LowpWeight) for b in m.buffers()]
+    for t in (*model.parameters(), *packed):
+        if t.data_ptr() not in seen and not t.is_meta:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total

@@ -69,3 +69,15 @@ def cpu_weight_format(dtype: torch.dtype, quantization: str, device: torch.devic
                              "build them with `make build`")
         return None  # bf16 falls back to torch's bf16 ops, one at a time
     return fmt
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes (VmHWM), 0 where /proc has none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

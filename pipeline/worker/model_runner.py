@@ -31,9 +31,9 @@ from pipeline.models.config import load_model_config, model_hash
 from pipeline.models.llama import CausalLM
 from pipeline.models.loader import load_weights
 from pipeline.models.parallel import TPGroup, TPShard
-from pipeline.models.weights import WeightPlan
+from pipeline.models.weights import WeightPlan, weight_bytes
 from pipeline.worker.cuda_graphs import DecodeGraphs
-from pipeline.worker.device import cpu_has_fast_bf16, cpu_weight_format, resolve_dtype, worker_threads
+from pipeline.worker.device import cpu_has_fast_bf16, cpu_weight_format, peak_rss, resolve_dtype, worker_threads
 from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.kv_cache import KVCache, bytes_per_block
 from pipeline.worker.kv_sizing import decide_num_blocks, profile_gpu_blocks
@@ -96,6 +96,7 @@ class ModelRunner:
         self.num_layers = mc.num_layers
         self.num_blocks = 0
         self.kv_cache_bytes = 0
+        self.weight_bytes = 0
         self.model: CausalLM | None = None
         self.kv_cache: KVCache | None = None
         self.graphs: DecodeGraphs | None = None  # CUDA, one rank: captured decode steps
@@ -140,10 +141,12 @@ class ModelRunner:
         self.model = model.eval()
         nparams = sum(p.numel() for p in model.parameters()) + sum(
             m.weight.numel() for m in model.modules() if isinstance(m, LowpWeight))
+        self.weight_bytes = weight_bytes(model)
         weights = f"{fmt} weights, float32 activations" if fmt else str(self.dtype)
         part = f" (rank {self.rank} of {self.shard.size})" if self.shard else ""
         print(f"model: {mc.architecture} {nparams / 1e6:.1f}M params{part}, {weights}, {self.device}, "
-              f"loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+              f"{self.weight_bytes / 2**20:.1f} MiB, loaded in {time.perf_counter() - t0:.2f}s, "
+              f"peak RSS {peak_rss() / 2**20:.0f} MiB", file=sys.stderr, flush=True)
         self.num_blocks = self._decide_num_blocks()
         if self.tp is not None:  # one block table for every rank: the smallest pool
             self.num_blocks = self.tp.min_int(self.num_blocks)
@@ -165,8 +168,10 @@ class ModelRunner:
             assert self.tp is not None
             self.tp.barrier()
         self.kv_cache_bytes = self.kv_cache.spec.total_bytes
+        tokens = self.num_blocks * self.block_size
         print(f"kv cache: {self.num_blocks} blocks x {self.block_size} tokens "
-              f"({self.kv_cache_bytes / 2**20:.1f} MiB)", file=sys.stderr, flush=True)
+              f"({self.kv_cache_bytes / 2**20:.1f} MiB): {tokens} tokens, {tokens / self.max_model_len:.2f}x "
+              f"max_model_len={self.max_model_len}", file=sys.stderr, flush=True)
         # A prefill instance keeps its layer signal attached, which rules the graphs out.
         if self.device.type == "cuda" and self.tp is None and self.config.role != "prefill":
             self.graphs = DecodeGraphs(model, self.kv_cache.layers, self.config.max_num_seqs,
@@ -191,7 +196,7 @@ class ModelRunner:
         return decide_num_blocks(self.config, self._block_bytes(), self.block_size, self.max_model_len,
                                  self.device, lambda per_block: profile_gpu_blocks(
                                      self.model, self.config, self.block_size, self.max_model_len,
-                                     self.device, cache, per_block))
+                                     self.device, cache, per_block), self.weight_bytes)
 
     def attach_layer_signal(self, sig) -> None:
         """After each layer's K/V write, publish (step_id, layer) on ``sig`` (a LayerSignal;
