@@ -71,12 +71,13 @@ def cpu_weight_format(dtype: torch.dtype, quantization: str, device: torch.devic
     return fmt
 
 
-def peak_rss() -> int:
-    """This process's peak resident memory in bytes (VmHWM), 0 where /proc has none."""
+def proc_memory(field: str = "VmHWM") -> int:
+    """A memory figure of this process in bytes from /proc/self/status ("VmHWM": peak
+    resident, "VmRSS": resident now); 0 where /proc has none."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass

@@ -33,7 +33,7 @@ from pipeline.models.loader import load_weights
 from pipeline.models.parallel import TPGroup, TPShard
 from pipeline.models.weights import WeightPlan, weight_bytes
 from pipeline.worker.cuda_graphs import DecodeGraphs
-from pipeline.worker.device import cpu_has_fast_bf16, cpu_weight_format, peak_rss, resolve_dtype, worker_threads
+from pipeline.worker.device import cpu_has_fast_bf16, cpu_weight_format, proc_memory, resolve_dtype, worker_threads
 from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.kv_cache import KVCache, bytes_per_block
 from pipeline.worker.kv_sizing import decide_num_blocks, profile_gpu_blocks
@@ -126,6 +126,7 @@ class ModelRunner:
     def load(self) -> None:
         mc = self.model_config
         t0 = time.perf_counter()
+        rss0 = proc_memory("VmRSS")
         if self.shard is not None:
             self._join_group()
         # CPU bf16/int8: float32 activations, the projections packed as they load.
@@ -146,7 +147,8 @@ class ModelRunner:
         part = f" (rank {self.rank} of {self.shard.size})" if self.shard else ""
         print(f"model: {mc.architecture} {nparams / 1e6:.1f}M params{part}, {weights}, {self.device}, "
               f"{self.weight_bytes / 2**20:.1f} MiB, loaded in {time.perf_counter() - t0:.2f}s, "
-              f"peak RSS {peak_rss() / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+              f"peak RSS {proc_memory() / 2**20:.0f} MiB ({rss0 / 2**20:.0f} MiB before loading)",
+              file=sys.stderr, flush=True)
         self.num_blocks = self._decide_num_blocks()
         if self.tp is not None:  # one block table for every rank: the smallest pool
             self.num_blocks = self.tp.min_int(self.num_blocks)
