@@ -24,7 +24,7 @@ from pipeline.models.parallel import TPShard
 from pipeline.models.safetensors_read import SafetensorsFile
 
 # Enough to keep the disk busy while a parameter packs; small beside any model worth streaming.
-READ_AHEAD_BYTES = 64 << 20
+READ_AHEAD_BYTES = 32 << 20
 
 
 @dataclass(slots=True)
