@@ -265,3 +265,19 @@ def test_peak_memory_is_the_weights_plus_one_tensor(tmp_path, fmt):
           f"peak +{grew >> 20} MiB, kept +{kept >> 20} MiB")
     assert grew <= m["weights"] + largest_f32 + READ_AHEAD_BYTES + largest_read + slack
     assert kept <= m["weights"] + slack  # nothing left behind: no float copies, heap trimmed
+
+
+def test_parameters_larger_than_the_read_ahead_still_load(tmp_path, monkeypatch):
+    # Every fused parameter is larger than the limit: the reader must still read its other
+    # parts (a buffer in assembly is not held against the limit), or the load waits forever.
+    import threading
+
+    from pipeline.models import weight_stream
+    monkeypatch.setattr(weight_stream, "READ_AHEAD_BYTES", 1024)
+    path = checkpoint(tmp_path / "m", "qwen2", False, torch.float32)
+    done: list[CausalLM] = []
+    t = threading.Thread(target=lambda: done.append(streamed(path, FORMS["float32"])), daemon=True)
+    t.start()
+    t.join(120)
+    assert done, "the load did not finish"
+    assert_same(done[0], reference(path, FORMS["float32"]), FORMS["float32"])

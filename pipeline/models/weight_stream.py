@@ -2,10 +2,11 @@
 in file order and hands out complete parameters, the fused ones (q/k/v, gate/up) assembled
 by reading each part straight into its rows of one buffer (no concatenation copy).
 
-It stays at most ``READ_AHEAD_BYTES`` ahead of the consumer (which packs each parameter and
-calls ``release``), but always reads the next tensor: the disk or the page-cache copy runs
-while the previous parameter packs, and memory holds the read-ahead and the parameters being
-assembled, never the model. Errors (a bad file, a shape config.json does not imply) reach the
+It stays at most ``READ_AHEAD_BYTES`` of complete parameters ahead of the consumer (which
+packs each one and calls ``release``), but always reads the next tensor: the disk or the
+page-cache copy runs while the previous parameter packs, and memory holds the read-ahead and
+the parameters being assembled (their parts are adjacent in the files HF writes), never the
+model. Errors (a bad file, a shape config.json does not imply) reach the
 consumer as the exception itself.
 
 Owns the reader thread (joined by ``close``) and the buffers of parameters in assembly.
@@ -84,13 +85,13 @@ class WeightStream:
             item.param, item.value = param, self.read_shard(key, f.get_slice(key), self.shard)
             self._hold(item.value.numel() * item.value.element_size())
             return item
+        # A buffer in assembly is not held against the limit: only reading its other parts
+        # completes it (a fused parameter larger than the limit would wait forever).
         if param not in self.shapes:
             raise ValueError(f"checkpoint tensor {key!r} maps to unknown parameter {param!r} "
                              f"(does config.json match the weights?)")
         if param not in self.pending:
-            buf = torch.empty(self.shapes[param], dtype=e.dtype)
-            self._hold(buf.numel() * buf.element_size())
-            self.pending[param] = (buf, set())
+            self.pending[param] = (torch.empty(self.shapes[param], dtype=e.dtype), set())
         buf, seen = self.pending[param]
         dest = buf[lo:hi]
         if lo in seen:
@@ -108,6 +109,7 @@ class WeightStream:
         if len(seen) == parts:
             del self.pending[param]
             item.param, item.value = param, buf
+            self._hold(buf.numel() * buf.element_size())
         return item
 
     def __iter__(self) -> Iterator[Item]:
