@@ -80,9 +80,13 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
     (cpu_ops_gemv_i8.h: 4 inputs of 16 outputs per 64 bytes), zero-padded."""
     n, k = q.shape
     nb, k4 = -(-n // 16), -(-k // 4)
-    padded = torch.zeros((nb * 16, k4 * 4), dtype=torch.int8)
-    padded[:n, :k] = q
-    return padded.view(nb, 16, k4, 4).permute(0, 2, 1, 3).contiguous()
+    if (n, k) != (nb * 16, k4 * 4) or not q.is_contiguous():
+        padded = torch.zeros((nb * 16, k4 * 4), dtype=torch.int8)
+        padded[:n, :k] = q
+        q = padded
+    # Moved as int32 (4 inputs at once): a byte-wise permute took a third of an int8 load.
+    return (q.view(torch.int32).view(nb, 16, k4).permute(0, 2, 1).contiguous()
+            .view(torch.int8).view(nb, k4, 16, 4))
 
 
 def unpack_int8(packed: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
