@@ -229,7 +229,7 @@ import json, sys, torch
 from pipeline.models.config import load_model_config
 from pipeline.models.llama import PROJECTIONS, CausalLM
 from pipeline.models.loader import load_weights
-from pipeline.models.weights import WeightPlan
+from pipeline.models.weights import WeightPlan, weight_bytes
 from pipeline.worker.device import proc_memory
 path, fmt = sys.argv[1], sys.argv[2]
 torch.set_num_threads(2)
