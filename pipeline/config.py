@@ -36,7 +36,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     quantization_group_size: int = 128  # int4: 32, 64 or 128
     block_size: int = 0  # 0: 16 on CPU, 64 on GPU
     num_blocks: int = 0  # 0: from the memory budget
-    kv_cache_memory: int = 0  # bytes on CPU; 0: 1 GiB or what max_model_len * max_num_seqs needs
+    kv_cache_memory: int = 0  # bytes on CPU; 0: sized to the model (worker/kv_sizing.py)
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -166,7 +166,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help=f"tokens per KV block: a power of two up to {MAX_BLOCK_SIZE} (0: 16 on CPU, 64 on GPU)")
     p.add_argument("--num-blocks", type=int, default=d.num_blocks)
-    p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes (CPU)")
+    p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
+                   help="bytes of KV cache (CPU). Default: as much as the weights take, at least 64 MiB "
+                        "and one max_model_len sequence, at most what max_num_seqs sequences of "
+                        "max_model_len fill and half the free memory; pages are allocated as used")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)

@@ -35,7 +35,8 @@ def test_tiny_run_offline_and_http(tmp_path):
     http = rows["tiny http pipeline"]
     assert http["requests"] == http["completed"] == 6, http
     assert http["first_errors"] == []
-    assert 0 < http["ttft_p50_ms"] <= http["ttft_p99_ms"] and 0 < http["itl_p50_ms"] <= http["itl_p99_ms"]
+    # (a tiny model's tokens may come several to one read of the stream: gaps of 0)
+    assert 0 < http["ttft_p50_ms"] <= http["ttft_p99_ms"] and 0 <= http["itl_p50_ms"] <= http["itl_p99_ms"]
     targets = {t["name"]: t for t in out["targets"]}
     assert targets["tiny http pipeline: all requests completed"]["met"]
     assert "tiny int8 batch-4 vs bf16 batch-4" in targets

@@ -32,8 +32,17 @@ def test_one_repeat_json():
     assert first["median_s"] <= exit_s  # the answer comes before the process ends
     ratio = round(first["median_s"] / torch_s, 2)
     assert first["x_import_torch"] == ratio
-    [target] = out["targets"]
+    targets = {t["name"]: t for t in out["targets"]}
+    target = targets["first token / import torch (medians)"]
     assert target["measured"] == ratio and target["met"] == (first["median_s"] / torch_s <= GOAL_RATIO)
+    # Loading against reading the checkpoint, both measured in the run.
+    read = rows["checkpoint read (the loader's reader, this process)"]
+    loaded = rows["worker: weights loaded (its own figure)"]
+    assert read["runs"] == loaded["runs"] == 1 and read["median_s"] > 0 and read["file_mib"] > 1
+    load_ratio = targets["weights loaded / checkpoint read (medians)"]
+    assert load_ratio["measured"] == loaded["x_read"] == round(loaded["median_s"] / read["median_s"], 2)
+    peak = rows["worker: peak RSS during load above its start"]
+    assert peak["median_mib"] >= 0 and peak["x_file"] == pytest.approx(peak["median_mib"] / read["file_mib"], rel=0.02)
     # Every stage's start-up line was seen, each before the first token; all stages are up
     # only after the worker is.
     at = {name: rows[f"  {name}"] for name, _ in MILESTONES}

@@ -14,7 +14,13 @@ allocated), the other stages ready, and the gateway's "ready" (all stages up). T
 start together, so the rows overlap: the token processor is ready long before the worker,
 the engine and the tokenizer just after it (they are built from its ModelInfo). The
 gateway's own imports are timed apart as `pipeline run --help`, a process of its own in the
-same alternation, since the run prints nothing when they end. Owns nothing beyond the run.
+same alternation, since the run prints nothing when they end.
+
+Loading against reading: the worker's own "loaded in" figure (meta model to packed weights)
+against reading every tensor of the checkpoint with the loader's reader in this process, in
+the same alternation (so the page cache is as warm for both: the loader's floor), and the
+worker's peak resident memory during loading (VmHWM less its RSS when loading began) against
+the checkpoint's size. Owns nothing beyond the run.
 """
 from __future__ import annotations
 
@@ -31,8 +37,12 @@ from typing import IO
 
 from pipeline.bench.report import Report
 from pipeline.config import DEFAULT_MODEL
+from pipeline.models.loader import checkpoint_files
+from pipeline.models.safetensors_read import SafetensorsFile
 
 GOAL_RATIO = 1.5
+LOAD_GOAL_RATIO = 1.5  # weights loaded (packed) / the checkpoint read
+_LOADED = re.compile(r"model: .* loaded in ([\d.]+)s, peak RSS (\d+) MiB \((\d+) MiB before loading\)")
 # (breakdown row, the stderr line that marks it): the worker's in the order it reaches them,
 # then the other stages', which start beside it. The lines are the stages' own start-up log;
 # a row whose line never came is reported unseen.
@@ -114,6 +124,23 @@ def one_line_run(args: argparse.Namespace) -> RunTimes:
     return RunTimes(out[0][0], exited, err, float(answers[0]["timings"]["ttft"]))
 
 
+def read_checkpoint(model: str) -> tuple[float, int]:
+    """Seconds to read every tensor of ``model``'s checkpoint as the loader does, and its bytes."""
+    t0 = time.perf_counter()
+    files = checkpoint_files(model)
+    for path in files:
+        with SafetensorsFile(path) as f:
+            for key in f.keys():
+                f.get_tensor(key)
+    return time.perf_counter() - t0, sum(p.stat().st_size for p in files)
+
+
+def load_figures(run: RunTimes) -> tuple[float, float] | None:
+    """(seconds, MiB the resident memory peaked above its start) of the worker's load."""
+    m = next((m for _, line in run.stderr if (m := _LOADED.search(line))), None)
+    return (float(m[1]), float(int(m[2]) - int(m[3]))) if m else None
+
+
 def milestone_at(run: RunTimes, pattern: re.Pattern[str]) -> float | None:
     return next((t for t, line in run.stderr if pattern.search(line)), None)
 
@@ -136,10 +163,14 @@ def measure(args: argparse.Namespace) -> Report:
     torch_s: list[float] = []
     help_s: list[float] = []
     runs: list[RunTimes] = []
+    read_s: list[float] = []
+    file_bytes = 0
     for _ in range(args.repeats):
         torch_s.append(time_to_exit(torch_cmd, args.timeout))
         runs.append(one_line_run(args))
         help_s.append(time_to_exit(help_cmd, args.timeout))
+        took, file_bytes = read_checkpoint(args.model)
+        read_s.append(took)
     first = [r.first_line for r in runs]
     ratio = statistics.median(first) / statistics.median(torch_s)
     rep = Report("startup")
@@ -166,6 +197,18 @@ def measure(args: argparse.Namespace) -> Report:
             **spread([r.engine_ttft for r in runs]))
     rep.target("first token / import torch (medians)", round(ratio, 2), f"<= {GOAL_RATIO}x",
                ratio <= GOAL_RATIO)
+    loads = [f for f in map(load_figures, runs) if f is not None]
+    rep.add("checkpoint read (the loader's reader, this process)", runs=len(read_s),
+            file_mib=round(file_bytes / 2**20, 1), **spread(read_s))
+    if loads:
+        load_ratio = statistics.median(t for t, _ in loads) / statistics.median(read_s)
+        peak = statistics.median(m for _, m in loads)
+        rep.add("worker: weights loaded (its own figure)", runs=len(loads),
+                **spread([t for t, _ in loads]), x_read=round(load_ratio, 2))
+        rep.add("worker: peak RSS during load above its start", runs=len(loads), median_mib=peak,
+                x_file=round(peak * 2**20 / file_bytes, 2))
+        rep.target("weights loaded / checkpoint read (medians)", round(load_ratio, 2),
+                   f"<= {LOAD_GOAL_RATIO}x", load_ratio <= LOAD_GOAL_RATIO)
     return rep
 
 

@@ -53,10 +53,19 @@ def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel symmetric int8 of a float ``[out, in]`` weight: (q int8 [out, in]
     in [-127, 127], scale float32 [out]). An all-zero row gets scale 1 and zeros."""
-    w = w.float()
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    # Rows in chunks of ~4 MB of float32, so every pass stays in cache (whole-matrix
+    # temporaries made loading 3x slower); the same float32 max, division and rounding.
+    n, k = w.shape
+    rows = max(1, (1 << 20) // max(k, 1))
+    q = torch.empty((n, k), dtype=torch.int8)
+    scale = torch.empty(n, dtype=torch.float32)
+    tmp = torch.empty((min(rows, n), k), dtype=torch.float32)
+    for r in range(0, n, rows):
+        t = tmp[:min(n, r + rows) - r].copy_(w[r:r + rows])
+        amax = torch.maximum(t.amax(dim=1), t.amin(dim=1).neg())
+        s = scale[r:r + rows].copy_(torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)))
+        t.div_(s[:, None]).round_().clamp_(-127, 127)
+        q[r:r + rows].copy_(t)
     return q, scale.contiguous()
 
 
@@ -65,9 +74,13 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
     (cpu_ops_gemv_i8.h: 4 inputs of 16 outputs per 64 bytes), zero-padded."""
     n, k = q.shape
     nb, k4 = -(-n // 16), -(-k // 4)
-    padded = torch.zeros((nb * 16, k4 * 4), dtype=torch.int8)
-    padded[:n, :k] = q
-    return padded.view(nb, 16, k4, 4).permute(0, 2, 1, 3).contiguous()
+    if (n, k) != (nb * 16, k4 * 4) or not q.is_contiguous():
+        padded = torch.zeros((nb * 16, k4 * 4), dtype=torch.int8)
+        padded[:n, :k] = q
+        q = padded
+    # Moved as int32 (4 inputs at once): a byte-wise permute took a third of an int8 load.
+    return (q.view(torch.int32).view(nb, 16, k4).permute(0, 2, 1).contiguous()
+            .view(torch.int8).view(nb, k4, 16, 4))
 
 
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:

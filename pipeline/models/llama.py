@@ -7,8 +7,9 @@ passed in on every forward. Two forwards compute the same math: on CPU in float3
 decoder of ``layers.fused_decoder`` (four element-wise C calls per layer, a C GEMV for small
 batches), elsewhere (CUDA, half types) the layers below one op at a time in torch, whose
 rounding sequence matches transformers'. On CPU the projections and the embedding may be
-packed as bfloat16, int8 (``pack_weights``, ``layers.lowp``) or int4 (``layers.int4``) under
-float32 activations.
+packed as bfloat16, int8 (``layers.lowp``) or int4 (``layers.int4``) under float32 activations.
+The model is built on the meta device; ``models.weights.WeightPlan.finalize`` puts each
+parameter in its final form (packed, transposed, or as is) as the loader completes it.
 Under tensor parallelism (``models.parallel``) the model is built from the rank's shard of
 the config and holds the rank's slices; ``tp`` sums the o/down projections and the embedding
 lookup over the ranks and gathers the logits.
@@ -25,8 +26,7 @@ from torch import nn
 from pipeline.layers import ops, ops_fused
 from pipeline.layers.attention import AttentionMetadata
 from pipeline.layers.fused_decoder import forward_fused
-from pipeline.layers.int4 import PACKED, Int4Weight
-from pipeline.layers.lowp import LowpWeight
+from pipeline.layers.int4 import PACKED
 from pipeline.layers.norm import RMSNorm
 from pipeline.layers.rotary import RotaryEmbedding
 from pipeline.models.config import ModelConfig, rope_inv_freq
@@ -34,7 +34,7 @@ from pipeline.models.parallel import TPGroup
 
 
 def _empty(*shape: int) -> nn.Parameter:
-    # Weights are overwritten by the loader; skip initialisation work.
+    # Placeholders (on the meta device) that the loader replaces; no initialisation work.
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
@@ -47,7 +47,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kn: bool) 
     return ops_fused.linear(x, w, b, kn)
 
 
-_PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 
 class DecoderLayer(nn.Module):
@@ -70,7 +70,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _bias(c.mlp_bias, 2 * c.intermediate_size)
         self.down_weight = _empty(c.hidden_size, c.intermediate_size)
         self.down_bias = _bias(c.mlp_bias, c.hidden_size)
-        self.kn = False  # projections pre-transposed to [in, out] (see CausalLM.transpose_weights)
+        self.kn = False  # projections stored [in, out] (set by models.weights when it loads them so)
 
     def attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -113,50 +113,8 @@ class CausalLM(nn.Module):
             _empty(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions,
                                       functools.partial(rope_inv_freq, config.rope, config.head_dim))
-        self.lm_head_kn = False
+        self.lm_head_kn = False  # an untied lm_head stored [hidden, vocab] (models.weights)
         self.tp: TPGroup | None = None  # set by the model runner under tensor parallelism
-
-    @torch.no_grad()
-    def transpose_weights(self) -> None:
-        """Store projections as [in, out]: on CPU, MKL's GEMV/small-M GEMM reads a
-        pre-transposed matrix markedly faster (decode is bandwidth-bound). A tied lm_head stays
-        [vocab, hidden] since the embedding lookup shares it."""
-        for layer in self.layers:
-            if layer.kn:
-                continue
-            for name in _PROJECTIONS:
-                setattr(layer, name, nn.Parameter(getattr(layer, name).t().contiguous(), requires_grad=False))
-            layer.kn = True
-        if not self.config.tie_word_embeddings and not self.lm_head_kn:
-            self.lm_head = nn.Parameter(self.lm_head.t().contiguous(), requires_grad=False)
-            self.lm_head_kn = True
-
-    @torch.no_grad()
-    def pack_weights(self, fmt: str, gemm_dtype: torch.dtype, group_size: int = 128) -> None:
-        """Replace the float32 projections, the embedding and lm_head (still [out, in]: call
-        instead of ``transpose_weights``) by ``LowpWeight``s of format ``fmt`` (bf16 or int8)
-        or ``Int4Weight``s (int4, in groups of ``group_size``); weights already packed (a
-        GPTQ/AWQ checkpoint's) stay. Norms, biases and activations stay float32. A tied
-        lm_head stays the embedding's."""
-        def pack(owner: nn.Module, name: str, table_only: bool = False) -> LowpWeight | Int4Weight:
-            w = getattr(owner, name)
-            if isinstance(w, PACKED):  # a GPTQ/AWQ checkpoint's projection
-                w.gemm_dtype = gemm_dtype
-                return w
-            packed = (Int4Weight.from_float(w, group_size, gemm_dtype) if fmt == "int4"
-                      else LowpWeight(w, fmt, gemm_dtype, table_only))
-            delattr(owner, name)
-            setattr(owner, name, packed)
-            return packed
-        for layer in self.layers:
-            for name in _PROJECTIONS:
-                pack(layer, name)
-        embed = pack(self, "embed_tokens", table_only=not self.config.tie_word_embeddings)
-        if self.config.tie_word_embeddings:
-            delattr(self, "lm_head")
-            self.lm_head = embed
-        else:
-            pack(self, "lm_head")
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         tp = self.tp
@@ -173,11 +131,6 @@ class CausalLM(nn.Module):
             assert outside is not None
             tp.all_reduce(x.masked_fill_(outside[:, None], 0))
         return x
-
-    def tie_weights(self) -> None:
-        """Re-share lm_head with the embedding (module moves can split shared parameters)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head = self.embed_tokens
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

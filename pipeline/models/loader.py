@@ -1,23 +1,38 @@
 """Models: load a Hugging Face safetensors checkpoint (single file or sharded with
-``model.safetensors.index.json``) into a CausalLM, fusing q/k/v and gate/up on the way.
+``model.safetensors.index.json``) into a CausalLM built on the meta device, streaming: each
+tensor is read (``models.safetensors_read``), fused with its siblings (q/k/v, gate/up) and, as
+soon as a parameter is complete, handed to ``WeightPlan.finalize`` (``models.weights``), which
+packs or converts it into its final place; the read copy is dropped then. The reading runs
+in a thread ahead of the packing (``models.weight_stream``), so the disk (or the page-cache
+copy) and the packing overlap; the peak memory is the finished weights plus the parameters in
+flight (one fused parameter, the read-ahead) and what packing one needs.
 
-Under tensor parallelism each rank reads only its slices of every tensor
-(``safe_open(...).get_slice``, the split of ``models.parallel``): no rank materialises the
-full model. Owns nothing after loading; prints progress to stderr (one line per shard).
+A GPTQ/AWQ checkpoint (``models.quantized``) streams its float tensors so, then its quantised
+ones (a few bytes per weight) in a second pass that builds each projection's Int4Weight.
+
+Under tensor parallelism each rank reads only its slices of every tensor (``read_shard``,
+the split of ``models.parallel``): no rank materialises the full model. Owns nothing after
+loading; prints progress to stderr (a line at the start, per shard, and every
+``PROGRESS_EVERY_S`` inside one).
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
-from safetensors import safe_open
 
+from pipeline.models.config import ModelConfig
 from pipeline.models.llama import CausalLM
 from pipeline.models.parallel import TPShard
-from pipeline.models.quantized import Int4Loader, checkpoint_quantization
+from pipeline.models.quantized import QUANT_SUFFIXES, Int4Loader, checkpoint_quantization
+from pipeline.models.safetensors_read import SafetensorsFile
+from pipeline.models.weight_stream import WeightStream
+from pipeline.models.weights import WeightPlan
 
 # Checkpoint tensors that carry no weights we need (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -44,75 +59,49 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-class _Assembler:
-    """Collects the pieces of fused parameters until all have arrived."""
+class Slot(NamedTuple):
+    """Where a checkpoint tensor goes: rows [lo, hi) of parameter ``param`` (fused q/k/v and
+    gate/up take ``parts`` tensors; the others one, all of it)."""
+    param: str
+    lo: int
+    hi: int
+    parts: int
 
-    def __init__(self, model: CausalLM) -> None:
-        self.model = model
-        self.params = dict(model.named_parameters(remove_duplicate=False))
-        self.pending: dict[str, list[torch.Tensor | None]] = {}
-        self.loaded: set[str] = set()
 
-    def _put(self, name: str, t: torch.Tensor) -> None:
-        p = self.params.get(name)
-        if p is None:
-            raise ValueError(f"checkpoint tensor maps to unknown parameter {name!r} "
-                             f"(does config.json match the weights?)")
-        if tuple(p.shape) != tuple(t.shape):
-            raise ValueError(f"checkpoint tensor for {name!r} has shape {tuple(t.shape)}, "
-                             f"config.json implies {tuple(p.shape)}")
-        with torch.no_grad():
-            p.copy_(t)
-        self.loaded.add(name)
-
-    def _part(self, fused: str, idx: int, n: int, t: torch.Tensor) -> None:
-        parts = self.pending.setdefault(fused, [None] * n)
-        parts[idx] = t
-        if all(x is not None for x in parts):
-            del self.pending[fused]
-            self._put(fused, torch.cat(parts, dim=0))
-
-    def add(self, hf_name: str, t: torch.Tensor) -> None:
-        name = hf_name.removeprefix("model.")
-        if name.endswith(_IGNORED_SUFFIXES):
-            return
-        if name == "lm_head.weight":
-            if self.model.config.tie_word_embeddings:
-                return  # some tied checkpoints still store it; the embedding wins, as in HF
-            return self._put("lm_head", t)
-        if name == "embed_tokens.weight":
-            return self._put("embed_tokens", t)
-        if name == "norm.weight":
-            return self._put("norm.weight", t)
-        parts = name.split(".")
-        if len(parts) < 4 or parts[0] != "layers":
-            raise ValueError(f"unexpected checkpoint tensor {hf_name!r}")
-        layer, module, proj, kind = parts[1], parts[2], parts[3], parts[-1]
-        prefix = f"layers.{layer}."
-        if module == "self_attn" and proj in _QKV:
-            return self._part(f"{prefix}qkv_{kind}", _QKV[proj], 3, t)
-        if module == "self_attn" and proj == "o_proj":
-            return self._put(f"{prefix}o_{kind}", t)
-        if module == "self_attn" and proj in ("q_norm", "k_norm"):
-            return self._put(f"{prefix}{proj}.weight", t)
-        if module == "mlp" and proj in _GATE_UP:
-            return self._part(f"{prefix}gate_up_{kind}", _GATE_UP[proj], 2, t)
-        if module == "mlp" and proj == "down_proj":
-            return self._put(f"{prefix}down_{kind}", t)
-        if module in ("input_layernorm", "post_attention_layernorm"):
-            return self._put(f"{prefix}{module}.weight", t)
+def route(config: ModelConfig, hf_name: str) -> Slot | None:
+    """The slot of checkpoint tensor ``hf_name`` in a CausalLM of ``config`` (a rank's config
+    under tensor parallelism), or None for a tensor that carries nothing we keep."""
+    name = hf_name.removeprefix("model.")
+    if name.endswith(_IGNORED_SUFFIXES):
+        return None
+    if name == "lm_head.weight":
+        # Some tied checkpoints still store it; the embedding wins, as in HF.
+        return None if config.tie_word_embeddings else Slot("lm_head", 0, config.vocab_size, 1)
+    whole = {"embed_tokens.weight": ("embed_tokens", config.vocab_size),
+             "norm.weight": ("norm.weight", config.hidden_size)}
+    if name in whole:
+        return Slot(whole[name][0], 0, whole[name][1], 1)
+    parts = name.split(".")
+    if len(parts) < 4 or parts[0] != "layers":
         raise ValueError(f"unexpected checkpoint tensor {hf_name!r}")
-
-    def finish(self) -> None:
-        if self.pending:
-            raise ValueError(f"checkpoint is missing parts of: {', '.join(sorted(self.pending))}")
-        expected = {n for n, _ in self.model.named_parameters()}
-        if self.model.config.tie_word_embeddings:
-            expected.discard("lm_head")
-        missing = sorted(expected - self.loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
-                             + (" ..." if len(missing) > 8 else ""))
+    layer, module, proj, kind = parts[1], parts[2], parts[3], parts[-1]
+    prefix = f"layers.{layer}."
+    q, kv, inter, hidden = config.q_size, config.kv_size, config.intermediate_size, config.hidden_size
+    if module == "self_attn" and proj in _QKV:
+        lo = (0, q, q + kv)[_QKV[proj]]
+        return Slot(f"{prefix}qkv_{kind}", lo, lo + (q if proj == "q_proj" else kv), 3)
+    if module == "self_attn" and proj == "o_proj":
+        return Slot(f"{prefix}o_{kind}", 0, hidden, 1)
+    if module == "self_attn" and proj in ("q_norm", "k_norm"):
+        return Slot(f"{prefix}{proj}.weight", 0, config.head_dim, 1)
+    if module == "mlp" and proj in _GATE_UP:
+        lo = _GATE_UP[proj] * inter
+        return Slot(f"{prefix}gate_up_{kind}", lo, lo + inter, 2)
+    if module == "mlp" and proj == "down_proj":
+        return Slot(f"{prefix}down_{kind}", 0, hidden, 1)
+    if module in ("input_layernorm", "post_attention_layernorm"):
+        return Slot(f"{prefix}{module}.weight", 0, hidden, 1)
+    raise ValueError(f"unexpected checkpoint tensor {hf_name!r}")
 
 
 def _rows(sl, lo: int, hi: int, dim: int) -> torch.Tensor:
@@ -147,38 +136,108 @@ def read_shard(key: str, sl, shard: TPShard | None) -> torch.Tensor:
     return sl[:]  # norms (q/k norms are per head_dim): every rank has them whole
 
 
-def load_weights(model: CausalLM, model_dir: str | Path, quiet: bool = False,
+PROGRESS_EVERY_S = 2.0
+
+
+def load_weights(model: CausalLM, model_dir: str | Path, plan: WeightPlan, quiet: bool = False,
                  shard: TPShard | None = None) -> int:
-    """Copy every checkpoint tensor (or rank ``shard``'s slice of it) into ``model`` (cast to
-    its dtype); return bytes read."""
+    """Stream every checkpoint tensor (or rank ``shard``'s slice of it) into ``model`` (built
+    on the meta device), each parameter finalised by ``plan`` as soon as it is complete;
+    return the bytes of the files' tensors."""
     files = checkpoint_files(model_dir)
     rank = f"rank {shard.rank}: " if shard is not None and shard.size > 1 else ""
-    asm = _Assembler(model)
-    # GPTQ/AWQ: the quantised tensors go to their own loader (models/quantized.py).
+    form = f"packed as {plan.fmt}" if plan.fmt else str(plan.dtype).removeprefix("torch.") + (
+        ", projections [in, out]" if plan.kn else "")
+    file_bytes = sum(p.stat().st_size for p in files)
+
+    def say(msg: str) -> None:
+        if not quiet:
+            print(f"{rank}loading weights: {msg}", file=sys.stderr, flush=True)
+    say(f"{len(files)} file(s), {file_bytes / 2**20:.1f} MiB, {form}")
+    # GPTQ/AWQ: the quantised tensors go to their own loader (models/quantized.py), after
+    # the stream of the float ones.
     qc = checkpoint_quantization(model_dir)
     if qc is not None and shard is not None and shard.size > 1:
         raise ValueError(f"--tensor-parallel-size {shard.size}: a {qc['quant_method']} checkpoint "
                          f"loads on one rank only")
-    int4 = Int4Loader(model, qc, torch.float32) if qc is not None else None
-    dtype = model.embed_tokens.dtype
+
+    def slot(key: str) -> Slot | None:
+        if qc is not None and key.rsplit(".", 1)[-1] in QUANT_SUFFIXES:
+            return None
+        return route(model.config, key)
+    plan.materialize_buffers(model)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    loaded: set[str] = set()
     total = 0
-    t0 = time.perf_counter()
-    last = t0
-    for i, path in enumerate(files, 1):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            keys = list(f.keys())
-            for j, key in enumerate(keys, 1):
-                t = read_shard(key, f.get_slice(key), shard)
-                total += t.numel() * t.element_size()
-                if int4 is None or not int4.add(key, t):
-                    asm.add(key, t.to(dtype))
-                now = time.perf_counter()
-                # A line per shard, and one every few seconds inside a big shard.
-                if not quiet and (j == len(keys) or now - last >= 5.0):
-                    last = now
-                    print(f"{rank}loading weights: shard {i}/{len(files)} {path.name}: tensor {j}/{len(keys)} "
-                          f"({total / 2**20:.1f} MiB, {now - t0:.1f}s)", file=sys.stderr, flush=True)
-    if int4 is not None:
-        asm.loaded |= int4.finish()
-    asm.finish()
+    t0 = last = time.perf_counter()
+    stream = WeightStream(files, slot, shapes, shard, read_shard)
+    # The reader thread has a core of its own: packing takes the others. (On 2 cores, two
+    # threads of small element-wise ops ran 20-30x slower whenever the reader or another
+    # process held the second core: each op waits at its barrier for the descheduled one.)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads - 1))
+    try:
+        j, prev = 0, -1
+        for item in stream:
+            j = j + 1 if item.file == prev else 1
+            prev = item.file
+            total += item.nbytes
+            if item.param is not None:
+                assert item.value is not None
+                nbytes = item.value.numel() * item.value.element_size()
+                _check(item.param, item.value, shapes, loaded)
+                plan.finalize(model, item.param, item.value)
+                loaded.add(item.param)
+                item.value = None
+                stream.release(nbytes)
+            now = time.perf_counter()
+            if j == item.tensors or now - last >= PROGRESS_EVERY_S:
+                last = now
+                say(f"shard {item.file + 1}/{len(files)} {files[item.file].name}: tensor {j}/{item.tensors} "
+                    f"({total / 2**20:.1f} MiB read and {form}, {now - t0:.1f}s)")
+    finally:
+        stream.close()
+        torch.set_num_threads(threads)
+    if qc is not None:
+        loaded |= _load_int4(model, files, qc, plan)
+    expected = set(shapes) - ({"lm_head"} if model.config.tie_word_embeddings else set())
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
+    free_heap()
     return total
+
+
+def _load_int4(model: CausalLM, files: list[Path], qc: dict, plan: WeightPlan) -> set[str]:
+    """A GPTQ/AWQ checkpoint's quantised projections (a few bytes per weight, so read whole);
+    returns the parameters they became."""
+    int4 = Int4Loader(model, qc, plan.gemm_dtype)
+    for path in files:
+        with SafetensorsFile(path) as f:
+            for key in f.keys():
+                if key.rsplit(".", 1)[-1] in QUANT_SUFFIXES:
+                    int4.add(key, f.get_slice(key)[:])
+    return int4.finish()
+
+
+def _check(name: str, t: torch.Tensor, shapes: dict[str, tuple[int, ...]], loaded: set[str]) -> None:
+    shape = shapes.get(name)
+    if shape is None:
+        raise ValueError(f"checkpoint tensor maps to unknown parameter {name!r} "
+                         f"(does config.json match the weights?)")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"checkpoint tensor for {name!r} has shape {tuple(t.shape)}, "
+                         f"config.json implies {shape}")
+    if name in loaded:
+        raise ValueError(f"checkpoint has {name!r} twice (in two shards?)")
+
+
+def free_heap() -> None:
+    """Hand the C heap's free pages back to the system: loading frees thousands of buffers of
+    a few MB, which glibc keeps (its mmap threshold grows with each freed block) as resident
+    memory nothing uses. No-op where libc has no ``malloc_trim``."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -82,6 +82,8 @@ class DecodeGraphs:
         """Capture every size, largest first, into one memory pool (the smaller graphs reuse
         the largest one's activations). Runs once, after the KV cache exists."""
         t0 = time.perf_counter()
+        print(f"cuda graphs: capturing {len(self.sizes)} decode batch sizes up to {self.max_batch}",
+              file=sys.stderr, flush=True)
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         with torch.inference_mode():

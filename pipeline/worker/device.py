@@ -69,3 +69,16 @@ def cpu_weight_format(dtype: torch.dtype, quantization: str, device: torch.devic
                              "build them with `make build`")
         return None  # bf16 falls back to torch's bf16 ops, one at a time
     return fmt
+
+
+def proc_memory(field: str = "VmHWM") -> int:
+    """A memory figure of this process in bytes from /proc/self/status ("VmHWM": peak
+    resident, "VmRSS": resident now); 0 where /proc has none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

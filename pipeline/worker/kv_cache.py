@@ -7,11 +7,12 @@ POSIX shared-memory segment ``/pipeline.<instance_id>.kv`` (rank > 0 adds ``.<ra
 the cache messager maps by name (``pipeline.ipc.segment.attach_segment``); it is named
 through ``Instance.join(id)`` of ``pipeline.ipc.instance`` (a view of the gateway's instance
 when served, or, in-process (``LLM``, benchmarks), an instance this process owns, so the
-segment always has an owner record) and created O_EXCL with mode 0600, its space reserved up
-front but its pages mapped at first touch (``create_lazy_segment``: no start-up time spent
-on a GiB of page tables). Unlinked on close() or at this process's exit (SIGTERM too), and
-swept by ``unlink_instance``/``sweep_stale`` as soon as its owner is dead if this process dies
-first (SIGKILL). On CUDA the one tensor is what the worker stage exports by CUDA IPC
+segment always has an owner record) and created O_EXCL with mode 0600, sized but not
+reserved: no page is allocated or zeroed until a block is first written
+(``create_lazy_segment``), so the cache costs memory as it fills, not at start-up.
+Unlinked on close() or at this process's exit (SIGTERM too), and swept by
+``unlink_instance``/``sweep_stale`` as soon as its owner is dead if this process dies first
+(SIGKILL). On CUDA the one tensor is what the worker stage exports by CUDA IPC
 (``pipeline.ipc.cuda_ipc.export_pool``) on a prefill or decode instance: ``buffer`` must
 stay this allocation (never reallocated) while peers may map it.
 

@@ -1,11 +1,10 @@
 """Worker stage: how many KV blocks a worker's cache gets.
 
-``--num-blocks`` if given; on CPU, the ``--kv-cache-memory`` budget (default: 1 GiB, or what
-``max_model_len * max_num_seqs`` tokens need if less); on CUDA, what is left of
-``--gpu-memory-utilization`` after the largest step the engine may send has run
-(``profile_gpu_blocks``). Too few for one sequence of max_model_len is an error naming the
-flags to change. Under tensor parallelism each rank decides, then they take the smallest
-(model_runner). Owns no state.
+``--num-blocks`` if given; on CPU, the ``--kv-cache-memory`` budget, by default sized to the
+model (``default_cpu_kv_bytes``); on CUDA, what is left of ``--gpu-memory-utilization``
+after the largest step the engine may send has run (``profile_gpu_blocks``). Too few for one
+sequence of max_model_len is an error naming the flags to change. Under tensor parallelism
+each rank decides, then they take the smallest (model_runner). Owns no state.
 """
 from __future__ import annotations
 
@@ -18,18 +17,48 @@ from pipeline.layers.attention import AttentionMetadata
 from pipeline.models.llama import CausalLM
 from pipeline.worker.kv_cache import KVCache
 
-DEFAULT_CPU_KV_BYTES = 1 << 30
+# The least a default CPU cache gets (a tiny model still batches): 64 MiB.
+MIN_CPU_KV_BYTES = 64 << 20
+
+
+def default_cpu_kv_bytes(per_block: int, blocks_per_seq: int, max_num_seqs: int,
+                         weight_bytes: int, available: int) -> int:
+    """The CPU KV cache without ``--kv-cache-memory``: as much memory as the weights take
+    (at least ``MIN_CPU_KV_BYTES``, at most half of ``available``: the memory and /dev/shm
+    free on this host per rank), but never less than one sequence of max_model_len, nor more
+    than ``max_num_seqs`` sequences of max_model_len can fill (what the engine could ever
+    use). So a 7 MB model gets 64 MiB, a 1 GB one about 1 GB, a 16 GB model with a 128k
+    context the 16 GiB one such sequence needs."""
+    one_seq = per_block * blocks_per_seq
+    budget = min(max(weight_bytes, MIN_CPU_KV_BYTES), available // 2)
+    return min(one_seq * max_num_seqs, max(budget, one_seq))
+
+
+def available_bytes(ranks: int) -> int:
+    """This host's memory and /dev/shm free (the smaller), per worker rank on it."""
+    from pipeline.ipc.segment import shm_free_bytes
+    avail = shm_free_bytes()
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = min(avail, int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    return avail // max(1, ranks)
 
 
 def decide_num_blocks(config: EngineConfig, per_block: int, block_size: int, max_model_len: int,
-                      device: torch.device, profile: Callable[[int], int]) -> int:
-    """Blocks of ``per_block`` bytes (all layers, K and V); ``profile(per_block)`` on CUDA."""
+                      device: torch.device, profile: Callable[[int], int], weight_bytes: int = 0) -> int:
+    """Blocks of ``per_block`` bytes (all layers, K and V); ``profile(per_block)`` on CUDA;
+    ``weight_bytes``: what this rank's weights take (the CPU default follows it)."""
     blocks_per_seq = -(-max_model_len // block_size)
     if config.num_blocks:
         n = config.num_blocks
     elif device.type == "cpu":
-        budget = config.kv_cache_memory or min(
-            DEFAULT_CPU_KV_BYTES, per_block * blocks_per_seq * config.max_num_seqs)
+        budget = config.kv_cache_memory or default_cpu_kv_bytes(
+            per_block, blocks_per_seq, config.max_num_seqs, weight_bytes,
+            available_bytes(config.ranks_per_node))
         n = budget // per_block
     else:
         n = profile(per_block)

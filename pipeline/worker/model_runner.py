@@ -32,8 +32,9 @@ from pipeline.models.llama import CausalLM
 from pipeline.models.loader import load_weights
 from pipeline.models.parallel import TPGroup, TPShard
 from pipeline.models.quantized import checkpoint_quantization, weight_format
+from pipeline.models.weights import WeightPlan, weight_bytes
 from pipeline.worker.cuda_graphs import DecodeGraphs
-from pipeline.worker.device import cpu_has_fast_bf16, cpu_weight_format, resolve_dtype, worker_threads
+from pipeline.worker.device import cpu_has_fast_bf16, cpu_weight_format, proc_memory, resolve_dtype, worker_threads
 from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.kv_cache import KVCache, bytes_per_block
 from pipeline.worker.kv_sizing import decide_num_blocks, profile_gpu_blocks
@@ -96,6 +97,7 @@ class ModelRunner:
         self.num_layers = mc.num_layers
         self.num_blocks = 0
         self.kv_cache_bytes = 0
+        self.weight_bytes = 0
         self.model: CausalLM | None = None
         self.kv_cache: KVCache | None = None
         self.graphs: DecodeGraphs | None = None  # CUDA, one rank: captured decode steps
@@ -126,37 +128,33 @@ class ModelRunner:
     def load(self) -> None:
         mc = self.model_config
         t0 = time.perf_counter()
+        rss0 = proc_memory("VmRSS")
         if self.shard is not None:
             self._join_group()
-        # CPU bf16/int8: float32 activations, the projections packed after loading.
+        # CPU bf16/int8: float32 activations, the projections packed as they load.
         fmt = cpu_weight_format(self.dtype, self.config.quantization, self.device,
                                 ops.backend(self.device) is not None)
         # A GPTQ/AWQ checkpoint: int4 (its projections as stored, the rest quantised).
         fmt = weight_format(checkpoint_quantization(self.config.model), self.config.quantization,
                             self.device.type) or fmt
+        plan = WeightPlan(torch.float32 if fmt else self.dtype, self.device, fmt,
+                          torch.bfloat16 if cpu_has_fast_bf16() else torch.float32,
+                          kn=fmt is None and self.device.type == "cpu",
+                          group_size=self.config.quantization_group_size)
         with torch.device("meta"):
             model = CausalLM(self.shard.model_config(mc) if self.shard else mc, self.max_model_len)
-        # What Module.to_empty does, without its empty_like: on meta tensors that goes through
-        # torch._refs, which imports sympy (~0.5 s of start-up for nothing).
-        dev = self.device
-        model = model.to(torch.float32 if fmt else self.dtype)._apply(
-            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev))
-        model.rotary.reset()
-        model.tie_weights()
-        load_weights(model, self.config.model, shard=self.shard)
+        load_weights(model, self.config.model, plan, shard=self.shard)
         model.tp = self.tp
-        if fmt is not None:
-            model.pack_weights(fmt, torch.bfloat16 if cpu_has_fast_bf16() else torch.float32,
-                               self.config.quantization_group_size)
-        elif self.device.type == "cpu":
-            model.transpose_weights()
         self.model = model.eval()
         nparams = sum(p.numel() for p in model.parameters()) + sum(
             m.out_features * m.in_features for m in model.modules() if isinstance(m, PACKED))
+        self.weight_bytes = weight_bytes(model)
         weights = f"{fmt} weights, float32 activations" if fmt else str(self.dtype)
         part = f" (rank {self.rank} of {self.shard.size})" if self.shard else ""
         print(f"model: {mc.architecture} {nparams / 1e6:.1f}M params{part}, {weights}, {self.device}, "
-              f"loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+              f"{self.weight_bytes / 2**20:.1f} MiB, loaded in {time.perf_counter() - t0:.2f}s, "
+              f"peak RSS {proc_memory() / 2**20:.0f} MiB ({rss0 / 2**20:.0f} MiB before loading)",
+              file=sys.stderr, flush=True)
         self.num_blocks = self._decide_num_blocks()
         if self.tp is not None:  # one block table for every rank: the smallest pool
             self.num_blocks = self.tp.min_int(self.num_blocks)
@@ -178,8 +176,10 @@ class ModelRunner:
             assert self.tp is not None
             self.tp.barrier()
         self.kv_cache_bytes = self.kv_cache.spec.total_bytes
+        tokens = self.num_blocks * self.block_size
         print(f"kv cache: {self.num_blocks} blocks x {self.block_size} tokens "
-              f"({self.kv_cache_bytes / 2**20:.1f} MiB)", file=sys.stderr, flush=True)
+              f"({self.kv_cache_bytes / 2**20:.1f} MiB): {tokens} tokens, {tokens / self.max_model_len:.2f}x "
+              f"max_model_len={self.max_model_len}", file=sys.stderr, flush=True)
         # A prefill instance keeps its layer signal attached, which rules the graphs out.
         if self.device.type == "cuda" and self.tp is None and self.config.role != "prefill":
             self.graphs = DecodeGraphs(model, self.kv_cache.layers, self.config.max_num_seqs,
@@ -204,7 +204,7 @@ class ModelRunner:
         return decide_num_blocks(self.config, self._block_bytes(), self.block_size, self.max_model_len,
                                  self.device, lambda per_block: profile_gpu_blocks(
                                      self.model, self.config, self.block_size, self.max_model_len,
-                                     self.device, cache, per_block))
+                                     self.device, cache, per_block), self.weight_bytes)
 
     def attach_layer_signal(self, sig) -> None:
         """After each layer's K/V write, publish (step_id, layer) on ``sig`` (a LayerSignal;

@@ -1,0 +1,132 @@
+"""Models: the reading side of a streaming load: a thread that reads the checkpoint's tensors
+in file order and hands out complete parameters, the fused ones (q/k/v, gate/up) assembled
+by reading each part straight into its rows of one buffer (no concatenation copy).
+
+It stays at most ``READ_AHEAD_BYTES`` of complete parameters ahead of the consumer (which
+packs each one and calls ``release``), but always reads the next tensor: the disk or the
+page-cache copy runs while the previous parameter packs, and memory holds the read-ahead and
+the parameters being assembled (their parts are adjacent in the files HF writes), never the
+model. Errors (a bad file, a shape config.json does not imply) reach the
+consumer as the exception itself.
+
+Owns the reader thread (joined by ``close``) and the buffers of parameters in assembly.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.models.parallel import TPShard
+from pipeline.models.safetensors_read import SafetensorsFile
+
+# Enough to keep the disk busy while a parameter packs; small beside any model worth streaming.
+READ_AHEAD_BYTES = 32 << 20
+
+
+@dataclass(slots=True)
+class Item:
+    """One tensor read: its file (index, tensors in it), and the parameter it completed."""
+    file: int
+    tensors: int
+    nbytes: int  # read from the file
+    param: str | None = None
+    value: torch.Tensor | None = None
+
+
+class WeightStream:
+    """``route(key)`` -> (param, rows lo, rows hi, parts) or None; ``shapes[param]`` the
+    model's shape; ``read_shard(key, slice, shard)`` the rank's part of a tensor."""
+
+    def __init__(self, files: list[Path], route: Callable[[str], tuple[str, int, int, int] | None],
+                 shapes: dict[str, tuple[int, ...]], shard: TPShard | None,
+                 read_shard: Callable[[str, object, TPShard | None], torch.Tensor]) -> None:
+        self.files, self.route, self.shapes, self.shard, self.read_shard = files, route, shapes, shard, read_shard
+        self.q: queue.Queue[Item | BaseException | None] = queue.Queue()
+        self.held = 0
+        self.cv = threading.Condition()
+        self.stop = False
+        self.pending: dict[str, tuple[torch.Tensor, set[int]]] = {}
+        self.thread = threading.Thread(target=self._run, name="weights-reader", daemon=True)
+        self.thread.start()
+
+    def _hold(self, nbytes: int) -> None:
+        with self.cv:
+            self.held += nbytes
+
+    def _run(self) -> None:
+        try:
+            for i, path in enumerate(self.files):
+                with SafetensorsFile(path) as f:
+                    for key in f.keys():
+                        with self.cv:
+                            self.cv.wait_for(lambda: self.stop or self.held < READ_AHEAD_BYTES)
+                            if self.stop:
+                                return
+                        self.q.put(self._read(f, i, key))
+            if self.pending:
+                raise ValueError(f"checkpoint is missing parts of: {', '.join(sorted(self.pending))}")
+            self.q.put(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            self.q.put(exc)
+
+    def _read(self, f: SafetensorsFile, i: int, key: str) -> Item:
+        e = f.entries[key]
+        item = Item(i, len(f.entries), e.end - e.start)
+        slot = self.route(key)
+        if slot is None:
+            return item
+        param, lo, hi, parts = slot
+        if parts == 1:
+            item.param, item.value = param, self.read_shard(key, f.get_slice(key), self.shard)
+            self._hold(item.value.numel() * item.value.element_size())
+            return item
+        # A buffer in assembly is not held against the limit: only reading its other parts
+        # completes it (a fused parameter larger than the limit would wait forever).
+        if param not in self.shapes:
+            raise ValueError(f"checkpoint tensor {key!r} maps to unknown parameter {param!r} "
+                             f"(does config.json match the weights?)")
+        if param not in self.pending:
+            self.pending[param] = (torch.empty(self.shapes[param], dtype=e.dtype), set())
+        buf, seen = self.pending[param]
+        dest = buf[lo:hi]
+        if lo in seen:
+            raise ValueError(f"checkpoint has {key!r} twice (in two shards?)")
+        direct = (self.shard is None or self.shard.size == 1) and e.dtype == buf.dtype
+        if direct and e.shape == tuple(dest.shape):
+            f.read_into(key, dest)
+        else:
+            t = self.read_shard(key, f.get_slice(key), self.shard)
+            if tuple(t.shape) != tuple(dest.shape):
+                raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(t.shape)}, "
+                                 f"config.json implies {tuple(dest.shape)}")
+            dest.copy_(t)
+        seen.add(lo)
+        if len(seen) == parts:
+            del self.pending[param]
+            item.param, item.value = param, buf
+            self._hold(buf.numel() * buf.element_size())
+        return item
+
+    def __iter__(self) -> Iterator[Item]:
+        while (item := self.q.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def release(self, nbytes: int) -> None:
+        """The consumer is done with ``nbytes`` of what it was handed."""
+        with self.cv:
+            self.held -= nbytes
+            self.cv.notify()
+
+    def close(self) -> None:
+        with self.cv:
+            self.stop = True
+            self.cv.notify()
+        self.thread.join()
+        self.pending.clear()

@@ -1,0 +1,95 @@
+"""Models: the form every weight takes in a loaded model, decided once per worker
+(``WeightPlan``) and applied to each parameter as soon as the loader has all of it
+(``WeightPlan.finalize``): the one step between a checkpoint tensor and the model.
+
+The model is built on the meta device (no memory); ``finalize(model, name, tensor)`` puts the
+parameter ``name`` in its final form and place, so loading holds at most the parameter being
+assembled beside the finished ones (no float32 copy of the whole model):
+
+- ``fmt`` bf16/int8 (CPU, float32 activations): the projections, the embedding and an untied
+  lm_head become ``LowpWeight``s (an untied embedding packed for lookups only), or for int4
+  ``Int4Weight``s in groups of ``group_size`` inputs; the
+  checkpoint's float32 or bf16 goes in as read (the packing rounds it), other dtypes widened to
+  float32 first, so the result is what packing the float32 model gave, bit for bit.
+- no ``fmt``: ``dtype`` on ``device``; on CPU the projections and an untied lm_head stored
+  [in, out] (``kn``: MKL's GEMV reads a pre-transposed matrix markedly faster), converted and
+  transposed in one copy.
+- norms and biases: ``dtype`` (float32 under a ``fmt``).
+
+A loader that packs a tensor itself (a GPTQ/AWQ checkpoint's projections, models.quantized)
+passes the finished module, which is placed as is. Owns no state beyond the plan's fields.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pipeline.layers.int4 import PACKED, Int4Weight
+from pipeline.layers.lowp import LowpWeight
+from pipeline.models.llama import PROJECTIONS, CausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class WeightPlan:
+    dtype: torch.dtype  # float parameters: norms, biases, unpacked projections
+    device: torch.device
+    fmt: str | None = None  # "bf16" / "int8" / "int4": packed projections and embedding (CPU)
+    gemm_dtype: torch.dtype = torch.float32  # LowpWeight's GEMM dtype (bf16 where native)
+    kn: bool = False  # float projections stored [in, out]
+    group_size: int = 128  # int4: inputs per scale
+
+    def materialize_buffers(self, model: CausalLM) -> None:
+        """The non-weight buffers (RoPE tables) on ``device``; call once, before loading.
+        ``torch.empty_strided`` rather than ``Module.to_empty``: on meta tensors its
+        ``empty_like`` goes through torch._refs, which imports sympy (~0.5 s for nothing)."""
+        dev = self.device
+        model.rotary._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev))
+        model.rotary.reset()
+
+    @torch.no_grad()
+    def finalize(self, model: CausalLM, name: str, t: torch.Tensor | nn.Module) -> None:
+        """Put parameter ``name`` (``model.named_parameters`` spelling, lm_head / embed_tokens
+        without ``.weight``) into ``model``, from the complete tensor ``t`` (or a packed module)."""
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        tied = model.config.tie_word_embeddings and name == "embed_tokens"
+        projection = attr in PROJECTIONS or name in ("embed_tokens", "lm_head")
+        value: nn.Module | nn.Parameter
+        if isinstance(t, nn.Module):
+            value = t
+        elif self.fmt == "int4" and projection:
+            value = Int4Weight.from_float(t.float(), self.group_size, self.gemm_dtype)
+        elif self.fmt is not None and projection:
+            w = t if t.dtype in (torch.float32, torch.bfloat16) else t.float()
+            value = LowpWeight(w, self.fmt, self.gemm_dtype,
+                               table_only=name == "embed_tokens" and not tied)
+        elif self.kn and projection and not name == "embed_tokens" and not tied:
+            w = torch.empty((t.shape[1], t.shape[0]), dtype=self.dtype, device=self.device)
+            value = nn.Parameter(w.copy_(t.t()), requires_grad=False)
+            if name == "lm_head":
+                model.lm_head_kn = True
+            else:
+                owner.kn = True
+        else:
+            value = nn.Parameter(t.to(device=self.device, dtype=self.dtype), requires_grad=False)
+        # A parameter cannot be reassigned as a module: drop the placeholder first.
+        delattr(owner, attr)
+        setattr(owner, attr, value)
+        if tied:
+            delattr(model, "lm_head")
+            model.lm_head = value
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights hold (parameters and packed buffers, a tied one once; not
+    the RoPE tables)."""
+    seen: set[int] = set()
+    total = 0
+    packed = [b for m in model.modules() if isinstance(m, PACKED) for b in m.buffers()]
+    for t in (*model.parameters(), *packed):
+        if id(t) not in seen:  # (oneDNN's packed copies have no data_ptr)
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
