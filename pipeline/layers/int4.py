@@ -173,8 +173,7 @@ class Int4Weight(nn.Module):
         """The whole weight ``[out, in]`` in ``dtype`` (float32 or bfloat16) in the shared
         scratch of ``layers.lowp``, valid until the next ``dense`` of any packed weight."""
         shape = (self.out_features, self.in_features)
-        with torch.inference_mode(False):  # a normal tensor, writable in and out of inference
-            scratch = _scratch(dtype, shape[0] * shape[1]).view(shape)
+        scratch = _scratch(dtype, shape[0] * shape[1]).view(shape)
         ext = backend(self.weight.device)
         if ext is None:
             return scratch.copy_(self.dequantize(torch.arange(self.out_features)))

@@ -46,7 +46,10 @@ _SCRATCH: dict[torch.dtype, torch.Tensor] = {}
 def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
     buf = _SCRATCH.get(dtype)
     if buf is None or buf.numel() < numel:
-        buf = _SCRATCH[dtype] = torch.empty(numel, dtype=dtype)
+        # A normal tensor even when first made inside inference_mode: it is written in and
+        # out of it (an inference tensor cannot be written outside).
+        with torch.inference_mode(False):
+            buf = _SCRATCH[dtype] = torch.empty(numel, dtype=dtype)
     return buf[:numel]
 
 
