@@ -3,7 +3,7 @@
 
 Owns creating a segment (exclusive, mode 0600, pages reserved up front so a full /dev/shm is
 a `ShmSpaceError` now rather than a SIGBUS later, mapped pre-faulted; or, for a large pool such
-as the CPU KV cache, only sized, its pages allocated at first touch), attaching one by name,
+as the CPU KV cache, mapped page by page at first touch), attaching one by name,
 unlinking a name, and the process-wide exit hooks (atexit, SIGTERM) that unlink this
 process's names: the segments `create_segment` made and every registered owning `Instance`
 (pipeline/ipc/instance.py), only in the process that created them, never in forked children.
@@ -58,14 +58,11 @@ def create_exclusive(name: str, size: int) -> Segment:
 
 
 def create_lazy_segment(name: str, size: int) -> mmap.mmap:
-    """`create_segment` for a large pool (the CPU KV cache): sized (``ftruncate``) but neither
-    reserved nor populated, so no page is allocated or zeroed before the pool uses it:
-    fallocate on tmpfs allocates and zeroes every page at once (1 GiB: 0.16 s and 1 GiB of
-    shared memory held from start-up, however little of the cache a workload fills). The
-    free space is still checked now; what it gives up is the guarantee that /dev/shm filled
-    by someone else later cannot SIGBUS a first touch. Rings keep the reservation and
-    MAP_POPULATE: they are small and on every message's path."""
-    seg = _create(name, size, lambda fd, n, _name: mmap.mmap(fd, n), reserve=False)
+    """`create_segment` for a large pool (the CPU KV cache): its pages are reserved the same
+    way, but mapped without MAP_POPULATE. Populating costs ~0.4 s per GiB of page-table work
+    before start-up can end; at first touch it is paid a block at a time, as blocks come into
+    use. Rings keep MAP_POPULATE: they are small and on every message's path."""
+    seg = _create(name, size, lambda fd, n, _name: mmap.mmap(fd, n))
     _install_hooks()
     _loose[name] = os.getpid()
     return seg
@@ -74,8 +71,7 @@ def create_lazy_segment(name: str, size: int) -> mmap.mmap:
 _Mapping = TypeVar("_Mapping", Segment, mmap.mmap)
 
 
-def _create(name: str, size: int, map_fd: Callable[[int, int, str], _Mapping],
-            reserve: bool = True) -> _Mapping:
+def _create(name: str, size: int, map_fd: Callable[[int, int, str], _Mapping]) -> _Mapping:
     if size <= 0:
         raise ValueError(f"segment size={size} must be > 0")
     free = shm_free_bytes()
@@ -83,9 +79,6 @@ def _create(name: str, size: int, map_fd: Callable[[int, int, str], _Mapping],
         raise ShmSpaceError(name, size, free)
     shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600)
     try:
-        if not reserve:
-            os.ftruncate(shm.fd, size)
-            return map_fd(shm.fd, size, name)
         # tmpfs reports a full /dev/shm at allocation, not later as SIGBUS on first touch.
         try:
             os.posix_fallocate(shm.fd, 0, size)

@@ -7,9 +7,10 @@ POSIX shared-memory segment ``/pipeline.<instance_id>.kv`` (rank > 0 adds ``.<ra
 the cache messager maps by name (``pipeline.ipc.segment.attach_segment``); it is named
 through ``Instance.join(id)`` of ``pipeline.ipc.instance`` (a view of the gateway's instance
 when served, or, in-process (``LLM``, benchmarks), an instance this process owns, so the
-segment always has an owner record) and created O_EXCL with mode 0600, sized but not
-reserved: no page is allocated or zeroed until a block is first written
-(``create_lazy_segment``), so the cache costs memory as it fills, not at start-up.
+segment always has an owner record) and created O_EXCL with mode 0600, its space reserved up
+front (a full /dev/shm is an error at start-up, never a SIGBUS at a first write) but its pages
+mapped at first touch (``create_lazy_segment``: no start-up time spent on page tables). Its
+default size follows the model (``worker.kv_sizing``), so a small model reserves little.
 Unlinked on close() or at this process's exit (SIGTERM too), and swept by
 ``unlink_instance``/``sweep_stale`` as soon as its owner is dead if this process dies first
 (SIGKILL). On CUDA the one tensor is what the worker stage exports by CUDA IPC
