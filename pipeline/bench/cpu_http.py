@@ -62,7 +62,13 @@ def start_ours(args, model: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"pipeline serve exited with {proc.wait()} before serving")
 
 
-def start_vllm(args, model: str) -> tuple[subprocess.Popen, str]:
+# vllm-cpu.sh finds tcmalloc with `ldconfig -p | awk '{...; exit}'` under pipefail: when awk
+# exits before ldconfig has written everything, the script dies of SIGPIPE (141) at once,
+# before vLLM starts. A start that ends so is tried again.
+SIGPIPE_EXIT = 141
+
+
+def start_vllm(args, model: str, tries: int = 3) -> tuple[subprocess.Popen, str]:
     from pipeline.bench.cpu import VLLM_SH
     max_len, seqs = _flags(args, model)
     port = _free_port()
@@ -76,6 +82,8 @@ def start_vllm(args, model: str) -> tuple[subprocess.Popen, str]:
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            if proc.returncode == SIGPIPE_EXIT and tries > 1:  # see SIGPIPE_EXIT
+                return start_vllm(args, model, tries - 1)
             raise RuntimeError(f"vllm serve exited with {proc.returncode}; see {log.name}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
