@@ -131,7 +131,14 @@ class Int4Weight(nn.Module):
                              f"{tuple(weight.shape)} on {weight.device}")
         # No group wider than a row (rounded up to 8): padding would only cost bytes.
         group_size = min(group_size, -(-weight.shape[1] // 8) * 8)
-        q, scale, zero = quantize_int4(weight, group_size, sym)
+        # In chunks of rows (~4 MB of float32 each; rows are independent, so the same q):
+        # whole, a 151936 x 896 embedding's float32 temporaries peaked at 2.6 GB during load.
+        rows = max(16, (1 << 20) // max(weight.shape[1], 1))
+        parts = [quantize_int4(weight[i:i + rows], group_size, sym) for i in range(0, weight.shape[0], rows)]
+        q = torch.cat([p[0] for p in parts])
+        scale = torch.cat([p[1] for p in parts])
+        zero = None if sym else torch.cat([p[2] for p in parts if p[2] is not None])
+        del parts
         return cls(q, scale, zero, group_size, weight.shape[1], gemm_dtype)
 
     def extra_repr(self) -> str:

@@ -60,7 +60,7 @@ class WeightPlan:
         if isinstance(t, nn.Module):
             value = t
         elif self.fmt == "int4" and projection:
-            value = Int4Weight.from_float(t.float(), self.group_size, self.gemm_dtype)
+            value = Int4Weight.from_float(t, self.group_size, self.gemm_dtype)  # widened per chunk
         elif self.fmt is not None and projection:
             w = t if t.dtype in (torch.float32, torch.bfloat16) else t.float()
             value = LowpWeight(w, self.fmt, self.gemm_dtype,
