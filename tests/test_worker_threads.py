@@ -36,7 +36,7 @@ def feed(gov: ThreadGovernor, per_token_s: float, busy: float = 1.0, tokens: int
 def make(n: int = 4) -> tuple[ThreadGovernor, Clock, list[int]]:
     sizes: list[int] = []
     clock = Clock()
-    return ThreadGovernor(n, sizes.append, clock), clock, sizes
+    return ThreadGovernor(n, sizes.append, clock, runnable=lambda: 0), clock, sizes
 
 
 def test_starts_with_every_core_and_shrinks_at_once_when_starved():
@@ -125,14 +125,22 @@ def test_a_full_team_probes_down_only_every_max_probe_s():
     assert gov.threads == 2
 
 
-def test_slow_steps_close_a_window_early_so_a_taken_core_shrinks_the_team_in_4_steps():
-    """A 0.5B model's step on a taken core: 0.2 s. Windows of MIN_WINDOW steps once they
-    span WINDOW_S, so two starved windows take 4 steps, not 16 (seconds of a short run)."""
+def test_slow_steps_close_a_window_early_so_a_taken_core_shrinks_the_team_in_2_to_4_steps():
+    """A 0.5B model's step on a taken core: 0.2-0.4 s. Windows of MIN_WINDOW steps once they
+    span WINDOW_S, and one starved window that spans LONG_WINDOW_S is enough: the slow team
+    runs 2 steps, not 16 (seconds of a short run)."""
     gov, _, sizes = make(2)
     slow = 0.05  # s per token, 4 tokens a step
-    assert slow * 4 * T.MIN_WINDOW >= T.WINDOW_S
+    assert slow * 4 * T.MIN_WINDOW >= T.LONG_WINDOW_S
     assert feed(gov, slow, busy=0.6) == T.MIN_WINDOW
-    assert feed(gov, slow, busy=0.6) == T.MIN_WINDOW
+    assert sizes == [2, 1]
+    # Shorter slow windows (above WINDOW_S, below LONG_WINDOW_S) take two in a row.
+    gov, _, sizes = make(2)
+    mid = 0.015
+    assert T.WINDOW_S <= mid * 4 * T.MIN_WINDOW < T.LONG_WINDOW_S
+    assert feed(gov, mid, busy=0.6) == T.MIN_WINDOW
+    assert sizes == [2]
+    assert feed(gov, mid, busy=0.6) == T.MIN_WINDOW
     assert sizes == [2, 1]
     # Fast steps still fill whole windows (a quiet batch-1 step of a small model: ~1 ms).
     assert feed(gov, 1e-4) == T.WINDOW
@@ -146,15 +154,42 @@ def test_a_probe_onto_a_taken_core_ends_after_its_first_steps():
     clock.now += T.MIN_PROBE_S
     feed(gov, 2e-3)  # the baseline window at 1 thread; the probe (2 threads) starts
     assert gov.threads == 2
-    # 3x slower per token: the probe ends after MIN_WINDOW steps, lost, backed off.
-    assert feed(gov, 6e-3) == T.MIN_WINDOW
+    # 3x slower per token: the probe ends after its first step, lost, backed off.
+    assert 3 > T.PROBE_ABORT_NOW
+    assert feed(gov, 6e-3) == 1
     assert gov.threads == 1 and gov.probe_s == 2 * T.MIN_PROBE_S
-    # A probe only a little slower (below PROBE_ABORT) runs its whole window before losing.
+    # 1.6x slower (between PROBE_ABORT and PROBE_ABORT_NOW): after MIN_WINDOW steps.
     clock.now += 2 * T.MIN_PROBE_S
+    feed(gov, 2e-3)
+    assert gov.threads == 2 and T.PROBE_ABORT < 1.6 < T.PROBE_ABORT_NOW
+    assert feed(gov, 2e-3 * 1.6) == T.MIN_WINDOW
+    assert gov.threads == 1 and gov.probe_s == 4 * T.MIN_PROBE_S
+    # A probe only a little slower (below PROBE_ABORT) runs its whole window before losing.
+    clock.now += 4 * T.MIN_PROBE_S
     feed(gov, 2e-3)
     assert gov.threads == 2
     assert feed(gov, 2e-3 * (1 + T.PROBE_ABORT) / 2) == T.WINDOW
-    assert gov.threads == 1 and sizes == [2, 1, 2, 1, 2, 1]
+    assert gov.threads == 1 and sizes == [2, 1, 2, 1, 2, 1, 2, 1]
+
+
+def test_no_probe_up_while_no_core_is_free():
+    busy = [3]  # tasks runnable on the machine: our thread and two others
+    sizes: list[int] = []
+    clock = Clock()
+    gov = ThreadGovernor(2, sizes.append, clock, runnable=lambda: busy[0])
+    for _ in range(T.STARVED_WINDOWS):
+        feed(gov, 5e-3, busy=0.3)
+    assert gov.threads == 1
+    for _ in range(3):  # due probes skipped, retried every MIN_PROBE_S, no back-off counted
+        clock.now += T.MIN_PROBE_S
+        feed(gov, 2e-3)
+        assert gov.threads == 1 and gov.probe_s == T.MIN_PROBE_S
+        assert gov.next_probe == clock.now + T.MIN_PROBE_S
+    busy[0] = 1  # only our own thread: a core is free
+    clock.now += T.MIN_PROBE_S
+    feed(gov, 2e-3)
+    assert gov.threads == 2 and sizes == [2, 1, 2]
+    assert 0 <= T.runnable_tasks()
 
 
 def test_explicit_threads_fix_the_team(monkeypatch):

@@ -10,16 +10,20 @@ passive waiting survives that but costs a quarter to a third of the quiet speed.
 
 - windows: ``WINDOW`` steps, or fewer (at least ``MIN_WINDOW``) once they add up to
   ``WINDOW_S``, so slow steps (a big model, a taken core) are judged in a fraction of a second;
-- down, at once: over ``STARVED_WINDOWS`` windows of steps in a row, the process's CPU time
+- down, at once: over ``STARVED_WINDOWS`` windows of steps in a row (or one that spans
+  ``LONG_WINDOW_S``), the process's CPU time
   per wall second per team member (``getrusage``) falls below ``STARVED``: members are
   waiting for a core, so the team shrinks by one;
 - probe: every ``probe_s`` (doubling after each probe that lost, up to ``MAX_PROBE_S``) the
-  team tries one thread more, or one fewer when at the top (then at most every
+  team tries one thread more (only when no more tasks are runnable on the machine than its
+  own, ``runnable_tasks``: else no core is free, and it looks again in ``MIN_PROBE_S``), or
+  one fewer when at the top (then at most every
   ``MAX_PROBE_S``: a probe down from a full team on a quiet machine only costs, 8 steps at
   ~2/3 the speed, and short runs paid it several times: bench threads had the default at
   0.87-0.90 of 2 threads at batch 32 and prefill), for a window, and keeps the size
   whose median step time per scheduled token was lower (by ``GAIN``); otherwise it goes
-  back; a probe whose first steps already run ``PROBE_ABORT`` x slower ends there, lost.
+  back; a probe whose first steps already run ``PROBE_ABORT`` x slower (its first step alone
+  ``PROBE_ABORT_NOW`` x) ends there, lost.
   Only steps of similar size are compared: a probe window is measured against the
   window just before it, and not at all when the median step size moved by more than
   ``SAME_SIZE`` (batch 8 tokens cost less each than batch 1's: a probe across such a change
@@ -55,6 +59,12 @@ MIN_WINDOW = 2
 # A probe whose steps so far take this x the baseline per token ends at once, lost: a probe
 # up onto a taken core runs 3-15x slower, and 8 such steps cost seconds.
 PROBE_ABORT = 1.3
+# ... and after its first step alone when that one runs this x slower: onto a taken core a
+# 0.5B step went from 0.05 to 0.38 s, so each probe's second step cost a third of a second.
+PROBE_ABORT_NOW = 2.0
+# A starved window that spans this long is not a hiccup: it shrinks the team by itself (with
+# a taken core the first two 2-step windows held the slow team for 1.5 s).
+LONG_WINDOW_S = 0.25
 MIN_PROBE_S = 1.0
 MAX_PROBE_S = 32.0
 
@@ -73,14 +83,25 @@ def _cpu_seconds() -> float:
     return u.ru_utime + u.ru_stime
 
 
+def runnable_tasks() -> int:
+    """Tasks runnable on the machine right now (``/proc/loadavg``'s R of R/T), 0 if unknown."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class ThreadGovernor:
     def __init__(self, max_threads: int, set_threads: Callable[[int], None] = torch.set_num_threads,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 runnable: Callable[[], int] = runnable_tasks) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
         self.max_threads = max_threads
         self._set = set_threads
         self._clock = clock
+        self._runnable = runnable
         self.threads = max_threads
         self._set(max_threads)
         _applied[0] = max_threads
@@ -112,9 +133,9 @@ class ThreadGovernor:
         w = self._window
         w.append((wall_s, cpu_s, tokens))
         done = len(w) >= WINDOW or (len(w) >= MIN_WINDOW and sum(x[0] for x in w) >= WINDOW_S)
-        if not done and self._probe_from is not None and len(w) >= MIN_WINDOW:
+        if not done and self._probe_from is not None:
             assert self._baseline is not None
-            done = self._per_token() > PROBE_ABORT * self._baseline
+            done = self._per_token() > (PROBE_ABORT if len(w) >= MIN_WINDOW else PROBE_ABORT_NOW) * self._baseline
         if done:
             self._decide()
         return done
@@ -155,12 +176,18 @@ class ThreadGovernor:
             return
         starved = self.threads > 1 and wall > 0 and cpu / (wall * self.threads) < STARVED
         self._starved = self._starved + 1 if starved else 0
-        if self._starved >= STARVED_WINDOWS:
+        if self._starved >= STARVED_WINDOWS or (starved and wall >= LONG_WINDOW_S):
             self._starved = 0
             self._resize(self.threads - 1)
             self.next_probe = now + self.probe_s
             return
         top = self.threads == self.max_threads
+        if now >= self.next_probe and not top and self._runnable() > self.threads:
+            # No free core now (more tasks runnable than our team, which this thread is
+            # part of): a probe up would only queue behind them, at 3-8x the step time on a
+            # 0.5B model. Look again soon, without counting it as a loss.
+            self.next_probe = now + MIN_PROBE_S
+            return
         if now >= self.next_probe and self.max_threads > 1 and (
                 not top or now >= self.full_since + MAX_PROBE_S):
             if top:  # the next probe down from a full team comes MAX_PROBE_S after this one
