@@ -62,7 +62,7 @@ def _hidden(model_dir: str, prompts: list[list[int]], share_from=None, max_token
 def test_checkpoint_loads_its_exact_weights(float_models, tmp_path, monkeypatch, arch, method, gs, sym,
                                             act_order):
     # float32 GEMMs for the batched path (a CPU with native bf16 would dequantise to bf16)
-    monkeypatch.setattr("pipeline.worker.model_runner.cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr("pipeline.worker.device.cpu_has_fast_bf16", lambda: False)  # weight_plan looks it up there
     qdir, rdir = str(tmp_path / "q"), str(tmp_path / "ref")
     write_quantised(float_models[arch], qdir, rdir, method, gs, sym, act_order)
     g = torch.Generator().manual_seed(1)

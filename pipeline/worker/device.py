@@ -1,4 +1,5 @@
-"""Worker stage: device-level settings of the worker process (dtype resolution, CPU threads).
+"""Worker stage: device-level settings of the worker process (dtype resolution, the form its
+weights take, CPU threads).
 
 Owns no state; the model runner calls these once at start-up.
 """
@@ -7,6 +8,9 @@ from __future__ import annotations
 import os
 
 import torch
+
+from pipeline.models.quantized import checkpoint_quantization, weight_format
+from pipeline.models.weights import WeightPlan
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,6 +73,18 @@ def cpu_weight_format(dtype: torch.dtype, quantization: str, device: torch.devic
                              "build them with `make build`")
         return None  # bf16 falls back to torch's bf16 ops, one at a time
     return fmt
+
+
+def weight_plan(model_dir: str, dtype: torch.dtype, quantization: str, group_size: int,
+                device: torch.device, have_ops: bool) -> WeightPlan:
+    """The form the worker gives its weights (``models.weights``): packed bf16/int8/int4 on a
+    CPU (``cpu_weight_format``; a GPTQ/AWQ checkpoint is int4 whatever the dtype), float
+    projections stored [in, out] on a CPU without packing, ``dtype`` as is elsewhere."""
+    fmt = (weight_format(checkpoint_quantization(model_dir), quantization, device.type)
+           or cpu_weight_format(dtype, quantization, device, have_ops))
+    return WeightPlan(torch.float32 if fmt else dtype, device, fmt,
+                      torch.bfloat16 if cpu_has_fast_bf16() else torch.float32,
+                      kn=fmt is None and device.type == "cpu", group_size=group_size)
 
 
 def proc_memory(field: str = "VmHWM") -> int:

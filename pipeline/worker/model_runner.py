@@ -31,10 +31,9 @@ from pipeline.models.config import load_model_config, model_hash
 from pipeline.models.llama import CausalLM
 from pipeline.models.loader import load_weights
 from pipeline.models.parallel import TPGroup, TPShard
-from pipeline.models.quantized import checkpoint_quantization, weight_format
-from pipeline.models.weights import WeightPlan, weight_bytes
+from pipeline.models.weights import weight_bytes
 from pipeline.worker.cuda_graphs import DecodeGraphs
-from pipeline.worker.device import cpu_has_fast_bf16, cpu_weight_format, proc_memory, resolve_dtype, worker_threads
+from pipeline.worker.device import proc_memory, resolve_dtype, weight_plan, worker_threads
 from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.kv_cache import KVCache, bytes_per_block
 from pipeline.worker.kv_sizing import decide_num_blocks, profile_gpu_blocks
@@ -131,16 +130,11 @@ class ModelRunner:
         rss0 = proc_memory("VmRSS")
         if self.shard is not None:
             self._join_group()
-        # CPU bf16/int8: float32 activations, the projections packed as they load.
-        fmt = cpu_weight_format(self.dtype, self.config.quantization, self.device,
-                                ops.backend(self.device) is not None)
-        # A GPTQ/AWQ checkpoint: int4 (its projections as stored, the rest quantised).
-        fmt = weight_format(checkpoint_quantization(self.config.model), self.config.quantization,
-                            self.device.type) or fmt
-        plan = WeightPlan(torch.float32 if fmt else self.dtype, self.device, fmt,
-                          torch.bfloat16 if cpu_has_fast_bf16() else torch.float32,
-                          kn=fmt is None and self.device.type == "cpu",
-                          group_size=self.config.quantization_group_size)
+        # CPU bf16/int8/int4: float32 activations, the projections packed as they load.
+        plan = weight_plan(self.config.model, self.dtype, self.config.quantization,
+                           self.config.quantization_group_size, self.device,
+                           ops.backend(self.device) is not None)
+        fmt = plan.fmt
         with torch.device("meta"):
             model = CausalLM(self.shard.model_config(mc) if self.shard else mc, self.max_model_len)
         load_weights(model, self.config.model, plan, shard=self.shard)
