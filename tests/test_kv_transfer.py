@@ -456,3 +456,31 @@ def test_layout_reads_the_workers_cache_as_the_worker_lays_it_out(inst, dtype):
     del pool
     seg.close()
     kv.close()
+
+
+def test_a_stop_signal_raised_inside_wait_leaves_close_waiting_for_the_thread():
+    """The decode messager stops on a signal whose handler raises while it sits in
+    `rx.wait`. Python 3.11's Thread.join marks a live thread stopped when that happens
+    (bpo-45274); close() then closed the sockets under the thread's poll and libzmq aborted
+    the stage. wait() must still see the thread running, and close() must end it."""
+    rx = KVReceiver(np.zeros(LAYOUT.total_bytes, np.uint8), LAYOUT)
+
+    class Stop(Exception):
+        pass
+
+    def raise_stop(signum, frame):
+        raise Stop
+
+    old = signal.signal(signal.SIGALRM, raise_stop)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(Stop):
+            rx.wait(WAIT)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    try:
+        assert not rx.wait(0), "the receiver thread is still serving: wait() must not say it ended"
+    finally:
+        rx.close()
+    assert rx.wait(0) and rx.error is None

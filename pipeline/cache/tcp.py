@@ -305,6 +305,11 @@ class KVReceiver:
         self._stop_rx.bind(stop_addr)
         self._stop_tx = self._ctx.socket(zmq.PAIR)
         self._stop_tx.connect(stop_addr)
+        # The thread says itself when it ended. Thread.join is not trusted for that: on
+        # Python 3.11 a signal's exception (the stage's STOP_SIGNAL) raised inside join()
+        # can mark a live thread stopped (bpo-45274), and close() then destroyed the
+        # sockets under its poll: libzmq aborted the stage (signaler.cpp assertion).
+        self._ended = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-receiver", daemon=True)
         self._thread.start()
 
@@ -315,6 +320,8 @@ class KVReceiver:
             self.error = e
             if not isinstance(e, PeerDied):
                 logger.error("KV receiver %s stopped: %s: %s", self.endpoint, type(e).__name__, e)
+        finally:
+            self._ended.set()
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -400,18 +407,21 @@ class KVReceiver:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the receiver thread ended (then True; `error` says why) or `timeout`."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return self._ended.wait(timeout)
 
     def close(self) -> None:
         """Stop the thread, close the sockets, drop the pool view. Idempotent."""
-        if self._ctx.closed:
+        if self.stopping:
             return
         self.stopping = True
         self._stop_tx.send(b"")
-        self._thread.join(CLOSE_JOIN_S)
-        # destroy(): close every socket left, then terminate without waiting on them. A
-        # plain term() blocks for good on a socket still open (a thread that did not end),
-        # and a stage exits right after this (a messager stop once hung here in CI).
+        if not self._ended.wait(CLOSE_JOIN_S):
+            # Sockets must not close under a thread still using them (libzmq aborts), and
+            # term() would block on them: leave both to the process's exit.
+            logger.error("KV receiver %s: thread did not end in %.0f s; sockets left open",
+                         self.endpoint, CLOSE_JOIN_S)
+            return
+        # destroy(): close every socket left, then terminate without waiting on them (a
+        # plain term() blocks for good on a socket still open).
         self._ctx.destroy(linger=0)
         self._dst = None
