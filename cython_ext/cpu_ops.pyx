@@ -90,6 +90,9 @@ cdef extern from "cpu_ops_amx.h":
     int pipeline_cpu_linear_i8(float *y, int64_t ldy, const float *x, int64_t ldx,
                                const int8_t *P, const float *scale, const float *bias, int64_t M,
                                int64_t K, int64_t N) nogil
+    int pipeline_cpu_swiglu(float *act, int64_t ldact, const float *x, int64_t ldx,
+                            const void *W, const float *scale, int64_t M, int64_t K,
+                            int64_t inter) nogil
 
 cdef extern from "cpu_ops_decoder.h":
     ctypedef struct pipe_layer:
@@ -308,6 +311,22 @@ def linear_i8(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t q, u
                                     <const float *>scale, <const float *>bias, m, k, n)
     if rc < 0:
         raise MemoryError(f"linear_i8: no scratch for {m} rows of {k} values")
+    return rc == 0
+
+
+def swiglu(uintptr_t act, int64_t ldact, uintptr_t x, int64_t ldx, uintptr_t weight,
+           uintptr_t scale, int64_t m, int64_t k, int64_t inter) -> bool:
+    """act [m, inter] = silu(x @ gate^T) * (x @ up^T) from a gate_up weight [2 * inter, k]
+    packed as for linear_bf16 (scale 0) or linear_i8, on AMX tiles with gate_up never
+    written; False (nothing written) where that kernel does not run (m within the GEMV's
+    rows, no AMX, inter not a multiple of 16): the caller runs the projection and
+    silu_and_mul, which give the same floats."""
+    cdef int rc
+    with nogil:
+        rc = pipeline_cpu_swiglu(<float *>act, ldact, <const float *>x, ldx, <const void *>weight,
+                                 <const float *>scale, m, k, inter)
+    if rc < 0:
+        raise MemoryError(f"swiglu: no scratch for {m} rows of {k} values")
     return rc == 0
 
 

@@ -29,6 +29,7 @@
 #include <unistd.h>
 #include <omp.h>
 #include <immintrin.h>
+#include "cpu_ops_fused.h"
 #include "cpu_ops_gemv_i8.h"
 #include "cpu_ops_gemv_lp.h"
 
@@ -132,7 +133,25 @@ typedef struct {
     int64_t ldy, M, N, NB, steps, arow, panel; /* arow: A bytes per row, panel: per block of B */
     const char *A, *W;
     const float *bias, *xs, *scale;           /* xs, scale: int8 only */
+    int64_t up; /* SwiGLU (gate_up): block b's partner b + up, y [M, N] = silu(gate) * up */
 } pipe_amx_args;
+
+/* Row m of one SwiGLU pair: gate block b's 16 sums beside up block b + up's (as the plain
+ * epilogue would write them, then silu_and_mul's operations: the same floats). */
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) static inline
+void pipe_amx_swiglu16(const pipe_amx_args *g, const float *c, int64_t m, int64_t b, int i8,
+                       int nt) {
+    __m512 gate = _mm512_load_ps(c), up = _mm512_load_ps(c + 16);
+    if (i8) {
+        const __m512 xs = _mm512_set1_ps(g->xs[m]);
+        gate = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c)),
+                               _mm512_mul_ps(xs, _mm512_loadu_ps(g->scale + b * 16)), _mm512_setzero_ps());
+        up = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16)),
+                             _mm512_mul_ps(xs, _mm512_loadu_ps(g->scale + (b + g->up) * 16)),
+                             _mm512_setzero_ps());
+    }
+    pipe_store16(g->y + m * g->ldy + b * 16, (__mmask16)0xffff, pipe_silu_mul16(gate, up), nt);
+}
 
 /* Each thread's accumulators for one chunk of rows (PIPE_AMX_MAX_CHUNK x 32 values). */
 #define PIPE_AMX_MAX_CHUNK 512
@@ -140,7 +159,7 @@ static __thread float *pipe_amx_cbuf = NULL;
 
 __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,fma")))
 static int pipe_amx_run(const pipe_amx_args *g, int i8) {
-    const int64_t pairs = (g->NB + 1) / 2, Mp = (g->M + 15) / 16 * 16;
+    const int64_t pairs = g->up ? g->up : (g->NB + 1) / 2, Mp = (g->M + 15) / 16 * 16;
     const int64_t lda = 16 * g->arow;
     int64_t chunk = PIPE_AMX_A_BYTES / (g->arow > 0 ? g->arow : 1) / 32 * 32;
     chunk = chunk < 32 ? 32 : chunk > PIPE_AMX_MAX_CHUNK ? PIPE_AMX_MAX_CHUNK : chunk;
@@ -160,9 +179,9 @@ static int pipe_amx_run(const pipe_amx_args *g, int i8) {
         if (cbuf) pipe_amx_config();
         for (int64_t mc = 0; cbuf && mc < Mp; mc += chunk)
             for (int64_t p = p0; p < p1; p++) {
-                const int64_t b = 2 * p;
-                const int nn = b + 1 < g->NB ? 2 : 1;
-                const char *b0 = g->W + b * g->panel, *b1 = b0 + g->panel;
+                const int64_t b = g->up ? p : 2 * p; /* and b + 1, or b + up (SwiGLU) */
+                const int nn = g->up || b + 1 < g->NB ? 2 : 1;
+                const char *b0 = g->W + b * g->panel, *b1 = b0 + (g->up ? g->up : 1) * g->panel;
                 /* depth in slices whose B tiles (2 x PIPE_AMX_KSTEPS KB) stay in L1 while
                  * every row block of the chunk multiplies them */
                 for (int64_t k0 = 0; k0 < g->steps; k0 += PIPE_AMX_KSTEPS) {
@@ -185,6 +204,11 @@ static int pipe_amx_run(const pipe_amx_args *g, int i8) {
                         else if (nn == 2) pipe_amx_bf16_tiles(1, 2, a, lda, k0b0, k0b1, ks, first, c);
                         else pipe_amx_bf16_tiles(1, 1, a, lda, k0b0, k0b1, ks, first, c);
                         if (!last) continue;
+                        if (g->up) {
+                            for (int64_t r = 0; r < 16 * nm && m + r < g->M; r++)
+                                pipe_amx_swiglu16(g, c + r * 32, m + r, b, i8, stream);
+                            continue;
+                        }
                         for (int64_t r = 0; r < 16 * nm && m + r < g->M; r++)
                             for (int j = 0; j < nn; j++) {
                                 const float *cr = c + r * 32 + 16 * j;
@@ -235,29 +259,38 @@ static void pipe_amx_round_rows(char *xb, const float *x, int64_t ldx, int64_t M
     }
 }
 
-/* Returns -1 without AMX or scratch memory (the caller then takes another kernel). */
-static int pipeline_cpu_amx_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
-                                 const uint16_t *W, const float *bias, int64_t M, int64_t K,
-                                 int64_t N) {
+/* Returns -1 without AMX or scratch memory (the caller then takes another kernel). `up`:
+ * 0, or SwiGLU: W holds 2 x N rows (gate, then up) and y gets silu(gate) * up, N columns
+ * (N a multiple of 16, up = N / 16 blocks). */
+static int pipe_amx_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
+                         const uint16_t *W, const float *bias, int64_t M, int64_t K,
+                         int64_t N, int64_t up) {
     if (M <= 0 || N <= 0) return 0;
     if (!pipe_amx_ok()) return -1;
     const int64_t Kp = pipe_bf16_kp(K), Mp = (M + 15) / 16 * 16;
     char *xb = (char *)pipe_lp_buffer((size_t)(Mp * Kp) * 2);
     if (xb == NULL) return -1;
     pipe_amx_round_rows(xb, x, ldx, M, Mp, K, Kp);
-    pipe_amx_args g = {y, ldy, M, N, (N + 15) / 16, Kp / 32, Kp * 2, 16 * Kp * 2,
-                       (const char *)xb, (const char *)W, bias, NULL, NULL};
+    pipe_amx_args g = {y, ldy, M, N, up ? 2 * up : (N + 15) / 16, Kp / 32, Kp * 2, 16 * Kp * 2,
+                       (const char *)xb, (const char *)W, bias, NULL, NULL, up};
     return pipe_amx_run(&g, 0);
+}
+
+static int pipeline_cpu_amx_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                 const uint16_t *W, const float *bias, int64_t M, int64_t K,
+                                 int64_t N) {
+    return pipe_amx_bf16(y, ldy, x, ldx, W, bias, M, K, N, 0);
 }
 
 /* Whether the int8 AMX kernel takes rows of K: the packed depth K4 = ceil(K/4) must fill
  * whole tiles (16 groups of 4). */
 static int pipe_amx_i8_fits(int64_t K) { return (K + 3) / 4 % 16 == 0; }
 
-/* Returns -1 without AMX, for a K it does not take, or without scratch memory. */
-static int pipeline_cpu_amx_i8(float *y, int64_t ldy, const float *x, int64_t ldx,
-                               const int8_t *P, const float *scale, const float *bias,
-                               int64_t M, int64_t K, int64_t N) {
+/* Returns -1 without AMX, for a K it does not take, or without scratch memory. `up`: as
+ * for pipe_amx_bf16. */
+static int pipe_amx_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const int8_t *P,
+                       const float *scale, const float *bias, int64_t M, int64_t K, int64_t N,
+                       int64_t up) {
     if (M <= 0 || N <= 0) return 0;
     if (!pipe_amx_ok() || !pipe_amx_i8_fits(K)) return -1;
     const int64_t K4 = (K + 3) / 4, Mp = (M + 15) / 16 * 16, lda = K4 * 4;
@@ -274,9 +307,15 @@ static int pipeline_cpu_amx_i8(float *y, int64_t ldy, const float *x, int64_t ld
         else memset(row, 0, (size_t)lda);
         for (int64_t s = 0; s < steps; s++) memcpy(xq + pipe_amx_aoff(m, s, steps), row + s * 64, 64);
     }
-    pipe_amx_args g = {y, ldy, M, N, (N + 15) / 16, steps, lda, 16 * lda,
-                       (const char *)xq, (const char *)P, bias, xs, scale};
+    pipe_amx_args g = {y, ldy, M, N, up ? 2 * up : (N + 15) / 16, steps, lda, 16 * lda,
+                       (const char *)xq, (const char *)P, bias, xs, scale, up};
     return pipe_amx_run(&g, 1);
+}
+
+static int pipeline_cpu_amx_i8(float *y, int64_t ldy, const float *x, int64_t ldx,
+                               const int8_t *P, const float *scale, const float *bias,
+                               int64_t M, int64_t K, int64_t N) {
+    return pipe_amx_i8(y, ldy, x, ldx, P, scale, bias, M, K, N, 0);
 }
 
 /* y = x @ W^T (+ bias) with bf16 W packed: 0 done, -1 out of scratch memory, 1 not taken
@@ -300,6 +339,23 @@ static int pipeline_cpu_linear_i8(float *y, int64_t ldy, const float *x, int64_t
     if (M <= PIPE_I8_NO_AMX_GEMV_MAX_M)
         return pipeline_cpu_gemv_i8(y, ldy, x, ldx, P, scale, bias, M, K, N);
     return 1;
+}
+
+/* SwiGLU of a gate_up projection on AMX tiles, fused: act [M, inter] (rows ldact floats
+ * apart) = silu(x @ gate^T) * (x @ up^T), W (bf16) or P (int8, with scale) packed from the
+ * [2 * inter, K] gate_up weight, no bias. gate_up itself is never written: at a 2048-token
+ * prefill of the 0.5B model it was 80 MB a layer written, read back and halved. 0: done;
+ * 1: not taken (M within the GEMV's rows, no AMX, inter not a multiple of 16, a K the int8
+ * tiles do not take): the caller runs the projection and silu_and_mul; -1: no scratch. */
+static int pipeline_cpu_swiglu(float *act, int64_t ldact, const float *x, int64_t ldx,
+                               const void *W, const float *scale, int64_t M, int64_t K,
+                               int64_t inter) {
+    const int i8 = scale != NULL;
+    if (M <= (i8 ? PIPE_I8_GEMV_MAX_M : PIPE_BF16_GEMV_MAX_M) || inter % 16 || !pipe_amx_ok()
+        || (i8 && !pipe_amx_i8_fits(K)))
+        return 1;
+    return i8 ? pipe_amx_i8(act, ldact, x, ldx, (const int8_t *)W, scale, NULL, M, K, inter, inter / 16)
+              : pipe_amx_bf16(act, ldact, x, ldx, (const uint16_t *)W, NULL, M, K, inter, inter / 16);
 }
 
 #endif

@@ -120,6 +120,36 @@ static inline __m256 pipe_exp8(__m256 x) {
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
+
+#endif
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+/* pipe_exp8's operations on sixteen lanes (the same floats lane by lane), and SwiGLU's
+ * silu(g) * u on them: the AMX kernel's fused gate_up epilogue (cpu_ops_amx.h) and
+ * silu_and_mul below give the same floats. */
+__attribute__((target("avx512f"))) static inline __m512 pipe_exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+__attribute__((target("avx512f"))) static inline __m512 pipe_silu_mul16(__m512 g, __m512 u) {
+    const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), pipe_exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    return _mm512_mul_ps(_mm512_div_ps(g, den), u);
+}
 #endif
 
 /* out [T, I] (dense) = silu(x[:, :I]) * x[:, I:], x rows `x_stride` floats apart. */
@@ -131,6 +161,10 @@ static void pipeline_cpu_silu_and_mul(float *out, const float *x, int64_t num_to
         const float *restrict g = x + t * x_stride, *restrict u = g + inter;
         float *restrict o = out + t * inter;
         int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= inter; i += 16)
+            _mm512_storeu_ps(o + i, pipe_silu_mul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
         const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
         for (; i + 8 <= inter; i += 8) {

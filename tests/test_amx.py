@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.layers import ops
+from pipeline.layers import ops, ops_fused
 from pipeline.layers.lowp import LowpWeight, quantize_int8
 
 cpu_ops = ops.backend(torch.device("cpu"))
@@ -168,3 +168,38 @@ def test_amx_peak_is_measured():
     assert bf16 > 0 and int8 > 0  # 1024 / 2048 ops per cycle per core when unshared (docs/cpu.md)
     cpu_ops.set_isa("avx512")
     assert cpu_ops.amx_peak(0, 10, 1) == 0.0
+
+
+@needs_amx
+@settings(max_examples=30, deadline=None)
+@given(m=st.integers(2, 70), blocks=st.integers(1, 5), k64=st.integers(1, 4), fmt=st.sampled_from(["bf16", "int8"]),
+       seed=st.integers(0, 2**16))
+def test_fused_swiglu_gives_the_floats_of_the_projection_then_silu_and_mul(m, blocks, k64, fmt, seed):
+    """gate_up on AMX tiles with SwiGLU in the epilogue: every float as the unfused path's
+    (the projection, then silu_and_mul), for gate/up blocks of 16 and row counts that do not
+    fill the tiles; the gate_up product is never written."""
+    cpu_ops.set_isa("amx")
+    g = torch.Generator().manual_seed(seed)
+    inter, k = 16 * blocks, 64 * k64
+    x, w = torch.randn(m, k, generator=g), torch.randn(2 * inter, k, generator=g) * 0.3
+    lw = LowpWeight(w, fmt, torch.bfloat16)
+    act = torch.full((m, inter), float("nan"))
+    assert lw.swiglu(x, act)
+    want = ops_fused.silu_and_mul(lw.linear(x))
+    assert torch.equal(act, want)
+
+
+@needs_amx
+def test_swiglu_declines_what_its_kernel_does_not_take():
+    """One row (the GEMV's), a gate/up split inside a block of 16, or no AMX: False and
+    nothing written, so the caller runs the projection and silu_and_mul."""
+    w = torch.randn(2 * 24, 64)
+    for lw, m in ((LowpWeight(torch.randn(32, 64), "bf16", torch.bfloat16), 1),
+                  (LowpWeight(w, "bf16", torch.bfloat16), 8), (LowpWeight(w, "int8", torch.bfloat16), 8)):
+        act = torch.full((m, lw.out_features // 2), float("nan"))
+        assert not lw.swiglu(torch.randn(m, 64), act)
+        assert act.isnan().all()
+    cpu_ops.set_isa("avx512")
+    lw = LowpWeight(torch.randn(32, 64), "bf16", torch.bfloat16)
+    act = torch.full((8, 16), float("nan"))
+    assert not lw.swiglu(torch.randn(8, 64), act) and act.isnan().all()

@@ -16,6 +16,7 @@ from torch import nn
 from pipeline.layers import ops, ops_fused
 from pipeline.layers.attention import AttentionMetadata
 from pipeline.layers.int4 import PACKED
+from pipeline.layers.lowp import LowpWeight
 
 
 def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
@@ -123,8 +124,10 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
             tp.all_reduce(o)
         post = layer.post_attention_layernorm
         ext.rms_norm(hp, op, rp, post.weight.data_ptr(), t, hidden, hidden, hidden, hidden, post.eps)
-        proj(h, hp, layer.gate_up_weight, layer.gate_up_bias, gate_up, gup, layer.kn)
-        ext.silu_and_mul(actp, gup, t, inter, 2 * inter)
+        gu = layer.gate_up_weight
+        if layer.gate_up_bias is not None or not isinstance(gu, LowpWeight) or not gu.swiglu(h, act):
+            proj(h, hp, gu, layer.gate_up_bias, gate_up, gup, layer.kn)
+            ext.silu_and_mul(actp, gup, t, inter, 2 * inter)
         proj(act, actp, layer.down_weight, layer.down_bias, down, dp, layer.kn)
         if tp is not None:
             tp.all_reduce(down)

@@ -178,6 +178,23 @@ class LowpWeight(nn.Module):
                        self.scale.data_ptr(), self.out_features, self.in_features)
         return scratch
 
+    def swiglu(self, x: torch.Tensor, out: torch.Tensor) -> bool:
+        """For a gate_up weight (``inter`` gate rows, then ``inter`` up rows): ``out [M,
+        inter] = silu(x @ gate^T) * (x @ up^T)`` in one C call that never writes gate_up
+        (cpu_ops_amx.h). False, nothing written, where that kernel does not run (few rows, no
+        AMX): the caller runs ``linear`` and ``silu_and_mul``, which give the same floats."""
+        ext = backend(x.device)
+        if ext is None or self.table_only or self.out_features % 2:
+            return False
+        m, k, inter = x.shape[0], self.in_features, self.out_features // 2
+        if x.dtype != torch.float32 or x.shape != (m, k) or x.stride(1) != 1 \
+                or out.dtype != torch.float32 or out.shape != (m, inter) or out.stride(1) != 1:
+            raise ValueError(f"swiglu: x must be float32 [{m}, {k}] and out float32 [{m}, {inter}], "
+                             f"both with dense rows; got {tuple(x.shape)} and {tuple(out.shape)}")
+        scale = 0 if self.scale is None else self.scale.data_ptr()
+        return bool(ext.swiglu(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0),
+                               self.weight.data_ptr(), scale, m, k, inter))
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 ``x [M, in] @ W^T (+ bias)`` -> ``out`` (float32 [M, out], dense rows)."""
