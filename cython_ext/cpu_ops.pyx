@@ -140,6 +140,8 @@ cdef extern from "cpu_ops_fused.h":
         int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, int dtype) nogil
     void pipeline_cpu_silu_and_mul(float *out, const float *x, int64_t num_tokens,
                                    int64_t inter, int64_t x_stride) nogil
+    void pipeline_cpu_argmax(int64_t *out, const float *x, int64_t rows, int64_t n,
+                             int64_t ld) nogil
 
 
 def reshape_and_cache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache,
@@ -241,6 +243,13 @@ def silu_and_mul(uintptr_t out, uintptr_t x, int64_t num_tokens, int64_t inter,
     """out [T, I] = silu(x[:, :I]) * x[:, I:] in float32."""
     with nogil:
         pipeline_cpu_silu_and_mul(<float *>out, <const float *>x, num_tokens, inter, x_stride)
+
+
+def argmax(uintptr_t out, uintptr_t x, int64_t rows, int64_t n, int64_t ld) -> None:
+    """int64 out [rows] = argmax of each float32 row of x [rows, n] (rows ld apart), as
+    torch.argmax answers: the first maximum, or the first NaN."""
+    with nogil:
+        pipeline_cpu_argmax(<int64_t *>out, <const float *>x, rows, n, ld)
 
 
 GEMV_MAX_M = PIPE_GEMV_MAX_M

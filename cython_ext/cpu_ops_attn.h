@@ -115,6 +115,8 @@ static void pipe_attn_item(const pipe_attn_args *a, int64_t b, int64_t tile, int
     }
 }
 
+#include "cpu_ops_attn512.h"
+
 /* Returns the index of a malformed sequence, PIPE_ENOMEM, or -1 once `out` [T, H, D] is
  * written. Rows of `out` past cu_seqlens_q[num_seqs] (padding) are zeroed. */
 static int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) {
@@ -148,9 +150,15 @@ static int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) 
     }
     int oom = 0;
     const int64_t max_rows = PIPE_QTILE * group;
+    int64_t extra = 0; /* the AVX-512 item's scratch, after the generic item's */
+#ifdef PIPE_ATTN512
+    const int use512 = pipe_attn512_ok(D) && group <= 64;
+    if (use512) extra = pipe_attn512_scratch(max_rows, D);
+#endif
     #pragma omp parallel if (par && items * nsplit > 1)
     {
-        float *scratch = (float *)malloc((size_t)(2 * max_rows * D + 2 * max_rows + bs + 2 * bs * D) * sizeof(float));
+        const int64_t generic = 2 * max_rows * D + 2 * max_rows + bs + 2 * bs * D;
+        float *scratch = (float *)malloc((size_t)(generic + extra) * sizeof(float));
         if (scratch == NULL) {
             #pragma omp atomic write
             oom = 1;
@@ -170,7 +178,12 @@ static int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) 
             const int64_t tile = gt - (b > 0 ? tile_end[b - 1] : 0), ctx = a->seq_lens[b];
             const int64_t chunk = ((ctx + nsplit - 1) / nsplit + bs - 1) / bs * bs;
             const int64_t k_lo = split * chunk, k_hi = k_lo + chunk < ctx ? k_lo + chunk : ctx;
-            pipe_attn_item(a, b, tile, kvh, k_lo, k_hi, qf, acc, m, l, s, kf, vf);
+#ifdef PIPE_ATTN512
+            if (use512)
+                pipe_attn_item512(a, b, tile, kvh, k_lo, k_hi, acc, m, l, scratch + generic);
+            else
+#endif
+                pipe_attn_item(a, b, tile, kvh, k_lo, k_hi, qf, acc, m, l, s, kf, vf);
             const int64_t q_len = a->cu_seqlens_q[b + 1] - a->cu_seqlens_q[b];
             const int64_t nt = q_len - tile * PIPE_QTILE < PIPE_QTILE ? q_len - tile * PIPE_QTILE : PIPE_QTILE;
             for (int64_t r = 0; r < nt * group; r++) {

@@ -177,4 +177,55 @@ static void pipeline_cpu_silu_and_mul(float *out, const float *x, int64_t num_to
     }
 }
 
+/* out[r] = the index of the largest of row r's n floats (rows ld apart), the first one
+ * on ties, or of its first NaN: torch.argmax's answer. Greedy decoding's last step: at
+ * batch 32 over a 151936-token vocabulary torch took 6 ms (19 MB at ~3 GB/s); this reads
+ * each row once for the maximum and again, from L2, for its first position. */
+static void pipeline_cpu_argmax(int64_t *out, const float *x, int64_t rows, int64_t n,
+                                int64_t ld) {
+    const int par = rows > 1 && rows * n >= PIPE_FUSED_PAR_MIN;
+    #pragma omp parallel for schedule(static) if (par)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * ld;
+        float mx = n > 0 ? row[0] : 0.0f;
+        int nan = 0;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        if (n >= 16) {
+            __m512 m = _mm512_loadu_ps(row);
+            __mmask16 bad = 0;
+            for (i = 0; i + 16 <= n; i += 16) {
+                const __m512 v = _mm512_loadu_ps(row + i);
+                bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                m = _mm512_max_ps(m, v);
+            }
+            mx = _mm512_reduce_max_ps(m);
+            nan = bad != 0;
+        }
+#endif
+        for (; i < n; i++) {
+            nan |= row[i] != row[i];
+            mx = row[i] > mx ? row[i] : mx;
+        }
+        int64_t at = 0;
+        if (nan) {
+            while (row[at] == row[at]) at++;
+        } else {
+            at = n; /* found below: mx is one of the row's values */
+            int64_t j = 0;
+#if defined(__AVX512F__)
+            const __m512 mv = _mm512_set1_ps(mx);
+            for (; j + 16 <= n; j += 16) {
+                const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), mv, _CMP_EQ_OQ);
+                if (hit) { at = j + __builtin_ctz(hit); break; }
+            }
+#endif
+            if (at == n)
+                for (; j < n; j++)
+                    if (row[j] == mx) { at = j; break; }
+        }
+        out[r] = n > 0 ? at : 0;
+    }
+}
+
 #endif

@@ -116,7 +116,7 @@ def test_paged_attention_strided_q_and_padding():
 @given(
     seqs=st.lists(st.tuples(st.integers(1, 90), st.integers(0, 90)), min_size=1, max_size=5),
     kv_heads=st.sampled_from([1, 2, 3]),
-    group=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 2, 4, 7]),
     head_dim=st.sampled_from([8, 20, 24, 64, 80, 136]),
     block_size=st.sampled_from([1, 4, 16, 32]),
     seed=st.integers(0, 1000),

@@ -133,3 +133,19 @@ def test_linear_vector_paths(m, k, n):
     torch.testing.assert_close(ops.linear(x, w, b).double(), want, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(ops.linear(x, w.t().contiguous(), b, kn=True).double(), want,
                                rtol=1e-5, atol=1e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 5), n=st.integers(1, 300), ties=st.booleans(), nans=st.integers(0, 3),
+       seed=st.integers(0, 2**16))
+def test_argmax_answers_as_torch(rows, n, ties, nans, seed):
+    """Greedy sampling's argmax: torch's index for every row (the first of tied maxima, the
+    first NaN where a row has one), over rows of a wider (strided) tensor."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n + 3, generator=g)
+    if ties:  # a few values of a tiny range: the maximum repeats
+        x = torch.randint(0, 3, (rows, n + 3), generator=g).float()
+    for _ in range(nans):
+        x[int(torch.randint(0, rows, (1,), generator=g)), int(torch.randint(0, n, (1,), generator=g))] = float("nan")
+    view = x[:, :n]
+    assert torch.equal(ops.argmax(view), view.argmax(dim=-1))

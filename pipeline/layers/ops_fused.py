@@ -7,6 +7,7 @@ like ``pipeline.layers.ops``: C in ``pipeline._ext.cpu_ops`` (``cpu_ops_fused.h`
   fused_add_rms_norm).
 - ``rope_and_cache``: neox RoPE in place on q and k, then k and v into the paged cache.
 - ``silu_and_mul``: the SwiGLU of a fused gate/up projection.
+- ``argmax``: greedy sampling's ``logits.argmax(dim=-1)``, the same indices.
 - ``linear``: ``x @ W^T (+ b)``; at most ``GEMV_MAX_M`` rows go to a C GEMV that streams W.
 
 A decoder calls these several times per layer, so the checks are kept to attribute reads.
@@ -118,6 +119,19 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if ext is None:
         return ops_ref.silu_and_mul(x, out)
     ext.silu_and_mul(out.data_ptr(), x.data_ptr(), num_tokens, inter, x.stride(0))
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of a 2-D tensor, the same indices (the first maximum, or
+    the first NaN); in C for float32 CPU rows, where torch's took 6 ms at batch 32 over a
+    151936-token vocabulary (19 MB read at ~3 GB/s)."""
+    ext = backend(logits.device) if logits.device.type == "cpu" else None
+    if ext is None or logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1 \
+            or logits.shape[1] == 0:
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    ext.argmax(out.data_ptr(), logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0))
     return out
 
 

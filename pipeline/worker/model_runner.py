@@ -26,6 +26,7 @@ import torch
 from pipeline.config import EngineConfig
 from pipeline.layers import ops
 from pipeline.layers.int4 import PACKED
+from pipeline.layers.ops_fused import argmax
 from pipeline.messages import ModelRunnerOutput, SchedulerOutput
 from pipeline.models.config import load_model_config, model_hash
 from pipeline.models.llama import CausalLM
@@ -301,7 +302,7 @@ class ModelRunner:
         if b.num_needs_sampler == 0 and (self.tp is None or self.rank == 0 or not b.num_structured):
             # Every live request is plain greedy: the sampler would only take the argmax (of
             # the masked logits, for a grammar's rows: rank 0 masked them above).
-            tokens, logprobs = logits.argmax(dim=-1), None
+            tokens, logprobs = argmax(logits), None
         elif self.tp is None or self.rank == 0:
             md = build_metadata(b, sample_rows, self.vocab_size, self.eos_token_ids, self.device)
             tokens, logprobs = self.sampler(logits, md)

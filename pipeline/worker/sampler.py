@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipeline.layers.ops_fused import argmax
 from pipeline.messages import TokenLogprobs
 from pipeline.worker.input_batch import InputBatch
 
@@ -154,7 +155,7 @@ class Sampler:
         for i, ids in md.banned:
             logits[i, ids] = float("-inf")
         if md.all_greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax(logits)
         else:
             tokens = self._sample(logits, md)
         return tokens, (self._logprobs(raw_logprobs, tokens, md) if raw_logprobs is not None else None)
@@ -179,7 +180,7 @@ class Sampler:
             logits -= md.presence_penalty * (counts > 0).float()
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = argmax(logits)
         logits = logits / md.temperature
         if md.top_k is not None or md.top_p is not None:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
