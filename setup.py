@@ -83,7 +83,10 @@ def extensions() -> list[Extension]:
     exts = []
     for pyx in sorted(glob.glob(str(ROOT / "cython_ext" / "*.pyx"))):
         name = Path(pyx).stem
-        exts.append(Extension(f"pipeline._ext.{name}", [os.path.relpath(pyx, ROOT)], **common))
+        # depends: a header's change rebuilds the extension (Cython tracks only the headers
+        # its `cdef extern` blocks name, not what those include).
+        exts.append(Extension(f"pipeline._ext.{name}", [os.path.relpath(pyx, ROOT)],
+                              depends=sorted(glob.glob(str(ROOT / "cython_ext" / "*.h"))), **common))
     nvcc = find_nvcc()
     if nvcc and build_cuda_library(nvcc):
         home = cuda_home(nvcc)
