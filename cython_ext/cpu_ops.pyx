@@ -93,6 +93,9 @@ cdef extern from "cpu_ops_amx.h":
     int pipeline_cpu_swiglu(float *act, int64_t ldact, const float *x, int64_t ldx,
                             const void *W, const float *scale, int64_t M, int64_t K,
                             int64_t inter) nogil
+    int pipeline_cpu_mlp_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
+                              const uint16_t *Wgu, const uint16_t *Wd, int64_t M, int64_t K,
+                              int64_t inter) nogil
 
 cdef extern from "cpu_ops_decoder.h":
     ctypedef struct pipe_layer:
@@ -336,6 +339,20 @@ def swiglu(uintptr_t act, int64_t ldact, uintptr_t x, int64_t ldx, uintptr_t wei
                                  <const float *>scale, m, k, inter)
     if rc < 0:
         raise MemoryError(f"swiglu: no scratch for {m} rows of {k} values")
+    return rc == 0
+
+
+def mlp_bf16(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t gate_up,
+             uintptr_t down, int64_t m, int64_t k, int64_t inter) -> bool:
+    """y [m, k] = down(silu(x @ gate^T) * (x @ up^T)) for bf16 gate_up [2 * inter, k] and
+    down [k, inter] packed as for linear_bf16, on AMX tiles with the activation passed as
+    the down product's bf16 tiles; False (nothing written) where swiglu would decline."""
+    cdef int rc
+    with nogil:
+        rc = pipeline_cpu_mlp_bf16(<float *>y, ldy, <const float *>x, ldx, <const uint16_t *>gate_up,
+                                   <const uint16_t *>down, m, k, inter)
+    if rc < 0:
+        raise MemoryError(f"mlp_bf16: no scratch for {m} rows of {inter} values")
     return rc == 0
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.layers import ops, ops_fused
-from pipeline.layers.lowp import LowpWeight, quantize_int8
+from pipeline.layers.lowp import LowpWeight, mlp_bf16, quantize_int8
 
 cpu_ops = ops.backend(torch.device("cpu"))
 pytestmark = pytest.mark.skipif(cpu_ops is None, reason="C CPU ops not built")
@@ -203,3 +203,23 @@ def test_swiglu_declines_what_its_kernel_does_not_take():
     lw = LowpWeight(torch.randn(32, 64), "bf16", torch.bfloat16)
     act = torch.full((8, 16), float("nan"))
     assert not lw.swiglu(torch.randn(8, 64), act) and act.isnan().all()
+
+
+@needs_amx
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(2, 70), blocks=st.integers(1, 5), k=st.integers(1, 100), seed=st.integers(0, 2**16))
+def test_the_fused_mlp_gives_the_floats_of_its_three_steps(m, blocks, k, seed):
+    """gate_up with SwiGLU writing the down product's bf16 input tiles: every float as the
+    projection, silu_and_mul and the down projection one after the other, for an inter of
+    16 (a half-filled last tile step) or more and any hidden size."""
+    cpu_ops.set_isa("amx")
+    g = torch.Generator().manual_seed(seed)
+    inter = 16 * blocks
+    x = torch.randn(m, k, generator=g)
+    gu = LowpWeight(torch.randn(2 * inter, k, generator=g) * 0.3, "bf16", torch.bfloat16)
+    dn = LowpWeight(torch.randn(k, inter, generator=g) * 0.3, "bf16", torch.bfloat16)
+    out = torch.full((m, k), float("nan"))
+    assert mlp_bf16(x, gu, dn, out)
+    assert torch.equal(out, dn.linear(ops_fused.silu_and_mul(gu.linear(x))))
+    one = torch.full((1, k), float("nan"))  # one row: the GEMVs' (declined, nothing written)
+    assert not mlp_bf16(x[:1], gu, dn, one) and one.isnan().all()

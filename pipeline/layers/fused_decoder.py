@@ -16,7 +16,7 @@ from torch import nn
 from pipeline.layers import ops, ops_fused
 from pipeline.layers.attention import AttentionMetadata
 from pipeline.layers.int4 import PACKED
-from pipeline.layers.lowp import LowpWeight
+from pipeline.layers.lowp import LowpWeight, mlp_bf16
 
 
 def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
@@ -124,11 +124,14 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
             tp.all_reduce(o)
         post = layer.post_attention_layernorm
         ext.rms_norm(hp, op, rp, post.weight.data_ptr(), t, hidden, hidden, hidden, hidden, post.eps)
-        gu = layer.gate_up_weight
-        if layer.gate_up_bias is not None or not isinstance(gu, LowpWeight) or not gu.swiglu(h, act):
-            proj(h, hp, gu, layer.gate_up_bias, gate_up, gup, layer.kn)
-            ext.silu_and_mul(actp, gup, t, inter, 2 * inter)
-        proj(act, actp, layer.down_weight, layer.down_bias, down, dp, layer.kn)
+        gu, dn = layer.gate_up_weight, layer.down_weight
+        plain = layer.gate_up_bias is None and layer.down_bias is None
+        if not (plain and isinstance(gu, LowpWeight) and isinstance(dn, LowpWeight)
+                and mlp_bf16(h, gu, dn, down)):
+            if layer.gate_up_bias is not None or not isinstance(gu, LowpWeight) or not gu.swiglu(h, act):
+                proj(h, hp, gu, layer.gate_up_bias, gate_up, gup, layer.kn)
+                ext.silu_and_mul(actp, gup, t, inter, 2 * inter)
+            proj(act, actp, dn, layer.down_bias, down, dp, layer.kn)
         if tp is not None:
             tp.all_reduce(down)
         if i < last:

@@ -109,6 +109,25 @@ def _pad(t: torch.Tensor, n: int, value: float | int) -> torch.Tensor:
     return torch.cat([t, t.new_full((n - t.shape[0],), value)]) if n > t.shape[0] else t
 
 
+def mlp_bf16(x: torch.Tensor, gate_up: LowpWeight, down: LowpWeight, out: torch.Tensor) -> bool:
+    """``out = down(silu(x @ gate^T) * (x @ up^T))`` for bf16 packed weights without biases,
+    in one C call whose SwiGLU writes the down product's bf16 input tiles (cpu_ops_amx.h):
+    the same floats as ``swiglu`` then ``down.linear``. False, nothing written, where that
+    kernel does not run (few rows, no AMX, another format)."""
+    ext = backend(x.device)
+    k, inter = gate_up.in_features, gate_up.out_features // 2
+    if ext is None or gate_up.fmt != "bf16" or down.fmt != "bf16" or gate_up.table_only \
+            or down.table_only or gate_up.out_features % 2 or (down.out_features, down.in_features) != (k, inter):
+        return False
+    m = x.shape[0]
+    if x.dtype != torch.float32 or x.shape != (m, k) or x.stride(1) != 1 \
+            or out.dtype != torch.float32 or out.shape != (m, k) or out.stride(1) != 1:
+        raise ValueError(f"mlp_bf16: x and out must be float32 [{m}, {k}] with dense rows; got "
+                         f"{tuple(x.shape)} and {tuple(out.shape)}")
+    return bool(ext.mlp_bf16(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0),
+                             gate_up.weight.data_ptr(), down.weight.data_ptr(), m, k, inter))
+
+
 class LowpWeight(nn.Module):
     """A projection weight ``[out, in]`` packed as bf16 or int8 (see the module docstring)."""
 
