@@ -73,7 +73,7 @@ cdef extern from "cpu_ops_gemv_q4.h":
                                  const uint8_t *Z, const int32_t *perm, int64_t N, int64_t K,
                                  int64_t gs) nogil
 
-cdef extern from "cpu_ops_amx.h":
+cdef extern from "cpu_ops_amx_gemm.h":
     int pipe_amx_ok() nogil
     int pipe_amx_i8_fits(int64_t K) nogil
     int pipeline_cpu_amx_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,

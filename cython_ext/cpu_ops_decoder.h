@@ -12,14 +12,14 @@
  * the model; the per-step arguments are the activation buffers and the batch metadata,
  * which layer 0 (on the checked Python path) has validated. Projections are float32 [in, out]
  * (kn), bf16 or int8, both packed in blocks of 16 outputs, each multiplied by the GEMV or on AMX
- * tiles as LowpWeight.linear would (pipeline_cpu_linear_*, cpu_ops_amx.h), or int4
+ * tiles as LowpWeight.linear would (pipeline_cpu_linear_*, cpu_ops_amx_gemm.h), or int4
  * (cpu_ops_gemv_q4.h). Owns no state.
  */
 #ifndef PIPELINE_CPU_OPS_DECODER_H
 #define PIPELINE_CPU_OPS_DECODER_H
 
 #include <stdint.h>
-#include "cpu_ops_amx.h"
+#include "cpu_ops_amx_gemm.h"
 #include "cpu_ops_attn.h"
 #include "cpu_ops_fused.h"
 #include "cpu_ops_gemv.h"

@@ -1,4 +1,4 @@
-"""The AMX kernels (cython_ext/cpu_ops_amx.h) and the one packed bf16 copy (layers/lowp.py):
+"""The AMX kernels (cython_ext/cpu_ops_amx.h, cpu_ops_amx_gemm.h) and the one packed bf16 copy (layers/lowp.py):
 AMX products against float64 references over shapes that are not multiples of the tiles, the
 int8 AMX kernel bit-identical to the int8 GEMV on every ISA path, the bf16 AMX kernel within
 bf16 rounding of the vector paths, LowpWeight's routing, its lookups and its memory."""

@@ -15,7 +15,7 @@ Both are packed in blocks of 16 output channels, in the VNNI layout of an AMX B 
 That one copy serves every product and the lookups: ``linear`` runs ``x @ W^T + b`` into
 float32, one row (batch-1 decode) in the C GEMVs of ``cpu_ops_gemv_lp.h`` /
 ``cpu_ops_gemv_i8.h``, which stream each 16-channel block once (int8 also quantises x per
-token there); more rows (batches, prefill) on AMX tiles (``cpu_ops_amx.h``: bf16 x rounded
+token there); more rows (batches, prefill) on AMX tiles (``cpu_ops_amx_gemm.h``: bf16 x rounded
 once, int8 x quantised per token, exact int32 sums; the thresholds are measured there).
 Without AMX, bf16 keeps the VDPBF16PS kernel for any rows where the CPU has AVX-512 BF16 and
 int8 its GEMV up to 32 rows; beyond (or for int8 of a depth the AMX kernel does not take)
@@ -111,7 +111,7 @@ def _pad(t: torch.Tensor, n: int, value: float | int) -> torch.Tensor:
 
 def mlp_bf16(x: torch.Tensor, gate_up: LowpWeight, down: LowpWeight, out: torch.Tensor) -> bool:
     """``out = down(silu(x @ gate^T) * (x @ up^T))`` for bf16 packed weights without biases,
-    in one C call whose SwiGLU writes the down product's bf16 input tiles (cpu_ops_amx.h):
+    in one C call whose SwiGLU writes the down product's bf16 input tiles (cpu_ops_amx_gemm.h):
     the same floats as ``swiglu`` then ``down.linear``. False, nothing written, where that
     kernel does not run (few rows, no AMX, another format)."""
     ext = backend(x.device)
@@ -200,7 +200,7 @@ class LowpWeight(nn.Module):
     def swiglu(self, x: torch.Tensor, out: torch.Tensor) -> bool:
         """For a gate_up weight (``inter`` gate rows, then ``inter`` up rows): ``out [M,
         inter] = silu(x @ gate^T) * (x @ up^T)`` in one C call that never writes gate_up
-        (cpu_ops_amx.h). False, nothing written, where that kernel does not run (few rows, no
+        (cpu_ops_amx_gemm.h). False, nothing written, where that kernel does not run (few rows, no
         AMX): the caller runs ``linear`` and ``silu_and_mul``, which give the same floats."""
         ext = backend(x.device)
         if ext is None or self.table_only or self.out_features % 2:
@@ -233,7 +233,7 @@ class LowpWeight(nn.Module):
         if m == 0:
             return out
         ext = backend(x.device)
-        if ext is not None:  # the GEMV or AMX tiles by the number of rows (cpu_ops_amx.h)
+        if ext is not None:  # the GEMV or AMX tiles by the number of rows (cpu_ops_amx_gemm.h)
             args = (out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), self.weight.data_ptr())
             b = 0 if bias is None else bias.data_ptr()
             if self.fmt == "bf16" and ext.linear_bf16(*args, b, m, k, n):
