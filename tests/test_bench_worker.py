@@ -69,7 +69,9 @@ def test_worker_peak_rows_are_the_step_flops_over_the_measured_peak(model):
 
 
 def test_threads_default_against_explicit_counts(model):
-    out = bench("threads", "--model", model, "--rounds", "1", "--phases", "quiet,busy", *SMALL)
+    out = bench("threads", "--model", model, "--format", "int8", "--rounds", "1", "--phases",
+                "quiet,busy", *SMALL)
+    assert out["machine"]["model"] == f"{model} int8"
     cores = out["machine"]["cores"]
     cases = [r["case"] for r in out["results"]]
     names = ["default (adaptive)", *(f"{n} thread(s)" for n in range(1, cores + 1))]
