@@ -35,7 +35,7 @@ def limits(threads: int) -> dict[str, Any]:
     import torch
 
     from pipeline._ext import cpu_ops
-    from pipeline.bench.worker import read_bandwidth
+    from pipeline.bench.bandwidth import read_bandwidth
     torch.set_num_threads(threads)
     out: dict[str, Any] = {"threads": threads, "read_bytes_per_s": read_bandwidth()}
     peak = getattr(cpu_ops, "peak_flops", None)

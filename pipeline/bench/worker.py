@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.bench.bandwidth import cuda_read_bandwidth, read_bandwidth
 from pipeline.bench.peak import add_peak_rows, projection_params
 from pipeline.bench.report import Report
 from pipeline.config import EngineConfig
@@ -74,54 +75,6 @@ def bench_model(model: str, tmp: str) -> tuple[str, int]:
         model = str(Path(tmp) / "model")
         make_bench_model(Path(model))
     return model, min(load_model_config(model).vocab_size, 512)
-
-
-def memcpy_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
-    """Bytes moved per second (read + write) by a large tensor copy, best of ``reps``."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(reps):
-        t = _clock()
-        dst.copy_(src)
-        best = min(best, _clock() - t)
-    return 2 * nbytes / best
-
-
-def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """Bytes read per second by every usable core summing a buffer far larger than the
-    caches (``cpu_ops.read_sum``: eight vector accumulators per thread, so loads bound it),
-    best of ``reps``: the most a decode step that streams its weights once can read."""
-    from pipeline._ext.cpu_ops import read_sum
-    buf = np.ones(nbytes // 4, dtype=np.float32)
-    threads = len(os.sched_getaffinity(0))
-    ptr = buf.ctypes.data
-    read_sum(ptr, buf.size, threads)  # pages faulted in, threads started
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        total = read_sum(ptr, buf.size, threads)
-        best = min(best, time.perf_counter() - t)
-    assert total == buf.size  # the reads happened
-    return nbytes / best
-
-
-def cuda_read_bandwidth(nbytes: int = 4 << 30, reps: int = 5) -> float:
-    """Bytes read per second by a reduction over a GPU buffer far larger than its L2, best of
-    ``reps``: the most a decode step that streams its weights once can read on the GPU."""
-    buf = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
-    buf.sum()
-    best = float("inf")
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        buf.sum()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    del buf
-    torch.cuda.empty_cache()
-    return nbytes / best
 
 
 class _Steps:
