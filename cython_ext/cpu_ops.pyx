@@ -130,6 +130,7 @@ cdef extern from "cpu_ops_decoder.h":
         pipe_attn_args attn_args
     int64_t pipeline_cpu_decoder_layers(const pipe_layer *layers, int64_t first,
                                         int64_t num_layers, pipe_step *s) nogil
+    int pipe_decoder_takes(const pipe_layer *layers, int64_t n, int64_t T, const int64_t *K) nogil
 
 cdef extern from "cpu_ops_fused.h":
     void pipeline_cpu_rms_norm(float *out, const float *x, float *residual, const float *weight,
@@ -463,15 +464,19 @@ cdef class DecoderLayers:
     projection format (0 float32 [in, out], 1 bf16, 2 int8, 3 int4), the four projections' weight,
     scale and bias addresses (0: none), the two norms' weight addresses and eps, and
     the layer's K/V cache addresses; int4 rows add the zero-point and permutation addresses
-    (0: none) and the four group sizes. Built once per model and KV cache; the model keeps the
-    tensors alive."""
+    (0: none) and the four group sizes; the most tokens a step may bring. Built once per model
+    and KV cache; the model keeps the tensors alive."""
     cdef pipe_layer *layers
     cdef readonly int64_t num_layers
+    cdef readonly int64_t max_tokens
 
-    def __cinit__(self, list rows):
+    def __cinit__(self, list rows, int64_t max_tokens):
         cdef int64_t i
         cdef int p
         self.num_layers = len(rows)
+        # float32 projections run in the GEMV only; the caller caps what else must match its
+        # own path (int4: the GEMV's rows, beyond which LowpWeight dequantises for BLAS)
+        self.max_tokens = min(max_tokens, PIPE_GEMV_MAX_M) if any(r[0] == 0 for r in rows) else max_tokens
         self.layers = <pipe_layer *>malloc(max(self.num_layers, 1) * sizeof(pipe_layer))
         if self.layers == NULL:
             raise MemoryError("DecoderLayers: no memory for the layer table")
@@ -505,17 +510,22 @@ cdef class DecoderLayers:
             int cache_dtype, uintptr_t cu_seqlens_q, uintptr_t seq_lens, uintptr_t block_tables,
             int64_t num_seqs, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
             float scale) -> int:
-        """Layers [first, num_layers) over T <= GEMV_MAX_M tokens (dims: T, hidden, q_size,
+        """Layers [first, num_layers) over T <= max_tokens tokens (dims: T, hidden, q_size,
         kv_size, num_heads, num_kv_heads, head_dim, intermediate; buffers: residual, h, o,
-        down, qkv, attn, gate_up, act addresses). -1 when done, else 4 * layer + what failed
-        (0 scratch memory, 1 RoPE/cache index, 2 attention)."""
+        down, qkv, attn, gate_up, act addresses). -1 when done, -2 when a projection would not
+        run in C for these many rows (nothing done: the caller's loop runs), else 4 * layer +
+        what failed (0 scratch memory, 1 RoPE/cache index, 2 attention)."""
         cdef pipe_step s
         cdef int64_t rc
+        cdef int64_t depth[4]
         if not 0 <= first <= self.num_layers or len(dims) != 8 or len(buffers) != 8:
             raise ValueError("DecoderLayers.run: bad first layer, dims or buffers")
         s.T, s.hidden, s.q_size, s.kv_size, s.num_heads, s.num_kv_heads, s.head_dim, s.inter = dims
-        if not 0 < s.T <= PIPE_GEMV_MAX_M:
-            raise ValueError(f"DecoderLayers.run: {s.T} tokens, at most {PIPE_GEMV_MAX_M}")
+        if not 0 < s.T <= self.max_tokens:
+            raise ValueError(f"DecoderLayers.run: {s.T} tokens, at most {self.max_tokens}")
+        depth[0], depth[1], depth[2], depth[3] = s.hidden, s.q_size, s.hidden, s.inter
+        if not pipe_decoder_takes(self.layers, self.num_layers, s.T, depth):
+            return -2
         s.residual = <float *><uintptr_t>buffers[0]
         s.h = <float *><uintptr_t>buffers[1]
         s.o = <float *><uintptr_t>buffers[2]

@@ -184,6 +184,9 @@ static int pipe_amx_run(const pipe_amx_args *g, int i8) {
      * ownership first (gate_up of a 512-token prefill: 20 MB, 841 -> 1114 GFLOP/s). */
     const int stream = (size_t)g->M * g->N * 4 >= PIPE_AMX_NT_BYTES && (uintptr_t)g->y % 64 == 0
                    && g->ldy % 16 == 0;
+    /* One row block pair (a decode batch of up to 32): no B tile is reused, so the whole
+     * depth goes in one pass and the accumulators never go out to memory and back. */
+    const int64_t kslice = Mp <= 32 ? g->steps : PIPE_AMX_KSTEPS;
     int failed = 0;
     #pragma omp parallel if (pairs > 1 && omp_get_max_threads() > 1) reduction(| : failed)
     {
@@ -201,8 +204,8 @@ static int pipe_amx_run(const pipe_amx_args *g, int i8) {
                 const char *b0 = g->W + b * g->panel, *b1 = b0 + (g->up ? g->up : 1) * g->panel;
                 /* depth in slices whose B tiles (2 x PIPE_AMX_KSTEPS KB) stay in L1 while
                  * every row block of the chunk multiplies them */
-                for (int64_t k0 = 0; k0 < g->steps; k0 += PIPE_AMX_KSTEPS) {
-                    const int64_t ks = g->steps - k0 < PIPE_AMX_KSTEPS ? g->steps - k0 : PIPE_AMX_KSTEPS;
+                for (int64_t k0 = 0; k0 < g->steps; k0 += kslice) {
+                    const int64_t ks = g->steps - k0 < kslice ? g->steps - k0 : kslice;
                     const int first = k0 == 0, last = k0 + ks == g->steps;
                     for (int64_t m = mc; m < Mp && m < mc + chunk; m += 32) {
                         const int nm = Mp - m >= 32 ? 2 : 1;

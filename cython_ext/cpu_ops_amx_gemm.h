@@ -110,6 +110,17 @@ static int pipeline_cpu_amx_i8(float *y, int64_t ldy, const float *x, int64_t ld
     return pipe_amx_i8(y, ldy, x, ldx, P, scale, bias, M, K, N, 0);
 }
 
+/* Whether pipeline_cpu_linear_bf16 / _i8 take M rows of K (else they answer 1). */
+static int pipe_linear_bf16_takes(int64_t M, int64_t K) {
+    return (M > PIPE_BF16_GEMV_MAX_M && pipe_amx_ok()) || M <= PIPE_GEMV_MAX_M
+           || pipe_bf16_level(K) == PIPE_ISA_AVX512;
+}
+
+static int pipe_linear_i8_takes(int64_t M, int64_t K) {
+    return (M > PIPE_I8_GEMV_MAX_M && pipe_amx_ok() && pipe_amx_i8_fits(K))
+           || M <= PIPE_I8_NO_AMX_GEMV_MAX_M;
+}
+
 /* y = x @ W^T (+ bias) with bf16 W packed: 0 done, -1 out of scratch memory, 1 not taken
  * (no AMX, no AVX-512 BF16, M > PIPE_GEMV_MAX_M: the caller dequantises for BLAS). */
 static int pipeline_cpu_linear_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,

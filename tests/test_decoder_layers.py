@@ -1,7 +1,8 @@
 """The small-batch decoder stack in one C call (cpu_ops_decoder.h via
 layers/fused_decoder.py): the same floats as the per-layer Python loop over the same kernels,
-for float32, bf16, int8 and int4 weights, biases, tied embeddings and a batch of up to eight (the
-bf16/int8 projections on the GEMV for one row, on AMX tiles beyond, where the CPU has them)."""
+for float32, bf16, int8 and int4 weights, biases, tied embeddings and a batch of up to eight
+(the bf16/int8 projections on the GEMV for one row, on AMX tiles beyond, where the CPU has
+them), and, with packed weights, the 80-token prefill of the eight prompts too."""
 from __future__ import annotations
 
 import pytest
@@ -81,3 +82,16 @@ def test_a_bad_slot_still_gets_the_checked_error(model_dir):
         assert runner.model._c_layer_table[1] is not None  # the C call ran first
     finally:
         runner.close()
+
+
+def test_a_step_whose_projection_c_would_not_take_runs_the_python_loop(tmp_path):
+    """int8 rows past the GEMV's on a depth the AMX tiles do not take (intermediate 136: 34
+    groups of 4, not whole tiles) are dequantised for BLAS by LowpWeight: the one C call
+    declines that step before touching anything, and the loop gives the same floats it
+    gives without the table (before, the C call failed the step)."""
+    tiny_hf_model("llama", str(tmp_path), seed=3, intermediate_size=136, num_key_value_heads=2)
+    c_logits, c_out = generate(str(tmp_path), "int8", use_table=True)
+    py_logits, py_out = generate(str(tmp_path), "int8", use_table=False)
+    assert c_out == py_out
+    for a, b in zip(c_logits, py_logits, strict=True):
+        assert torch.equal(a, b)

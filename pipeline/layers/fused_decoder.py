@@ -8,6 +8,7 @@ may be float32 or packed ``LowpWeight``s (bf16/int8) or ``Int4Weight``s. Owns no
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 
 from pipeline.layers import ops, ops_fused
 from pipeline.layers.attention import AttentionMetadata
-from pipeline.layers.int4 import PACKED
+from pipeline.layers.int4 import INT4_GEMV_MAX_M, PACKED
 from pipeline.layers.lowp import LowpWeight, mlp_bf16
 
 
@@ -29,10 +30,10 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     once per step. Layer 0 goes through the checked ``ops`` wrappers; every later layer
     has the same shapes, dtypes and metadata, so it calls the kernels directly (their
     index checks still run in C). At batch 1 this is most of what is left of a step
-    besides reading the weights; so for up to ``GEMV_MAX_M`` tokens all layers run in one C
-    call instead (``cpu_ops_decoder.h``: the same kernels in the same order, so the same
-    floats), unless a layer needs Python (q/k norms, a layer-signal callback, the all-reduces
-    of tensor parallelism)."""
+    besides reading the weights; so all layers run in one C call instead
+    (``cpu_ops_decoder.h``: the same kernels in the same order, so the same floats) for as
+    many tokens as its projections take (``_layer_table``), unless a layer needs Python
+    (q/k norms, a layer-signal callback, the all-reduces of tensor parallelism)."""
     ext = ops.backend(x.device)
     assert ext is not None, "the model calls this only when the C ops are built"
     tp = model.tp  # tensor parallel: o and down are row-parallel, summed over the ranks
@@ -80,7 +81,8 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     # made here; the metadata's types and shapes are checked first and its values in C. A
     # value that fails there fails in layer 0, before the residual changes: the Python loop
     # then runs and raises the checked wrappers' error.
-    table = _layer_table(model, kv_caches) if gemv and on_kv_written is None and tp is None else None
+    entry = _layer_table(model, kv_caches) if t > 0 and on_kv_written is None and tp is None else None
+    table = entry[0] if entry is not None and t <= entry[1] else None
     if table is not None:
         ops._check_metadata(cu, sl, bt, x.device)
         for name, idx in (("positions", positions), ("slot_mapping", slots)):
@@ -93,6 +95,7 @@ def forward_fused(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
                        float(layer0.scale))
         if rc == -1:
             return residual
+        # -2: some projection would not run in C for t rows; nothing was done, the loop runs
         if rc >= 4 or rc % 4 == 0:  # past layer 0, or out of memory: nothing to redo
             what = ("scratch memory", "RoPE/KV-cache index", "paged attention")[rc % 4]
             raise RuntimeError(f"decoder layer {rc // 4}: {what} failed")
@@ -146,9 +149,11 @@ _FMT_CODE = {"bf16": 1, "int8": 2, "int4": 3}  # cpu_ops_decoder.h PIPE_W_*
 
 
 def _layer_table(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-    """The C layer table of ``model`` over ``kv_caches`` (cpu_ops.DecoderLayers), built once
-    and kept on the model; None when a layer needs the Python loop (q/k norms, or float32
-    projections not stored [in, out])."""
+    """(the C layer table of ``model`` over ``kv_caches`` (cpu_ops.DecoderLayers), the most
+    tokens it takes), built once and kept on the model; None when a layer needs the Python
+    loop (q/k norms, or float32 projections not stored [in, out]). float32 projections run
+    in the C GEMV (at most ``GEMV_MAX_M`` rows), int4 ones up to ``INT4_GEMV_MAX_M``; bf16 and
+    int8 any number (the GEMV or AMX tiles, as ``LowpWeight.linear`` picks)."""
     key = (id(kv_caches), kv_caches[0][0].data_ptr())  # the runner's one list of caches
     cached = getattr(model, "_c_layer_table", None)
     if cached is not None and cached[0] == key:
@@ -176,6 +181,7 @@ def _layer_table(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Ten
         rows.append(row)
     ext = ops.backend(kv_caches[0][0].device)
     assert ext is not None, "forward_fused runs only with the C ops"
-    table = ext.DecoderLayers(rows)
-    model._c_layer_table = (key, table)
-    return table
+    int4 = any(row[0] == _FMT_CODE["int4"] for row in rows)
+    table = ext.DecoderLayers(rows, INT4_GEMV_MAX_M if int4 else sys.maxsize)
+    model._c_layer_table = (key, (table, table.max_tokens))
+    return table, table.max_tokens
