@@ -188,17 +188,21 @@ static int pipe_amx_run(const pipe_amx_args *g, int i8) {
      * depth goes in one pass and the accumulators never go out to memory and back. */
     const int64_t kslice = Mp <= 32 ? g->steps : PIPE_AMX_KSTEPS;
     int failed = 0;
-    #pragma omp parallel if (pairs > 1 && omp_get_max_threads() > 1) reduction(| : failed)
+    /* Pairs are dealt in runs of `run` as threads come free, not split up front: on a shared
+     * machine a thread that lost its core for a while no longer holds the others at the end. */
+    const int64_t team = omp_get_max_threads();
+    const int64_t run = pairs / (8 * team) > 1 ? pairs / (8 * team) : 1;
+    #pragma omp parallel if (pairs > 1 && team > 1) reduction(| : failed)
     {
-        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
         if (pipe_amx_cbuf == NULL)
             pipe_amx_cbuf = (float *)aligned_alloc(64, PIPE_AMX_MAX_CHUNK * 32 * sizeof(float));
         float *cbuf = pipe_amx_cbuf;
         failed = cbuf == NULL;
         if (cbuf) pipe_amx_config();
-        for (int64_t mc = 0; cbuf && mc < Mp; mc += chunk)
-            for (int64_t p = p0; p < p1; p++) {
+        for (int64_t mc = 0; mc < Mp; mc += chunk)
+            #pragma omp for schedule(dynamic, run) nowait
+            for (int64_t p = 0; p < pairs; p++) {
+                if (cbuf == NULL) continue; /* every thread meets every loop; this call fails */
                 const int64_t b = g->up ? p : 2 * p; /* and b + 1, or b + up (SwiGLU) */
                 const int nn = g->up || b + 1 < g->NB ? 2 : 1;
                 const char *b0 = g->W + b * g->panel, *b1 = b0 + (g->up ? g->up : 1) * g->panel;
