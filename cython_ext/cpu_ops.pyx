@@ -529,3 +529,26 @@ cdef class DecoderLayers:
         with nogil:
             rc = pipeline_cpu_decoder_layers(self.layers, first, self.num_layers, &s)
         return rc
+
+
+cdef extern from "cpu_ops_pack.h":
+    void pipeline_cpu_pack_bf16(uint16_t *out, const void *w, int dtype, int64_t N, int64_t K,
+                                int64_t ld) nogil
+    void pipeline_cpu_pack_i8(int8_t *out, float *scale, const void *w, int dtype, int64_t N,
+                              int64_t K, int64_t ld) nogil
+
+
+def pack_bf16(uintptr_t out, uintptr_t w, int dtype, int64_t n, int64_t k, int64_t ld) -> None:
+    """out [ceil(n/16), kp/2, 16, 2] bf16 (kp: k rounded up to 32) = w [n, k] (row stride ld
+    elements, dtype 0 float32 / 1 bfloat16 / 2 float16) rounded as torch rounds to bfloat16,
+    zero-padded (cpu_ops_pack.h)."""
+    with nogil:
+        pipeline_cpu_pack_bf16(<uint16_t *>out, <const void *>w, dtype, n, k, ld)
+
+
+def pack_i8(uintptr_t out, uintptr_t scale, uintptr_t w, int dtype, int64_t n, int64_t k,
+            int64_t ld) -> None:
+    """out [ceil(n/16), ceil(k/4), 16, 4] int8 and scale [ceil(n/16) * 16] float32 (padded
+    with 1) = w [n, k] quantised per row as lowp.quantize_int8 does (cpu_ops_pack.h)."""
+    with nogil:
+        pipeline_cpu_pack_i8(<int8_t *>out, <float *>scale, <const void *>w, dtype, n, k, ld)

@@ -28,6 +28,8 @@ owns the one scratch matrix per GEMM dtype that every LowpWeight dequantises int
 """
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
@@ -35,6 +37,7 @@ from pipeline.layers.ops import backend
 
 FORMATS = ("bf16", "int8")
 _DEQUANT_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_PACK_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_ops_dtype.h
 
 
 # One dense copy at a time (the worker runs one projection at a time): the largest weight's
@@ -86,11 +89,45 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
             .view(torch.int8).view(nb, k4, 16, 4))
 
 
+def _pad(t: torch.Tensor, n: int, value: float | int) -> torch.Tensor:
+    return torch.cat([t, t.new_full((n - t.shape[0],), value)]) if n > t.shape[0] else t
+
+
+def _c_packer(w: torch.Tensor) -> ModuleType | None:
+    """The C ops when they can pack ``w`` in one pass (cpu_ops_pack.h), else None."""
+    if w.device.type != "cpu" or w.dtype not in _PACK_CODE or w.dim() != 2 \
+            or (w.stride(1) != 1 and w.shape[1] > 1):
+        return None
+    ext = backend(w.device)
+    return ext if ext is not None and hasattr(ext, "pack_bf16") else None
+
+
+def quantize_pack_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_int8(quantize_int8(w)[0])`` and the scale padded with 1 to its rows, in one pass
+    over ``w`` where the C ops are built (no int8 or float32 copy of the matrix)."""
+    n, k = w.shape
+    nb, k4 = -(-n // 16), -(-k // 4)
+    ext = _c_packer(w)
+    if ext is None:
+        q, scale = quantize_int8(w)
+        return pack_int8(q), _pad(scale, nb * 16, 1.0).contiguous()
+    out = torch.empty((nb, k4, 16, 4), dtype=torch.int8)
+    scale = torch.empty(nb * 16, dtype=torch.float32)
+    ext.pack_i8(out.data_ptr(), scale.data_ptr(), w.data_ptr(), _PACK_CODE[w.dtype], n, k, w.stride(0))
+    return out, scale
+
+
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
-    """bf16 ``[out, in]`` -> the kernels' blocks ``[ceil(out/16), kp/2, 16, 2]`` (kp: in
-    rounded up to 32; cpu_ops_gemv_lp.h: 2 inputs of 16 outputs per 64 bytes), zero-padded."""
+    """float ``[out, in]`` rounded to bf16 (as ``w.to(torch.bfloat16)``) -> the kernels'
+    blocks ``[ceil(out/16), kp/2, 16, 2]`` (kp: in rounded up to 32; cpu_ops_gemv_lp.h: 2
+    inputs of 16 outputs per 64 bytes), zero-padded; one pass in C where it is built."""
     n, k = w.shape
     nb, kp = -(-n // 16), -(-k // 32) * 32
+    ext = _c_packer(w)
+    if ext is not None:
+        out = torch.empty((nb, kp // 2, 16, 2), dtype=torch.bfloat16)
+        ext.pack_bf16(out.data_ptr(), w.data_ptr(), _PACK_CODE[w.dtype], n, k, w.stride(0))
+        return out
     padded = torch.zeros((nb * 16, kp), dtype=torch.bfloat16)
     padded[:n, :k] = w
     return padded.view(nb, 16, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
@@ -103,10 +140,6 @@ def unpack_rows(packed: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tenso
 
 
 unpack_int8 = unpack_rows
-
-
-def _pad(t: torch.Tensor, n: int, value: float | int) -> torch.Tensor:
-    return torch.cat([t, t.new_full((n - t.shape[0],), value)]) if n > t.shape[0] else t
 
 
 class LowpWeight(nn.Module):
@@ -126,17 +159,13 @@ class LowpWeight(nn.Module):
         self.out_features, self.in_features = weight.shape
         # The dtype x (and a dequantised int8 weight) takes in a GEMM of more than GEMV_MAX_M rows.
         self.gemm_dtype = gemm_dtype
-        if fmt == "bf16":
-            weight, scale = weight.to(torch.bfloat16).contiguous(), None
-            if not table_only:
-                weight = pack_bf16(weight)
+        scale: torch.Tensor | None = None
+        if fmt == "bf16":  # rounded to bf16 by the packing itself (no bf16 copy first)
+            weight = weight.to(torch.bfloat16).contiguous() if table_only else pack_bf16(weight)
+        elif table_only:
+            weight, scale = quantize_int8(weight)
         else:  # packed in blocks of 16 channels; scale padded to match
-            q, scale = quantize_int8(weight)
-            if not table_only:
-                weight = pack_int8(q)
-                scale = _pad(scale, weight.shape[0] * 16, 1.0).contiguous()
-            else:
-                weight = q
+            weight, scale = quantize_pack_int8(weight)
         self.weight: torch.Tensor
         self.scale: torch.Tensor | None
         self.register_buffer("weight", weight)
