@@ -532,8 +532,8 @@ cdef class DecoderLayers:
 
 
 cdef extern from "cpu_ops_pack.h":
-    void pipeline_cpu_pack_bf16(uint16_t *out, const void *w, int dtype, int64_t N, int64_t K,
-                                int64_t ld) nogil
+    int pipeline_cpu_pack_bf16(uint16_t *out, const void *w, int dtype, int64_t N, int64_t K,
+                               int64_t ld) nogil
     void pipeline_cpu_pack_i8(int8_t *out, float *scale, const void *w, int dtype, int64_t N,
                               int64_t K, int64_t ld) nogil
 
@@ -541,9 +541,15 @@ cdef extern from "cpu_ops_pack.h":
 def pack_bf16(uintptr_t out, uintptr_t w, int dtype, int64_t n, int64_t k, int64_t ld) -> None:
     """out [ceil(n/16), kp/2, 16, 2] bf16 (kp: k rounded up to 32) = w [n, k] (row stride ld
     elements, dtype 0 float32 / 1 bfloat16 / 2 float16) rounded as torch rounds to bfloat16,
-    zero-padded (cpu_ops_pack.h)."""
+    zero-padded (cpu_ops_pack.h). out == w packs a dense bf16 [16 * b, 32 * c] in place."""
+    cdef int rc
     with nogil:
-        pipeline_cpu_pack_bf16(<uint16_t *>out, <const void *>w, dtype, n, k, ld)
+        rc = pipeline_cpu_pack_bf16(<uint16_t *>out, <const void *>w, dtype, n, k, ld)
+    if rc == -1:
+        raise ValueError(f"pack_bf16 in place: w must be dense bfloat16 with rows a multiple "
+                         f"of 16 and columns of 32, got dtype code {dtype} [{n}, {k}] stride {ld}")
+    if rc:
+        raise MemoryError("pack_bf16: no memory for a block's scratch")
 
 
 def pack_i8(uintptr_t out, uintptr_t scale, uintptr_t w, int dtype, int64_t n, int64_t k,

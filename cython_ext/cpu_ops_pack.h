@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include <stdlib.h>
 #include "cpu_ops_dtype.h"
 
 /* The int8 scale and quotient must be the true float32 division torch computes: the build's
@@ -192,26 +193,42 @@ static void pipe_pack_block(uint32_t *out, const char *w, int dtype, int64_t row
 #endif
 }
 
-static void pipe_pack(uint32_t *out, float *scale, const void *w, int dtype, int64_t N, int64_t K,
-                      int64_t ld, int i8) {
+/* In place (out == w: bf16 rows of exactly Kp, N a multiple of 16, so each block's output
+ * is its own input bytes): each block is copied to a per-thread scratch first, and the
+ * packing writes over lines it has just read (no fresh output memory to fault in). */
+static int pipe_pack(uint32_t *out, float *scale, const void *w, int dtype, int64_t N, int64_t K,
+                     int64_t ld, int i8) {
     int64_t nb = (N + 15) / 16, esize = pipe_dtype_size(dtype);
     int64_t units = i8 ? (K + 3) / 4 : (K + 31) / 32 * 16;
-    #pragma omp parallel for schedule(static) if (N * K >= (1 << 16))
-    for (int64_t b = 0; b < nb; b++) {
-        const char *w0 = (const char *)w + b * 16 * ld * esize;
-        int64_t rows = N - b * 16 < 16 ? N - b * 16 : 16;
-        if (i8)
-            for (int64_t i = 0; i < 16; i++)
-                scale[b * 16 + i] = i < rows ? pipe_pack_scale(w0 + i * ld * esize, dtype, K) : 1.f;
-        pipe_pack_block(out + b * units * 16, w0, dtype, rows, K, ld * esize, units, i8,
-                        i8 ? scale + b * 16 : NULL);
+    int inplace = (const void *)out == w;
+    if (inplace && (i8 || dtype != PIPE_BF16 || N % 16 || K % 32 || ld != K)) return -1;
+    int failed = 0;
+    #pragma omp parallel if (N * K >= (1 << 16)) reduction(| : failed)
+    {
+        char *scratch = inplace ? (char *)malloc((size_t)(16 * K * esize)) : NULL;
+        failed |= inplace && scratch == NULL;
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < nb; b++) {
+            const char *w0 = (const char *)w + b * 16 * ld * esize;
+            int64_t rows = N - b * 16 < 16 ? N - b * 16 : 16;
+            if (scratch) w0 = (const char *)memcpy(scratch, w0, (size_t)(16 * K * esize));
+            else if (inplace) continue;
+            if (i8)
+                for (int64_t i = 0; i < 16; i++)
+                    scale[b * 16 + i] = i < rows ? pipe_pack_scale(w0 + i * ld * esize, dtype, K) : 1.f;
+            pipe_pack_block(out + b * units * 16, w0, dtype, rows, K, ld * esize, units, i8,
+                            i8 ? scale + b * 16 : NULL);
+        }
+        free(scratch);
     }
+    return failed ? -2 : 0;
 }
 
-/* out [ceil(N/16)][Kp/2][16][2] bf16 from w [N, K] (row stride ld elements) of `dtype`. */
-static inline void pipeline_cpu_pack_bf16(uint16_t *out, const void *w, int dtype, int64_t N,
-                                          int64_t K, int64_t ld) {
-    pipe_pack((uint32_t *)out, NULL, w, dtype, N, K, ld, 0);
+/* out [ceil(N/16)][Kp/2][16][2] bf16 from w [N, K] (row stride ld elements) of `dtype`;
+ * out may be w (see pipe_pack). 0, or -1 (in place where it cannot be), -2 (no memory). */
+static inline int pipeline_cpu_pack_bf16(uint16_t *out, const void *w, int dtype, int64_t N,
+                                         int64_t K, int64_t ld) {
+    return pipe_pack((uint32_t *)out, NULL, w, dtype, N, K, ld, 0);
 }
 
 /* out [ceil(N/16)][ceil(K/4)][16][4] int8 and scale [ceil(N/16) * 16] from w [N, K]. */

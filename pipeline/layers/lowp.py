@@ -117,17 +117,20 @@ def quantize_pack_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, scale
 
 
-def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+def pack_bf16(w: torch.Tensor, reuse: bool = False) -> torch.Tensor:
     """float ``[out, in]`` rounded to bf16 (as ``w.to(torch.bfloat16)``) -> the kernels'
     blocks ``[ceil(out/16), kp/2, 16, 2]`` (kp: in rounded up to 32; cpu_ops_gemv_lp.h: 2
-    inputs of 16 outputs per 64 bytes), zero-padded; one pass in C where it is built."""
+    inputs of 16 outputs per 64 bytes), zero-padded; one pass in C where it is built.
+    ``reuse``: ``w``'s memory may become the result (``w`` is then overwritten), which a dense
+    bf16 ``w`` of 16-row blocks and 32-column rows allows: no new memory to fault in."""
     n, k = w.shape
     nb, kp = -(-n // 16), -(-k // 32) * 32
     ext = _c_packer(w)
     if ext is not None:
-        out = torch.empty((nb, kp // 2, 16, 2), dtype=torch.bfloat16)
+        inplace = reuse and w.dtype == torch.bfloat16 and (n, k) == (nb * 16, kp) and w.is_contiguous()
+        out = w if inplace else torch.empty((nb, kp // 2, 16, 2), dtype=torch.bfloat16)
         ext.pack_bf16(out.data_ptr(), w.data_ptr(), _PACK_CODE[w.dtype], n, k, w.stride(0))
-        return out
+        return out.view(nb, kp // 2, 16, 2)
     padded = torch.zeros((nb * 16, kp), dtype=torch.bfloat16)
     padded[:n, :k] = w
     return padded.view(nb, 16, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
@@ -146,7 +149,9 @@ class LowpWeight(nn.Module):
     """A projection weight ``[out, in]`` packed as bf16 or int8 (see the module docstring)."""
 
     def __init__(self, weight: torch.Tensor, fmt: str, gemm_dtype: torch.dtype,
-                 table_only: bool = False) -> None:
+                 table_only: bool = False, reuse: bool = False) -> None:
+        """``reuse``: ``weight``'s memory may hold the packed copy (``pack_bf16``): the
+        loader passes the buffer it read, which nothing else holds."""
         super().__init__()
         if fmt not in FORMATS:
             raise ValueError(f"weight format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -161,7 +166,7 @@ class LowpWeight(nn.Module):
         self.gemm_dtype = gemm_dtype
         scale: torch.Tensor | None = None
         if fmt == "bf16":  # rounded to bf16 by the packing itself (no bf16 copy first)
-            weight = weight.to(torch.bfloat16).contiguous() if table_only else pack_bf16(weight)
+            weight = weight.to(torch.bfloat16).contiguous() if table_only else pack_bf16(weight, reuse)
         elif table_only:
             weight, scale = quantize_int8(weight)
         else:  # packed in blocks of 16 channels; scale padded to match

@@ -63,8 +63,9 @@ class WeightPlan:
             value = Int4Weight.from_float(t, self.group_size, self.gemm_dtype)  # widened per chunk
         elif self.fmt is not None and projection:
             w = t if t.dtype in (torch.float32, torch.bfloat16) else t.float()
+            # t is the buffer the reader filled for this parameter alone: packed in place.
             value = LowpWeight(w, self.fmt, self.gemm_dtype,
-                               table_only=name == "embed_tokens" and not tied)
+                               table_only=name == "embed_tokens" and not tied, reuse=True)
         elif self.kn and projection and not name == "embed_tokens" and not tied:
             w = torch.empty((t.shape[1], t.shape[0]), dtype=self.dtype, device=self.device)
             value = nn.Parameter(w.copy_(t.t()), requires_grad=False)
