@@ -20,6 +20,8 @@
 #include <string.h>
 #include <math.h>
 #include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include "cpu_ops_dtype.h"
 
 /* The int8 scale and quotient must be the true float32 division torch computes: the build's
@@ -193,33 +195,48 @@ static void pipe_pack_block(uint32_t *out, const char *w, int dtype, int64_t row
 #endif
 }
 
-/* In place (out == w: bf16 rows of exactly Kp, N a multiple of 16, so each block's output
- * is its own input bytes): each block is copied to a per-thread scratch first, and the
- * packing writes over lines it has just read (no fresh output memory to fault in). */
+/* In place (out == w: dense rows, N a multiple of 16, K of 32 for bf16 (over bf16) or of 4
+ * for int8, so a block's output is no larger than its input): block b is copied to a
+ * per-thread scratch, then packed to its place over input already consumed: no fresh output
+ * memory to fault in. The blocks go in waves [lo, hi) whose outputs all end before the input
+ * of block lo (bf16: each block over itself, one wave; int8 over bf16: waves of 1, 1, 2, 4..
+ * blocks), so no thread writes over input another has yet to read; the input's bytes past
+ * the int8 output go back to the kernel (MADV_DONTNEED: they read as zeros if touched). */
 static int pipe_pack(uint32_t *out, float *scale, const void *w, int dtype, int64_t N, int64_t K,
                      int64_t ld, int i8) {
     int64_t nb = (N + 15) / 16, esize = pipe_dtype_size(dtype);
     int64_t units = i8 ? (K + 3) / 4 : (K + 31) / 32 * 16;
+    int64_t ob = units * 64, sb = 16 * ld * esize; /* bytes of a block out and in */
     int inplace = (const void *)out == w;
-    if (inplace && (i8 || dtype != PIPE_BF16 || N % 16 || K % 32 || ld != K)) return -1;
+    if (inplace && (N % 16 || ld != K || (i8 ? K % 4 : dtype != PIPE_BF16 || K % 32))) return -1;
     int failed = 0;
     #pragma omp parallel if (N * K >= (1 << 16)) reduction(| : failed)
     {
-        char *scratch = inplace ? (char *)malloc((size_t)(16 * K * esize)) : NULL;
+        char *scratch = inplace ? (char *)malloc((size_t)sb) : NULL;
         failed |= inplace && scratch == NULL;
-        #pragma omp for schedule(static)
-        for (int64_t b = 0; b < nb; b++) {
-            const char *w0 = (const char *)w + b * 16 * ld * esize;
-            int64_t rows = N - b * 16 < 16 ? N - b * 16 : 16;
-            if (scratch) w0 = (const char *)memcpy(scratch, w0, (size_t)(16 * K * esize));
-            else if (inplace) continue;
-            if (i8)
-                for (int64_t i = 0; i < 16; i++)
-                    scale[b * 16 + i] = i < rows ? pipe_pack_scale(w0 + i * ld * esize, dtype, K) : 1.f;
-            pipe_pack_block(out + b * units * 16, w0, dtype, rows, K, ld * esize, units, i8,
-                            i8 ? scale + b * 16 : NULL);
+        for (int64_t lo = 0, hi; lo < nb; lo = hi) {
+            hi = !inplace || ob == sb ? nb : lo * sb / ob > lo + 1 ? lo * sb / ob : lo + 1;
+            hi = hi < nb ? hi : nb;
+            #pragma omp for schedule(static)
+            for (int64_t b = lo; b < hi; b++) {
+                const char *w0 = (const char *)w + b * sb;
+                int64_t rows = N - b * 16 < 16 ? N - b * 16 : 16;
+                if (scratch) w0 = (const char *)memcpy(scratch, w0, (size_t)sb);
+                else if (inplace) continue;
+                if (i8)
+                    for (int64_t i = 0; i < 16; i++)
+                        scale[b * 16 + i] = i < rows ? pipe_pack_scale(w0 + i * ld * esize, dtype, K) : 1.f;
+                pipe_pack_block(out + b * units * 16, w0, dtype, rows, K, ld * esize, units, i8,
+                                i8 ? scale + b * 16 : NULL);
+            }
         }
         free(scratch);
+    }
+    if (inplace && !failed && ob < sb) {
+        uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+        uintptr_t lo = ((uintptr_t)out + (uintptr_t)(nb * ob) + page - 1) / page * page;
+        uintptr_t hi = ((uintptr_t)w + (uintptr_t)(nb * sb)) / page * page;
+        if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
     }
     return failed ? -2 : 0;
 }
@@ -231,10 +248,11 @@ static inline int pipeline_cpu_pack_bf16(uint16_t *out, const void *w, int dtype
     return pipe_pack((uint32_t *)out, NULL, w, dtype, N, K, ld, 0);
 }
 
-/* out [ceil(N/16)][ceil(K/4)][16][4] int8 and scale [ceil(N/16) * 16] from w [N, K]. */
-static inline void pipeline_cpu_pack_i8(int8_t *out, float *scale, const void *w, int dtype,
-                                        int64_t N, int64_t K, int64_t ld) {
-    pipe_pack((uint32_t *)out, scale, w, dtype, N, K, ld, 1);
+/* out [ceil(N/16)][ceil(K/4)][16][4] int8 and scale [ceil(N/16) * 16] from w [N, K]; out
+ * may be w (see pipe_pack). 0, -1 or -2 as pipeline_cpu_pack_bf16. */
+static inline int pipeline_cpu_pack_i8(int8_t *out, float *scale, const void *w, int dtype,
+                                       int64_t N, int64_t K, int64_t ld) {
+    return pipe_pack((uint32_t *)out, scale, w, dtype, N, K, ld, 1);
 }
 
 #pragma GCC pop_options

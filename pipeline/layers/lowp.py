@@ -102,19 +102,23 @@ def _c_packer(w: torch.Tensor) -> ModuleType | None:
     return ext if ext is not None and hasattr(ext, "pack_bf16") else None
 
 
-def quantize_pack_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_pack_int8(w: torch.Tensor, reuse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``pack_int8(quantize_int8(w)[0])`` and the scale padded with 1 to its rows, in one pass
-    over ``w`` where the C ops are built (no int8 or float32 copy of the matrix)."""
+    over ``w`` where the C ops are built (no int8 or float32 copy of the matrix). ``reuse``:
+    ``w``'s memory may hold the result (``w`` is then overwritten, the bytes past the result
+    given back to the system), which a dense ``w`` of 16-row blocks and 4-column rows allows."""
     n, k = w.shape
     nb, k4 = -(-n // 16), -(-k // 4)
     ext = _c_packer(w)
     if ext is None:
         q, scale = quantize_int8(w)
         return pack_int8(q), _pad(scale, nb * 16, 1.0).contiguous()
-    out = torch.empty((nb, k4, 16, 4), dtype=torch.int8)
+    inplace = reuse and (n, k) == (nb * 16, k4 * 4) and w.is_contiguous()
+    out = (w.view(-1).view(torch.int8)[:n * k] if inplace
+           else torch.empty(nb * k4 * 64, dtype=torch.int8))
     scale = torch.empty(nb * 16, dtype=torch.float32)
     ext.pack_i8(out.data_ptr(), scale.data_ptr(), w.data_ptr(), _PACK_CODE[w.dtype], n, k, w.stride(0))
-    return out, scale
+    return out.view(nb, k4, 16, 4), scale
 
 
 def pack_bf16(w: torch.Tensor, reuse: bool = False) -> torch.Tensor:
@@ -170,7 +174,7 @@ class LowpWeight(nn.Module):
         elif table_only:
             weight, scale = quantize_int8(weight)
         else:  # packed in blocks of 16 channels; scale padded to match
-            weight, scale = quantize_pack_int8(weight)
+            weight, scale = quantize_pack_int8(weight, reuse)
         self.weight: torch.Tensor
         self.scale: torch.Tensor | None
         self.register_buffer("weight", weight)
