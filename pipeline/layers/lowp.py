@@ -12,6 +12,9 @@ of a CPU model when the worker runs ``--dtype bfloat16`` or ``--quantization int
 
 Both are packed in blocks of 16 output channels, in the VNNI layout of an AMX B tile: bf16
 ``[N/16][Kp/2][16][2]`` (``pack_bf16``; Kp = K rounded up to 32), int8 ``[N/16][K/4][16][4]``.
+Packing is one C pass over the float weight where the C ops are built (cpu_ops_pack.h, also
+in place over a loader's read buffer: ``reuse``), bit-identical to the torch path kept for
+other builds (tests/test_pack.py).
 That one copy serves every product and the lookups: ``linear`` runs ``x @ W^T + b`` into
 float32, one row (batch-1 decode) in the C GEMVs of ``cpu_ops_gemv_lp.h`` /
 ``cpu_ops_gemv_i8.h``, which stream each 16-channel block once (int8 also quantises x per

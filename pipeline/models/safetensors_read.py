@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import ctypes
 import json
+import mmap
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,8 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
 # Linux caps one read at 2 GiB - 4 KiB; larger tensors take several.
 _MAX_READ = 1 << 30
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it (EINVAL) and fault as before
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE
+_madvise: Callable[..., int] | None
 try:
     _madvise = ctypes.CDLL(None, use_errno=True).madvise
 except (OSError, AttributeError):  # no libc symbols to find (not Linux)
