@@ -556,3 +556,40 @@ cdef class DecoderLayers:
         with nogil:
             rc = pipeline_cpu_decoder_layers(self.layers, first, self.num_layers, &s)
         return rc
+
+
+cdef extern from "cpu_ops_pack.h":
+    int pipeline_cpu_pack_bf16(uint16_t *out, const void *w, int dtype, int64_t N, int64_t K,
+                               int64_t ld) nogil
+    int pipeline_cpu_pack_i8(int8_t *out, float *scale, const void *w, int dtype, int64_t N,
+                             int64_t K, int64_t ld) nogil
+
+
+def _pack_rc(int rc, str what, int dtype, int64_t n, int64_t k, int64_t ld):
+    if rc == -1:
+        raise ValueError(f"{what} in place: w must have dense rows, a multiple of 16 of them "
+                         f"and of {32 if what == 'pack_bf16' else 4} columns (bf16: of bfloat16), "
+                         f"got dtype code {dtype} [{n}, {k}] row stride {ld}")
+    if rc:
+        raise MemoryError(f"{what}: no memory for a block's scratch")
+
+
+def pack_bf16(uintptr_t out, uintptr_t w, int dtype, int64_t n, int64_t k, int64_t ld) -> None:
+    """out [ceil(n/16), kp/2, 16, 2] bf16 (kp: k rounded up to 32) = w [n, k] (row stride ld
+    elements, dtype 0 float32 / 1 bfloat16 / 2 float16) rounded as torch rounds to bfloat16,
+    zero-padded (cpu_ops_pack.h). out == w packs a dense bf16 [16 * b, 32 * c] in place."""
+    cdef int rc
+    with nogil:
+        rc = pipeline_cpu_pack_bf16(<uint16_t *>out, <const void *>w, dtype, n, k, ld)
+    _pack_rc(rc, "pack_bf16", dtype, n, k, ld)
+
+
+def pack_i8(uintptr_t out, uintptr_t scale, uintptr_t w, int dtype, int64_t n, int64_t k,
+            int64_t ld) -> None:
+    """out [ceil(n/16), ceil(k/4), 16, 4] int8 and scale [ceil(n/16) * 16] float32 (padded
+    with 1) = w [n, k] quantised per row as lowp.quantize_int8 does (cpu_ops_pack.h). out == w
+    packs a dense [16 * b, 4 * c] in place (the bytes past the result are given back)."""
+    cdef int rc
+    with nogil:
+        rc = pipeline_cpu_pack_i8(<int8_t *>out, <float *>scale, <const void *>w, dtype, n, k, ld)
+    _pack_rc(rc, "pack_i8", dtype, n, k, ld)

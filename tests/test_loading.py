@@ -150,7 +150,7 @@ needs_ops = pytest.mark.skipif(ops.backend(CPU) is None, reason="the C CPU ops a
 @needs_ops
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("file_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("file_dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_streamed_load_is_bit_identical(tmp_path, arch, tied, file_dtype, form):
     # Qwen3 files are sharded (several files, the index), the others single files.

@@ -12,6 +12,9 @@ of a CPU model when the worker runs ``--dtype bfloat16`` or ``--quantization int
 
 Both are packed in blocks of 16 output channels, in the VNNI layout of an AMX B tile: bf16
 ``[N/16][Kp/2][16][2]`` (``pack_bf16``; Kp = K rounded up to 32), int8 ``[N/16][K/4][16][4]``.
+Packing is one C pass over the float weight where the C ops are built (cpu_ops_pack.h, also
+in place over a loader's read buffer: ``reuse``), bit-identical to the torch path kept for
+other builds (tests/test_pack.py).
 That one copy serves every product and the lookups: ``linear`` runs ``x @ W^T + b`` into
 float32, one row (batch-1 decode) in the C GEMVs of ``cpu_ops_gemv_lp.h`` /
 ``cpu_ops_gemv_i8.h``, which stream each 16-channel block once (int8 also quantises x per
@@ -28,6 +31,8 @@ owns the one scratch matrix per GEMM dtype that every LowpWeight dequantises int
 """
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
@@ -35,6 +40,7 @@ from pipeline.layers.ops import backend
 
 FORMATS = ("bf16", "int8")
 _DEQUANT_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_PACK_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_ops_dtype.h
 
 
 # One dense copy at a time (the worker runs one projection at a time): the largest weight's
@@ -86,11 +92,52 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
             .view(torch.int8).view(nb, k4, 16, 4))
 
 
-def pack_bf16(w: torch.Tensor) -> torch.Tensor:
-    """bf16 ``[out, in]`` -> the kernels' blocks ``[ceil(out/16), kp/2, 16, 2]`` (kp: in
-    rounded up to 32; cpu_ops_gemv_lp.h: 2 inputs of 16 outputs per 64 bytes), zero-padded."""
+def _pad(t: torch.Tensor, n: int, value: float | int) -> torch.Tensor:
+    return torch.cat([t, t.new_full((n - t.shape[0],), value)]) if n > t.shape[0] else t
+
+
+def _c_packer(w: torch.Tensor) -> ModuleType | None:
+    """The C ops when they can pack ``w`` in one pass (cpu_ops_pack.h), else None."""
+    if w.device.type != "cpu" or w.dtype not in _PACK_CODE or w.dim() != 2 \
+            or (w.stride(1) != 1 and w.shape[1] > 1):
+        return None
+    ext = backend(w.device)
+    return ext if ext is not None and hasattr(ext, "pack_bf16") else None
+
+
+def quantize_pack_int8(w: torch.Tensor, reuse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_int8(quantize_int8(w)[0])`` and the scale padded with 1 to its rows, in one pass
+    over ``w`` where the C ops are built (no int8 or float32 copy of the matrix). ``reuse``:
+    ``w``'s memory may hold the result (``w`` is then overwritten, the bytes past the result
+    given back to the system), which a dense ``w`` of 16-row blocks and 4-column rows allows."""
+    n, k = w.shape
+    nb, k4 = -(-n // 16), -(-k // 4)
+    ext = _c_packer(w)
+    if ext is None:
+        q, scale = quantize_int8(w)
+        return pack_int8(q), _pad(scale, nb * 16, 1.0).contiguous()
+    inplace = reuse and (n, k) == (nb * 16, k4 * 4) and w.is_contiguous()
+    out = (w.view(-1).view(torch.int8)[:n * k] if inplace
+           else torch.empty(nb * k4 * 64, dtype=torch.int8))
+    scale = torch.empty(nb * 16, dtype=torch.float32)
+    ext.pack_i8(out.data_ptr(), scale.data_ptr(), w.data_ptr(), _PACK_CODE[w.dtype], n, k, w.stride(0))
+    return out.view(nb, k4, 16, 4), scale
+
+
+def pack_bf16(w: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+    """float ``[out, in]`` rounded to bf16 (as ``w.to(torch.bfloat16)``) -> the kernels'
+    blocks ``[ceil(out/16), kp/2, 16, 2]`` (kp: in rounded up to 32; cpu_ops_gemv_lp.h: 2
+    inputs of 16 outputs per 64 bytes), zero-padded; one pass in C where it is built.
+    ``reuse``: ``w``'s memory may become the result (``w`` is then overwritten), which a dense
+    bf16 ``w`` of 16-row blocks and 32-column rows allows: no new memory to fault in."""
     n, k = w.shape
     nb, kp = -(-n // 16), -(-k // 32) * 32
+    ext = _c_packer(w)
+    if ext is not None:
+        inplace = reuse and w.dtype == torch.bfloat16 and (n, k) == (nb * 16, kp) and w.is_contiguous()
+        out = w if inplace else torch.empty((nb, kp // 2, 16, 2), dtype=torch.bfloat16)
+        ext.pack_bf16(out.data_ptr(), w.data_ptr(), _PACK_CODE[w.dtype], n, k, w.stride(0))
+        return out.view(nb, kp // 2, 16, 2)
     padded = torch.zeros((nb * 16, kp), dtype=torch.bfloat16)
     padded[:n, :k] = w
     return padded.view(nb, 16, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
@@ -132,7 +179,9 @@ class LowpWeight(nn.Module):
     """A projection weight ``[out, in]`` packed as bf16 or int8 (see the module docstring)."""
 
     def __init__(self, weight: torch.Tensor, fmt: str, gemm_dtype: torch.dtype,
-                 table_only: bool = False) -> None:
+                 table_only: bool = False, reuse: bool = False) -> None:
+        """``reuse``: ``weight``'s memory may hold the packed copy (``pack_bf16``): the
+        loader passes the buffer it read, which nothing else holds."""
         super().__init__()
         if fmt not in FORMATS:
             raise ValueError(f"weight format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -145,17 +194,13 @@ class LowpWeight(nn.Module):
         self.out_features, self.in_features = weight.shape
         # The dtype x (and a dequantised int8 weight) takes in a GEMM of more than GEMV_MAX_M rows.
         self.gemm_dtype = gemm_dtype
-        if fmt == "bf16":
-            weight, scale = weight.to(torch.bfloat16).contiguous(), None
-            if not table_only:
-                weight = pack_bf16(weight)
+        scale: torch.Tensor | None = None
+        if fmt == "bf16":  # rounded to bf16 by the packing itself (no bf16 copy first)
+            weight = weight.to(torch.bfloat16).contiguous() if table_only else pack_bf16(weight, reuse)
+        elif table_only:
+            weight, scale = quantize_int8(weight)
         else:  # packed in blocks of 16 channels; scale padded to match
-            q, scale = quantize_int8(weight)
-            if not table_only:
-                weight = pack_int8(q)
-                scale = _pad(scale, weight.shape[0] * 16, 1.0).contiguous()
-            else:
-                weight = q
+            weight, scale = quantize_pack_int8(weight, reuse)
         self.weight: torch.Tensor
         self.scale: torch.Tensor | None
         self.register_buffer("weight", weight)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from pipeline.models.parallel import TPShard
-from pipeline.models.safetensors_read import SafetensorsFile
+from pipeline.models.safetensors_read import SafetensorsFile, empty
 
 # Enough to keep the disk busy while a parameter packs; small beside any model worth streaming.
 READ_AHEAD_BYTES = 32 << 20
@@ -91,7 +91,7 @@ class WeightStream:
             raise ValueError(f"checkpoint tensor {key!r} maps to unknown parameter {param!r} "
                              f"(does config.json match the weights?)")
         if param not in self.pending:
-            self.pending[param] = (torch.empty(self.shapes[param], dtype=e.dtype), set())
+            self.pending[param] = (empty(self.shapes[param], e.dtype), set())
         buf, seen = self.pending[param]
         dest = buf[lo:hi]
         if lo in seen:

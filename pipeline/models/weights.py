@@ -9,8 +9,9 @@ assembled beside the finished ones (no float32 copy of the whole model):
 - ``fmt`` bf16/int8 (CPU, float32 activations): the projections, the embedding and an untied
   lm_head become ``LowpWeight``s (an untied embedding packed for lookups only), or for int4
   ``Int4Weight``s in groups of ``group_size`` inputs; the
-  checkpoint's float32 or bf16 goes in as read (the packing rounds it), other dtypes widened to
-  float32 first, so the result is what packing the float32 model gave, bit for bit.
+  checkpoint's float32, bf16 or float16 goes in as read (the packing rounds it; float16 is
+  exact in float32), other dtypes widened to float32 first, so the result is what packing
+  the float32 model gave, bit for bit (a NaN stays a NaN, its bits as torch's conversion).
 - no ``fmt``: ``dtype`` on ``device``; on CPU the projections and an untied lm_head stored
   [in, out] (``kn``: MKL's GEMV reads a pre-transposed matrix markedly faster), converted and
   transposed in one copy.
@@ -62,9 +63,10 @@ class WeightPlan:
         elif self.fmt == "int4" and projection:
             value = Int4Weight.from_float(t, self.group_size, self.gemm_dtype)  # widened per chunk
         elif self.fmt is not None and projection:
-            w = t if t.dtype in (torch.float32, torch.bfloat16) else t.float()
+            w = t if t.dtype in (torch.float32, torch.bfloat16, torch.float16) else t.float()
+            # t is the buffer the reader filled for this parameter alone: packed in place.
             value = LowpWeight(w, self.fmt, self.gemm_dtype,
-                               table_only=name == "embed_tokens" and not tied)
+                               table_only=name == "embed_tokens" and not tied, reuse=True)
         elif self.kn and projection and not name == "embed_tokens" and not tied:
             w = torch.empty((t.shape[1], t.shape[0]), dtype=self.dtype, device=self.device)
             value = nn.Parameter(w.copy_(t.t()), requires_grad=False)
