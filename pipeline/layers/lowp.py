@@ -152,10 +152,6 @@ def unpack_rows(packed: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tenso
 unpack_int8 = unpack_rows
 
 
-def _pad(t: torch.Tensor, n: int, value: float | int) -> torch.Tensor:
-    return torch.cat([t, t.new_full((n - t.shape[0],), value)]) if n > t.shape[0] else t
-
-
 def mlp_bf16(x: torch.Tensor, gate_up: LowpWeight, down: LowpWeight, out: torch.Tensor) -> bool:
     """``out = down(silu(x @ gate^T) * (x @ up^T))`` for bf16 packed weights without biases,
     in one C call whose SwiGLU writes the down product's bf16 input tiles (cpu_ops_amx_gemm.h):
