@@ -176,16 +176,16 @@ static int64_t pipeline_cpu_paged_attention(char *out, const pipe_attn_args *a) 
                 b = lo;
             }
             const int64_t tile = gt - (b > 0 ? tile_end[b - 1] : 0), ctx = a->seq_lens[b];
+            const int64_t q_len = a->cu_seqlens_q[b + 1] - a->cu_seqlens_q[b];
+            const int64_t nt = q_len - tile * PIPE_QTILE < PIPE_QTILE ? q_len - tile * PIPE_QTILE : PIPE_QTILE;
             const int64_t chunk = ((ctx + nsplit - 1) / nsplit + bs - 1) / bs * bs;
             const int64_t k_lo = split * chunk, k_hi = k_lo + chunk < ctx ? k_lo + chunk : ctx;
 #ifdef PIPE_ATTN512
-            if (use512)
+            if (use512 && nt * group >= PIPE_ATTN512_MIN_ROWS)
                 pipe_attn_item512(a, b, tile, kvh, k_lo, k_hi, acc, m, l, scratch + generic);
             else
 #endif
                 pipe_attn_item(a, b, tile, kvh, k_lo, k_hi, qf, acc, m, l, s, kf, vf);
-            const int64_t q_len = a->cu_seqlens_q[b + 1] - a->cu_seqlens_q[b];
-            const int64_t nt = q_len - tile * PIPE_QTILE < PIPE_QTILE ? q_len - tile * PIPE_QTILE : PIPE_QTILE;
             for (int64_t r = 0; r < nt * group; r++) {
                 const int64_t tok = a->cu_seqlens_q[b] + tile * PIPE_QTILE + r / group;
                 const int64_t head = kvh * group + r % group;
