@@ -202,7 +202,19 @@ def main(args: argparse.Namespace) -> int:
             _section(rep, f"{shape} offline", _offline_section, args, rep, shape, model, batches, lim)
         if not args.skip_http:
             _section(rep, f"{shape} http", run_http, args, rep, shape, model)
+    if args.vllm_env:
+        _reap_kmp_files()
     return rep.emit(args.json)
+
+
+def _reap_kmp_files() -> None:
+    """vLLM's Intel OpenMP registers each process in /dev/shm/__KMP_REGISTERED_LIB_<pid>_<n>
+    and removes the file only at a normal exit; its workers are killed at shutdown. The files
+    of processes that are gone are removed, so a run leaves /dev/shm as it found it."""
+    for f in Path("/dev/shm").glob("__KMP_REGISTERED_LIB_*"):
+        pid = f.name.split("_")[-2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            f.unlink(missing_ok=True)
 
 
 def _section(rep: Report, name: str, run, *a) -> None:
