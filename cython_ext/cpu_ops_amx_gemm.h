@@ -110,38 +110,37 @@ static int pipeline_cpu_amx_i8(float *y, int64_t ldy, const float *x, int64_t ld
     return pipe_amx_i8(y, ldy, x, ldx, P, scale, bias, M, K, N, 0);
 }
 
-/* Whether pipeline_cpu_linear_bf16 / _i8 take M rows of K (else they answer 1). */
-static int pipe_linear_bf16_takes(int64_t M, int64_t K) {
-    return (M > PIPE_BF16_GEMV_MAX_M && pipe_amx_ok()) || M <= PIPE_GEMV_MAX_M
-           || pipe_bf16_level(K) == PIPE_ISA_AVX512;
+/* Which kernel pipeline_cpu_linear_bf16 / _i8 run for M rows of K: 2 AMX tiles, 1 the
+ * GEMV, 0 neither (they answer 1: the caller dequantises for BLAS). The one-call decoder
+ * asks the same question before a step (pipe_decoder_takes). */
+static int pipe_linear_bf16_route(int64_t M, int64_t K) {
+    if (M > PIPE_BF16_GEMV_MAX_M && pipe_amx_ok()) return 2;
+    return M <= PIPE_GEMV_MAX_M || pipe_bf16_level(K) == PIPE_ISA_AVX512;
 }
 
-static int pipe_linear_i8_takes(int64_t M, int64_t K) {
-    return (M > PIPE_I8_GEMV_MAX_M && pipe_amx_ok() && pipe_amx_i8_fits(K))
-           || M <= PIPE_I8_NO_AMX_GEMV_MAX_M;
+static int pipe_linear_i8_route(int64_t M, int64_t K) {
+    if (M > PIPE_I8_GEMV_MAX_M && pipe_amx_ok() && pipe_amx_i8_fits(K)) return 2;
+    return M <= PIPE_I8_NO_AMX_GEMV_MAX_M;
 }
 
 /* y = x @ W^T (+ bias) with bf16 W packed: 0 done, -1 out of scratch memory, 1 not taken
- * (no AMX, no AVX-512 BF16, M > PIPE_GEMV_MAX_M: the caller dequantises for BLAS). */
+ * (no AMX, no AVX-512 BF16, M > PIPE_GEMV_MAX_M: the caller dequantises for BLAS). AMX
+ * without scratch falls back to the GEMV, which takes any rows. */
 static int pipeline_cpu_linear_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
                                     const uint16_t *W, const float *bias, int64_t M, int64_t K,
                                     int64_t N) {
-    if (M > PIPE_BF16_GEMV_MAX_M && pipeline_cpu_amx_bf16(y, ldy, x, ldx, W, bias, M, K, N) == 0)
-        return 0;
-    if (M <= PIPE_GEMV_MAX_M || pipe_bf16_level(K) == PIPE_ISA_AVX512)
-        return pipeline_cpu_gemv_bf16(y, ldy, x, ldx, W, bias, M, K, N);
-    return 1;
+    const int route = pipe_linear_bf16_route(M, K);
+    if (route == 2 && pipeline_cpu_amx_bf16(y, ldy, x, ldx, W, bias, M, K, N) == 0) return 0;
+    return route ? pipeline_cpu_gemv_bf16(y, ldy, x, ldx, W, bias, M, K, N) : 1;
 }
 
 /* The same for int8 P (packed, per-channel scale). */
 static int pipeline_cpu_linear_i8(float *y, int64_t ldy, const float *x, int64_t ldx,
                                   const int8_t *P, const float *scale, const float *bias,
                                   int64_t M, int64_t K, int64_t N) {
-    if (M > PIPE_I8_GEMV_MAX_M && pipeline_cpu_amx_i8(y, ldy, x, ldx, P, scale, bias, M, K, N) == 0)
-        return 0;
-    if (M <= PIPE_I8_NO_AMX_GEMV_MAX_M)
-        return pipeline_cpu_gemv_i8(y, ldy, x, ldx, P, scale, bias, M, K, N);
-    return 1;
+    const int route = pipe_linear_i8_route(M, K);
+    if (route == 2 && pipeline_cpu_amx_i8(y, ldy, x, ldx, P, scale, bias, M, K, N) == 0) return 0;
+    return route ? pipeline_cpu_gemv_i8(y, ldy, x, ldx, P, scale, bias, M, K, N) : 1;
 }
 
 /* SwiGLU of a gate_up projection on AMX tiles, fused: act [M, inter] (rows ldact floats

@@ -83,8 +83,8 @@ static int pipe_decoder_takes(const pipe_layer *layers, int64_t n, int64_t T, co
         for (int p = 0; p < 4; p++) {
             const int fmt = layers[i].fmt;
             if ((fmt == PIPE_W_F32_KN && T > PIPE_GEMV_MAX_M)
-                || (fmt == PIPE_W_BF16 && !pipe_linear_bf16_takes(T, K[p]))
-                || (fmt == PIPE_W_INT8 && !pipe_linear_i8_takes(T, K[p])))
+                || (fmt == PIPE_W_BF16 && !pipe_linear_bf16_route(T, K[p]))
+                || (fmt == PIPE_W_INT8 && !pipe_linear_i8_route(T, K[p])))
                 return 0;
         }
     return 1;

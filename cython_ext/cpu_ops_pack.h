@@ -32,12 +32,12 @@
 /* torch's NaN from float32 (its vector path) and from float16 (c10's scalar one). */
 #define PIPE_PACK_NAN(dtype) ((dtype) == PIPE_F16 ? 0x7fc0u : 0xffffu)
 
-/* torch's float -> bfloat16 (c10 round_to_nearest_even: integer bias, denormals kept). */
+/* torch's float -> bfloat16: pipe_f32_to_bf16's rounding (c10's round_to_nearest_even,
+ * denormals kept), with torch's NaN for the source dtype. */
 static inline uint16_t pipe_pack_bf16_of(float f, uint32_t nan) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)nan;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)nan : pipe_f32_to_bf16(f);
 }
 
 static inline float pipe_pack_load(const char *row, int dtype, int64_t k) {

@@ -101,8 +101,7 @@ def _c_packer(w: torch.Tensor) -> ModuleType | None:
     if w.device.type != "cpu" or w.dtype not in _PACK_CODE or w.dim() != 2 \
             or (w.stride(1) != 1 and w.shape[1] > 1):
         return None
-    ext = backend(w.device)
-    return ext if ext is not None and hasattr(ext, "pack_bf16") else None
+    return backend(w.device)
 
 
 def quantize_pack_int8(w: torch.Tensor, reuse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
