@@ -21,7 +21,8 @@ from test_ipc_procs import CTX
 from pipeline.cache.layout import KVLayout
 from pipeline.cache.link import KVLink, LinkCache
 from pipeline.cache.stage import run as stage_run
-from pipeline.cache.tcp import DONE, ERR, FLUSH, HELLO, OK, FlushAck, KVReceiver, PeerInfo, host_identity
+from pipeline.cache.tcp import DONE, ERR, FLUSH, HELLO, OK, FlushAck, PeerInfo, host_identity
+from pipeline.cache.tcp_receiver import KVReceiver
 from pipeline.cache.transfer import KVTransferError
 from pipeline.config import EngineConfig
 from pipeline.gateway.supervisor import Stage, spawn_stage, wait_ready

@@ -23,7 +23,8 @@ from conftest import cuda_skip_reason
 from pipeline.cache.cuda_ipc import CudaIpcTransfer, open_pool
 from pipeline.cache.layout import KVLayout, LayoutMismatch
 from pipeline.cache.link import KVLink
-from pipeline.cache.tcp import KVReceiver, TcpTransfer
+from pipeline.cache.tcp import TcpTransfer
+from pipeline.cache.tcp_receiver import KVReceiver
 from pipeline.cache.transfer import KVTransferError
 from pipeline.ipc.cuda_ipc import CudaIpcHandle, decode_handle
 

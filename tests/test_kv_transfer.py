@@ -26,11 +26,11 @@ from pipeline.cache.tcp import (
     OK,
     FlushAck,
     KVHeader,
-    KVReceiver,
     PeerInfo,
     TcpTransfer,
     host_identity,
 )
+from pipeline.cache.tcp_receiver import KVReceiver
 from pipeline.cache.transfer import IpcTransfer, KVTransfer, KVTransferError
 from pipeline.ipc.layer_signal import LayerSignal
 from pipeline.ipc.segment import attach_segment, unlink_segment

@@ -28,7 +28,8 @@ from pipeline.bench.pd_overlap import forward_overlap
 from pipeline.bench.report import Report, percentiles_us
 from pipeline.cache.layout import KVLayout
 from pipeline.cache.messager import Messager
-from pipeline.cache.tcp import KVReceiver, TcpTransfer
+from pipeline.cache.tcp import TcpTransfer
+from pipeline.cache.tcp_receiver import KVReceiver
 from pipeline.cache.transfer import IpcTransfer, KVTransfer
 from pipeline.ipc.instance import Instance
 from pipeline.ipc.layer_signal import LayerSignal

@@ -40,7 +40,8 @@ from pipeline.cache.cuda_ipc import open_pool
 from pipeline.cache.layout import KVLayout
 from pipeline.cache.link import MODES, KVLink, LinkCache, check_peer_endpoint
 from pipeline.cache.messager import Messager
-from pipeline.cache.tcp import MAX_REQ_ID, MAX_TOKEN, KVReceiver
+from pipeline.cache.tcp import MAX_REQ_ID, MAX_TOKEN
+from pipeline.cache.tcp_receiver import KVReceiver
 from pipeline.cache.transfer import KVTransferError
 from pipeline.ipc.cuda_ipc import decode_handle
 from pipeline.ipc.errors import PeerDied

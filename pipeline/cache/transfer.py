@@ -3,7 +3,8 @@
 Owns `KVTransfer` (send the K and V of (local block, remote block) pairs of ONE layer; flush;
 close), `KVTransferError` and `IpcTransfer`, which maps the decode instance's KV segment by
 name and copies each contiguous run of blocks with one copy per run (K and V slabs), no
-per-block Python loop. The TCP implementation is `pipeline/cache/tcp.py`.
+per-block Python loop. The TCP implementation is `pipeline/cache/tcp.py` (its receiving end
+`tcp_receiver.py`).
 State (IpcTransfer): the attached remote segment and the uint8 views of both pools.
 """
 from __future__ import annotations

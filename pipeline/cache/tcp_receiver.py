@@ -1,0 +1,231 @@
+"""Cache messager stage, decode side: `KVReceiver`, the end of the KV link that a prefill
+instance's `TcpTransfer` (`pipeline/cache/tcp.py`, with the wire both speak) connects to.
+
+A ROUTER served by one thread: the handshake, then each run of blocks copied from the
+received frame straight into the pool (checked whole before a byte is written), each done
+message handed to `on_done`. A malformed or unexpected message is rejected, logged and
+counted against its peer's next flush; it never stops the receiver.
+State: the socket, the pool view, per handshaken peer the applied / rejected counts since its
+last flush, and the exception that ended its thread, if one did.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+import zmq
+
+from pipeline.cache.layout import KVLayout
+from pipeline.cache.tcp import (
+    DATA,
+    DONE,
+    ERR,
+    FLUSH,
+    HELLO,
+    MAX_DONE_FRAME,
+    MAX_SMALL_FRAME,
+    MAX_TOKEN,
+    OK,
+    FlushAck,
+    KVDone,
+    KVHeader,
+    PeerInfo,
+    host_identity,
+)
+from pipeline.ipc.errors import PeerDied
+
+logger = logging.getLogger(__name__)
+
+_enc = msgspec.msgpack.Encoder()
+_layout_dec = msgspec.msgpack.Decoder(KVLayout)
+_header_dec = msgspec.msgpack.Decoder(KVHeader)
+_done_dec = msgspec.msgpack.Decoder(KVDone)
+_int_dec = msgspec.msgpack.Decoder(int)
+
+
+class _Rejected(Exception):
+    pass
+
+
+class _Peer:
+    __slots__ = ("applied", "rejected", "reason")
+
+    def __init__(self) -> None:
+        self.applied = self.rejected = 0
+        self.reason = ""
+
+
+DoneFn = Callable[[str, int, str], None]
+
+
+CLOSE_JOIN_S = 10.0  # KVReceiver.close: how long the receiver thread gets to end
+
+
+class KVReceiver:
+    """Decode side: receives runs of blocks into `pool` (laid out as `layout`) on a thread.
+
+    `segment`: the name of `pool`'s shared-memory segment, told to peers so that one on the
+    same `host` (default: this one's `host_identity()`) can copy into it directly ("": none).
+    `pool` None: the pool is on CUDA, `cuda_ipc` its handle (told to peers the same way) and
+    every data message is rejected.
+    `on_done(req_id, token, error)`: called on the receiver thread for each valid done
+    message; PeerDied from it ends the thread (`error` holds it, `wait` returns True), any
+    other exception rejects that message. `max_token`: larger tokens are rejected."""
+
+    def __init__(self, pool: object | None, layout: KVLayout, endpoint: str = "tcp://127.0.0.1:0", *,
+                 segment: str = "", host: str | None = None, on_done: DoneFn | None = None,
+                 max_token: int = MAX_TOKEN, cuda_ipc: bytes = b"") -> None:
+        if pool is None and not cuda_ipc:
+            raise ValueError("KVReceiver: no pool and no cuda_ipc handle: nowhere for blocks to go")
+        self.layout = layout
+        self._dst: np.ndarray | None = None if pool is None else layout.pool(pool)
+        self.info = PeerInfo(layout, segment, host_identity() if host is None else host, cuda_ipc)
+        self.on_done, self.max_token = on_done, max_token
+        self.rejected = 0  # all peers, since start: for tests and metrics
+        self.done = 0  # done messages handed to on_done
+        self.error: BaseException | None = None  # what ended the thread, if not close()
+        self.stopping = False  # close() was called: on_done may give up waiting
+        self._peers: dict[bytes, _Peer] = {}
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # The largest legal frame is one layer's K (or V) of the whole pool.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_DONE_FRAME, layout.num_blocks * layout.block_bytes))
+        # A header names at most one run per block: two msgpack ints (<= 9 bytes each) per run.
+        self._max_header = MAX_SMALL_FRAME + 18 * layout.num_blocks
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            self._sock.close()
+            self._ctx.term()
+            raise OSError(f"KV receiver cannot listen on {endpoint}: {e}") from None
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        stop_addr = f"inproc://kv-receiver-stop-{id(self)}-{os.getpid()}"
+        self._stop_rx = self._ctx.socket(zmq.PAIR)
+        self._stop_rx.bind(stop_addr)
+        self._stop_tx = self._ctx.socket(zmq.PAIR)
+        self._stop_tx.connect(stop_addr)
+        # The thread says itself when it ended. Thread.join is not trusted for that: on
+        # Python 3.11 a signal's exception (the stage's STOP_SIGNAL) raised inside join()
+        # can mark a live thread stopped (bpo-45274), and close() then destroyed the
+        # sockets under its poll: libzmq aborted the stage (signaler.cpp assertion).
+        self._ended = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kv-receiver", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - kept for the owner (wait / error)
+            self.error = e
+            if not isinstance(e, PeerDied):
+                logger.error("KV receiver %s stopped: %s: %s", self.endpoint, type(e).__name__, e)
+        finally:
+            self._ended.set()
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._stop_rx, zmq.POLLIN)
+        while self._stop_rx not in dict(poller.poll()):  # blocks: no timeout, no polling
+            frames = self._sock.recv_multipart(copy=False)
+            peer = frames[0].bytes
+            try:
+                self._handle(peer, frames[1:])
+            except PeerDied:
+                raise  # on_done's ring reader (the engine) died: nothing left to serve
+            except Exception as e:  # noqa: BLE001 - a bad message must never end the receiver
+                self.rejected += 1
+                logger.warning("KV receiver %s: rejected a message from peer %s: %s",
+                               self.endpoint, peer.hex(), e)
+                if (p := self._peers.get(peer)) is not None:
+                    p.rejected += 1
+                    p.reason = str(e)[:MAX_SMALL_FRAME]
+
+    def _handle(self, peer: bytes, frames: list) -> None:
+        kind = frames[0].bytes if frames and len(frames[0]) <= 1 else None
+        if kind == HELLO and len(frames) == 2 and len(frames[1]) <= MAX_SMALL_FRAME:
+            theirs = _layout_dec.decode(frames[1].buffer)
+            try:
+                theirs.check_peer(self.layout)
+            except ValueError as e:
+                self._sock.send_multipart([peer, ERR, str(e).encode()])
+                raise _Rejected(e) from None
+            self._peers[peer] = _Peer()
+            self._sock.send_multipart([peer, OK, _enc.encode(self.info)])
+            return
+        p = self._peers.get(peer)
+        if p is None:
+            if kind == FLUSH:  # the sender would otherwise wait out its time-out
+                self._sock.send_multipart([peer, ERR, b"no handshake from this peer (receiver restarted?)"])
+            raise _Rejected("message before a successful handshake")
+        if kind == DATA and self._dst is None:
+            raise _Rejected("data message, but this receiver's KV pool is on CUDA: blocks come "
+                            "only by CUDA IPC from a CUDA prefill instance on this host (tcp into "
+                            "GPU memory is not built)")
+        if kind == DATA and len(frames) >= 4 and len(frames[1]) <= self._max_header:
+            self._apply(_header_dec.decode(frames[1].buffer), frames[2:])
+            p.applied += 1
+        elif kind == FLUSH and len(frames) == 2 and len(frames[1]) <= MAX_SMALL_FRAME:
+            seq = _int_dec.decode(frames[1].buffer)
+            self._sock.send_multipart([peer, FLUSH, _enc.encode(FlushAck(seq, p.applied, p.rejected, p.reason))])
+            self._peers[peer] = _Peer()
+        elif kind == DONE and len(frames) == 2 and len(frames[1]) <= MAX_DONE_FRAME:
+            self._done(_done_dec.decode(frames[1].buffer))
+        else:
+            raise _Rejected(f"unexpected message: kind {kind!r}, {len(frames)} frames")
+
+    def _done(self, d: KVDone) -> None:
+        if not d.error and not 0 <= d.token <= self.max_token:
+            raise _Rejected(f"done for {d.req_id!r}: token={d.token} out of range 0..{self.max_token} "
+                            f"and no error")
+        if self.on_done is None:
+            raise _Rejected("done message, but this receiver takes none")
+        self.on_done(d.req_id, d.token, d.error)
+        self.done += 1
+
+    def _apply(self, h: KVHeader, kv: list) -> None:
+        """Checks the whole message before writing a byte of it."""
+        lay = self.layout
+        if not 0 <= h.layer < lay.num_layers:
+            raise _Rejected(f"layer={h.layer} out of range 0..{lay.num_layers - 1}")
+        if len(h.starts) != len(h.counts) or len(kv) != 2 * len(h.starts):
+            raise _Rejected(f"{len(h.starts)} run starts, {len(h.counts)} run counts and "
+                            f"{len(kv)} K/V frames (need 2 per run)")
+        for k, (start, n) in enumerate(zip(h.starts, h.counts)):
+            if not (n >= 1 and 0 <= start and start + n <= lay.num_blocks):
+                raise _Rejected(f"blocks {start}..{start + n - 1} out of range 0..{lay.num_blocks - 1}")
+            want = n * lay.block_bytes
+            if len(kv[2 * k]) != want or len(kv[2 * k + 1]) != want:
+                raise _Rejected(f"K/V frames of {len(kv[2 * k])}/{len(kv[2 * k + 1])} bytes, "
+                                f"{n} blocks need {want} each")
+        assert self._dst is not None  # _handle refused data without a host pool
+        dst = self._dst[h.layer]
+        for k, (start, n) in enumerate(zip(h.starts, h.counts)):
+            for j in (0, 1):
+                dst[j, start:start + n] = np.frombuffer(kv[2 * k + j].buffer, np.uint8).reshape(n, -1)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the receiver thread ended (then True; `error` says why) or `timeout`."""
+        return self._ended.wait(timeout)
+
+    def close(self) -> None:
+        """Stop the thread, close the sockets, drop the pool view. Idempotent."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self._stop_tx.send(b"")
+        if not self._ended.wait(CLOSE_JOIN_S):
+            # Sockets must not close under a thread still using them (libzmq aborts), and
+            # term() would block on them: leave both to the process's exit.
+            logger.error("KV receiver %s: thread did not end in %.0f s; sockets left open",
+                         self.endpoint, CLOSE_JOIN_S)
+            return
+        # destroy(): close every socket left, then terminate without waiting on them (a
+        # plain term() blocks for good on a socket still open).
+        self._ctx.destroy(linger=0)
+        self._dst = None
