@@ -7,7 +7,7 @@ all-gather; the token broadcast too, though greedy steps have none).
 Every size's ranks run at once, one process each (a fixed team of ``--threads``), and take
 turns window by window, so a machine whose speed drifts (a shared VM) weighs on all sizes
 alike. The parent sends each command to every rank of a size; each rank runs the same
-deterministic steps (``bench.worker._Steps``, same seed, same order), timing the window and
+deterministic steps (``bench.steps.Steps``, same seed, same order), timing the window and
 the seconds inside ``runner.tp``'s collectives (wrappers set on that instance, which the
 model shares). Rank 0's figures are the answer, plus the least share of any rank (the rank
 that arrives last waits least: nearest to the transfer itself). A failed or dead rank fails
@@ -30,7 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.bench.report import Report
-from pipeline.bench.worker import PROMPT_LEN, _Steps, bench_model
+from pipeline.bench.steps import Steps
+from pipeline.bench.worker import PROMPT_LEN, bench_model
 
 CTX = mp.get_context("spawn")  # a fresh interpreter per rank: no inherited torch or threads
 COLLECTIVES = ("all_reduce", "all_gather_cols", "broadcast")
@@ -58,7 +59,7 @@ class _RankSteps:
 
     def __init__(self, runner: Any, spec: dict) -> None:
         import numpy as np
-        self.spec, self.steps = spec, _Steps(runner)
+        self.spec, self.steps = spec, Steps(runner)
         self.rng = np.random.default_rng(0)  # the same prompts on every rank
         self.ids: list[str] = []
         self.computed = 0

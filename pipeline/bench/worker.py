@@ -26,9 +26,8 @@ import torch
 from pipeline.bench.bandwidth import cuda_read_bandwidth, read_bandwidth
 from pipeline.bench.peak import add_peak_rows, projection_params
 from pipeline.bench.report import Report
+from pipeline.bench.steps import Steps
 from pipeline.config import EngineConfig
-from pipeline.messages import CachedRequestData, NewRequestData, SchedulerOutput, ids_to_bytes
-from pipeline.sampling_params import SamplingParams
 
 PROMPT_LEN = 16
 _clock = time.perf_counter
@@ -77,42 +76,6 @@ def bench_model(model: str, tmp: str) -> tuple[str, int]:
     return model, min(load_model_config(model).vocab_size, 512)
 
 
-class _Steps:
-    """Hand-built step diffs: all blocks reserved at admission, one token per decode step."""
-
-    def __init__(self, runner) -> None:
-        self.runner = runner
-        self.step_id = 0
-        self.next_block = 0
-
-    def _run(self, new, cached, sched, finished=()):
-        self.step_id += 1
-        return self.runner.execute(SchedulerOutput(
-            self.step_id, new, cached, sched, sum(sched.values()), list(finished), []))
-
-    def admit(self, prompts: list[list[int]], extra_tokens: int, tag: str):
-        bs = self.runner.block_size
-        new, sched = [], {}
-        for i, p in enumerate(prompts):
-            nb = -(-(len(p) + extra_tokens) // bs)
-            blocks = list(range(self.next_block, self.next_block + nb))
-            self.next_block += nb
-            rid = f"{tag}{i}"
-            new.append(NewRequestData(rid, ids_to_bytes(p), len(p),
-                                      SamplingParams(temperature=0.0, max_tokens=extra_tokens + 1),
-                                      blocks, 0))
-            sched[rid] = len(p)
-        return self._run(new, [], sched), list(sched)
-
-    def decode(self, req_ids: list[str], computed: int) -> None:
-        cached = [CachedRequestData(r, [], computed) for r in req_ids]
-        self._run([], cached, {r: 1 for r in req_ids})
-
-    def finish(self, req_ids: list[str]) -> None:
-        self._run([], [], {}, req_ids)
-        self.next_block = 0
-
-
 # format -> (--dtype, --quantization)
 FORMAT_FLAGS = {"float32": ("float32", "none"), "bf16": ("bfloat16", "none"),
                 "int8": ("float32", "int8"), "int4": ("float32", "int4")}
@@ -149,7 +112,7 @@ def bench_formats(model_dir: str, formats: list[str], batches: list[int], steps:
             runners[fmt].load()
         rng = np.random.default_rng(0)
         decode: dict[str, dict[int, float]] = {f: {} for f in formats}
-        s = {f: _Steps(r) for f, r in runners.items()}
+        s = {f: Steps(r) for f, r in runners.items()}
         for b in batches:
             prompts = rng.integers(3, vocab, (b, PROMPT_LEN)).tolist()
             ids = {f: s[f].admit(prompts, repeats * steps + 2, f"d{b}-")[1] for f in formats}
