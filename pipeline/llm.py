@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 import msgspec
 
 from pipeline.config import DEFAULT_MODEL, EngineConfig, read_chat_template
+from pipeline.engine.core import EngineCore, LocalExecutor
 from pipeline.engine.scheduler import Scheduler
 from pipeline.messages import (
     EngineOutput,
@@ -311,17 +312,17 @@ class LLM:
             if isinstance(r, RequestResult):
                 emit(r)
 
-        sched, worker = self.scheduler, self.worker
-        assert worker is not None  # _make, which built the requests, checked it
-        while sched.has_unfinished_requests():
-            so = sched.schedule()
-            outs = sched.update_from_output(so, worker.execute(so))
+        def outputs(outs: list[EngineOutput]) -> None:
             if self.processor is None:
                 self._raw.process(outs, time.time(), emit)
-                continue
+                return
             stopped = self.processor.process(EngineOutputs(outs, time.time()), answer)
-            if stopped:  # a stop string ended them: the engine frees their blocks now
-                sched.abort_requests(stopped, reason="stop")
+            if stopped:  # a stop string ended them: the engine frees their blocks now (their
+                self.scheduler.abort_requests(stopped, reason="stop")  # answers are out already)
+
+        assert self.worker is not None  # _make, which built the requests, checked it
+        core = EngineCore(self.scheduler, LocalExecutor(self.worker), outputs)
+        core.run_until_done()
 
     def _abort(self, rids: list[str]) -> None:
         self.scheduler.abort_requests(rids)

@@ -107,8 +107,9 @@ def write_kv(worker: FakeWorker, prompt, block_ids, start_block=0) -> None:
 
 def step(sched: Scheduler, worker: FakeWorker):
     so = sched.schedule()
-    outs = sched.take_outputs()
-    plan = sched.take_plan()
+    conn = sched.connector  # None: a mixed instance
+    outs = conn.take_outputs() if conn else []
+    plan = conn.take_plan() if conn else None
     outs += sched.update_from_output(so, worker.execute(so))
     assert sched.check_invariants() == []
     return so, plan, outs
@@ -134,7 +135,7 @@ def test_reservation_with_prefix_hit_then_kv_ready_decodes_with_its_blocks():
     d.add_request(decode_req("r", prompt, max_tokens=4, ignore_eos=True))
     assert not d.has_unfinished_requests()  # a reservation is no work for a step
     assert d.stats().waiting == 1
-    outs = d.poll_kv()
+    outs = d.connector.poll()
     assert len(outs) == 1
     o = outs[0]
     kv = o.kv
@@ -147,11 +148,11 @@ def test_reservation_with_prefix_hit_then_kv_ready_decodes_with_its_blocks():
     s = d.stats()
     assert (s.kv_reserved_requests, s.kv_reserved_blocks, s.waiting) == (1, 4, 0)
     assert d.check_invariants() == []
-    assert d.poll_kv() == []  # reserved once
+    assert d.connector.poll() == []  # reserved once
 
     write_kv(dw, prompt, kv.block_ids, start_block=2)  # the prefill instance's transfer
     ref = reference(dw, prompt, 4, ignore_eos=True)
-    outs = d.on_kv_ready(KVReady("r", ref[0]))
+    outs = d.connector.on_kv_ready(KVReady("r", ref[0]))
     assert [(o.req_id, o.new_token_ids, o.finish_reason) for o in outs] == [("r", [ref[0]], None)]
     assert d.has_unfinished_requests() and d.stats().kv_reserved_requests == 0
     assert d.check_invariants() == []
@@ -175,20 +176,20 @@ def test_prompt_filling_its_blocks_reserves_the_first_decode_slot():
     d, dw, _ = make("decode")
     prompt = list(range(1, 9))  # 8 tokens: 2 full blocks; the first decode token needs a third
     d.add_request(decode_req("r", prompt, max_tokens=3, ignore_eos=True))
-    kv = d.poll_kv()[0].kv
+    kv = d.connector.poll()[0].kv
     assert kv is not None and len(kv.block_ids) == 2 and len(d.requests["r"].blocks) == 3
     write_kv(dw, prompt, kv.block_ids)
-    d.on_kv_ready(KVReady("r", 7))
+    d.connector.on_kv_ready(KVReady("r", 7))
     free = d.kv.pool.num_free_blocks
     so, _, _ = step(d, dw)
     assert so.new_reqs[0].block_ids == [b.block_id for b in d.requests["r"].blocks]
     assert d.kv.pool.num_free_blocks == free  # no block taken at admission
     # max_tokens=1: the prefill's token ends it, no extra slot.
     d.add_request(decode_req("one", prompt, max_tokens=1))
-    out = d.poll_kv()[0]
+    out = d.connector.poll()[0]
     assert out.kv is not None and len(d.requests["one"].blocks) == 2
     write_kv(dw, prompt, out.kv.block_ids)
-    (fin,) = d.on_kv_ready(KVReady("one", 9))
+    (fin,) = d.connector.on_kv_ready(KVReady("one", 9))
     assert fin.new_token_ids == [9] and fin.finish_reason == "length"
     assert "one" not in d.requests
 
@@ -196,18 +197,18 @@ def test_prompt_filling_its_blocks_reserves_the_first_decode_slot():
 def test_kv_ready_error_and_unknown_ids():
     d, _, _ = make("decode")
     d.add_request(decode_req("r", list(range(1, 11))))
-    d.poll_kv()
-    assert d.on_kv_ready(KVReady("nobody", 3)) == []
-    (o,) = d.on_kv_ready(KVReady("r", error="decode instance unreachable"))
+    d.connector.poll()
+    assert d.connector.on_kv_ready(KVReady("nobody", 3)) == []
+    (o,) = d.connector.on_kv_ready(KVReady("r", error="decode instance unreachable"))
     assert o.finish_reason == "error" and o.error_code == "kv_transfer_failed"
     assert "decode instance unreachable" in (o.error or "")
-    assert d.on_kv_ready(KVReady("r", 3)) == []  # finished: ignored
-    assert d.num_kv_ready_ignored == 2 and d.stats().kv_transfers_failed == 1
+    assert d.connector.on_kv_ready(KVReady("r", 3)) == []  # finished: ignored
+    assert d.connector.num_kv_ready_ignored == 2 and d.stats().kv_transfers_failed == 1
     assert all_free(d) and not d.requests and d.check_invariants() == []
 
 
 def quarantined(sched: Scheduler) -> set[int]:
-    return {b.block_id for blocks, _ in sched.reservations.quarantine.values() for b in blocks}
+    return {b.block_id for blocks, _ in sched.connector.reservations.quarantine.values() for b in blocks}
 
 
 def test_reservations_time_out_queued_or_reserved_and_quarantine_until_their_deadline():
@@ -215,49 +216,49 @@ def test_reservations_time_out_queued_or_reserved_and_quarantine_until_their_dea
     d.add_request(decode_req("a", list(range(1, 17))))  # 4 prompt blocks + the decode slot, of 6
     clock.t += 1.0
     d.add_request(decode_req("b", list(range(1, 13))))  # 4 blocks: must queue behind a
-    outs = d.poll_kv()
+    outs = d.connector.poll()
     assert [o.req_id for o in outs] == ["a"] and outs[0].kv is not None
     a_blocks = outs[0].kv.block_ids
-    assert d.next_kv_deadline() == pytest.approx(1000.0 + TIMEOUT)
+    assert d.connector.next_deadline() == pytest.approx(1000.0 + TIMEOUT)
     assert d.stats().waiting == 1 and d.stats().kv_reserved_requests == 1
     clock.t = 1000.0 + TIMEOUT - 0.01
-    assert d.poll_kv() == []
+    assert d.connector.poll() == []
     clock.t = 1000.0 + TIMEOUT
-    (o,) = d.poll_kv()  # a is answered at once...
+    (o,) = d.connector.poll()  # a is answered at once...
     assert o.req_id == "a" and o.finish_reason == "error" and o.error_code == "kv_transfer_timeout"
     assert "--kv-transfer-timeout 5 s" in (o.error or "") and "did not arrive" in (o.error or "")
     # ...but a prefill instance may still be writing its prompt blocks: b cannot have them.
     assert quarantined(d) == set(a_blocks) and d.kv.pool.num_free_blocks == 2
     s = d.stats()
     assert (s.kv_reserved_requests, s.kv_reserved_blocks, s.kv_blocks_used, s.waiting) == (0, 4, 4, 1)
-    assert d.next_kv_deadline() == pytest.approx(1001.0 + TIMEOUT)  # b's, before the quarantine's
+    assert d.connector.next_deadline() == pytest.approx(1001.0 + TIMEOUT)  # b's, before the quarantine's
     assert d.check_invariants() == []
     with pytest.raises(ValueError, match="still in the engine"):
         d.add_request(decode_req("a", [1, 2, 3]))  # its late KVReady must not free a new "a"
-    assert d.on_kv_ready(KVReady("a", 3)) == []  # the prefill side is done: a's blocks are free
-    assert d.num_kv_ready_ignored == 0 and not d.reservations.quarantine
-    (rb,) = d.poll_kv()
+    assert d.connector.on_kv_ready(KVReady("a", 3)) == []  # the prefill side is done: a's blocks are free
+    assert d.connector.num_kv_ready_ignored == 0 and not d.connector.reservations.quarantine
+    (rb,) = d.connector.poll()
     assert rb.req_id == "b" and rb.kv is not None and rb.kv.timeout_s == pytest.approx(1.0)
     assert set(rb.kv.block_ids) <= set(a_blocks) | {b.block_id for b in d.kv.pool.blocks}
     # queued past its deadline: never got blocks, nothing to quarantine
     d.add_request(decode_req("c", list(range(1, 13))))
     clock.t += TIMEOUT + 1
-    outs = d.poll_kv()
+    outs = d.connector.poll()
     assert {o.req_id: o.error_code for o in outs} == {"b": "kv_transfer_timeout",
                                                       "c": "kv_transfer_timeout"}
     assert "no KV blocks could be reserved" in (next(o for o in outs if o.req_id == "c").error or "")
     assert quarantined(d) == set(rb.kv.block_ids) and not d.requests
     assert d.stats().kv_reservation_timeouts == 3 and d.stats().kv_reserved_blocks == 3
     # No KVReady for b: its blocks come back at the quarantine's deadline.
-    assert d.next_kv_deadline() == pytest.approx(clock.t + TIMEOUT)
+    assert d.connector.next_deadline() == pytest.approx(clock.t + TIMEOUT)
     clock.t += TIMEOUT - 0.01
-    assert d.poll_kv() == [] and quarantined(d) == set(rb.kv.block_ids)
+    assert d.connector.poll() == [] and quarantined(d) == set(rb.kv.block_ids)
     clock.t += 0.01
-    assert d.poll_kv() == [] and not d.reservations.quarantine
-    assert d.reservations.num_quarantine_expired == 1 and d.next_kv_deadline() is None
+    assert d.connector.poll() == [] and not d.connector.reservations.quarantine
+    assert d.connector.reservations.num_quarantine_expired == 1 and d.connector.next_deadline() is None
     assert d.stats().kv_reserved_blocks == 0
     assert all_free(d) and d.check_invariants() == []
-    assert d.on_kv_ready(KVReady("b", 3)) == [] and d.num_kv_ready_ignored == 1  # too late: ignored
+    assert d.connector.on_kv_ready(KVReady("b", 3)) == [] and d.connector.num_kv_ready_ignored == 1  # too late: ignored
 
 
 def test_abort_of_a_reservation_answers_at_once_and_quarantines_its_writable_blocks():
@@ -267,23 +268,23 @@ def test_abort_of_a_reservation_answers_at_once_and_quarantines_its_writable_blo
     prompt = base[:8] + [20, 21, 22, 23]  # 12 tokens: 3 blocks, 2 of them hits, + the decode slot
     d.add_request(decode_req("a", prompt))
     d.add_request(decode_req("b", list(range(30, 60))))  # 8 blocks: queued
-    (ra,) = d.poll_kv()
+    (ra,) = d.connector.poll()
     kv = ra.kv
     assert kv is not None and kv.num_cached_tokens == 8 and len(d.requests["a"].blocks) == 4
     assert d.requests["a"].status == RequestStatus.WAITING_FOR_KV
     outs = d.abort_requests(["a", "b"])
     assert [(o.req_id, o.finish_reason) for o in outs] == [("a", "abort"), ("b", "abort")]
-    assert not d.reservations and not d.requests
+    assert not d.connector.reservations and not d.requests
     # The peer skips the 2 hit blocks and never writes the decode slot: only block 2 is held.
     assert quarantined(d) == {kv.block_ids[2]}
     assert d.kv.pool.num_free_blocks == 9 and d.stats().kv_reserved_blocks == 1
     assert all(d.kv.pool.blocks[b].block_hash is not None for b in kv.block_ids[:2])  # still cached
-    assert d.next_kv_deadline() == pytest.approx(1000.0 + TIMEOUT)
+    assert d.connector.next_deadline() == pytest.approx(1000.0 + TIMEOUT)
     assert d.check_invariants() == []
     # The peer's "done" (here the error of the prefill request aborted with it) frees it.
-    assert d.on_kv_ready(KVReady("a", error="aborted by the client")) == []
-    assert all_free(d) and d.check_invariants() == [] and d.next_kv_deadline() is None
-    assert d.on_kv_ready(KVReady("a", 1)) == [] and d.num_kv_ready_ignored == 1
+    assert d.connector.on_kv_ready(KVReady("a", error="aborted by the client")) == []
+    assert all_free(d) and d.check_invariants() == [] and d.connector.next_deadline() is None
+    assert d.connector.on_kv_ready(KVReady("a", 1)) == [] and d.connector.num_kv_ready_ignored == 1
     assert d.stats().kv_transfers_failed == 0  # a's failure was its abort, not the transfer
     d.add_request(decode_req("a", prompt))  # the id is free again
 
@@ -291,7 +292,7 @@ def test_abort_of_a_reservation_answers_at_once_and_quarantines_its_writable_blo
 def test_quarantined_blocks_are_never_handed_out():
     d, dw, _ = make("decode", num_blocks=12)
     d.add_request(decode_req("a", list(range(1, 17))))  # 4 prompt blocks + the decode slot
-    (ra,) = d.poll_kv()
+    (ra,) = d.connector.poll()
     assert ra.kv is not None
     q = set(ra.kv.block_ids)
     d.abort_requests(["a"])
@@ -299,7 +300,7 @@ def test_quarantined_blocks_are_never_handed_out():
     # Fill the 8 free blocks with two reservations; a third and a plain request must wait.
     for rid, first in (("y1", 20), ("y2", 40), ("y3", 60)):
         d.add_request(decode_req(rid, list(range(first, first + 16)), max_tokens=1))
-    got = d.poll_kv()
+    got = d.connector.poll()
     assert [o.req_id for o in got] == ["y1", "y2"]
     held = {b.block_id for rid in ("y1", "y2") for b in d.requests[rid].blocks}
     assert len(held) == 8 and not held & q and d.kv.pool.num_free_blocks == 0
@@ -307,10 +308,10 @@ def test_quarantined_blocks_are_never_handed_out():
     assert (s.kv_blocks_free, s.kv_blocks_used, s.kv_reserved_blocks) == (0, 12, 12)
     d.add_request(request("x", [1, 2, 3], max_tokens=1))
     so, _, _ = step(d, dw)
-    assert so.new_reqs == [] and d.poll_kv() == []  # nothing to hand out: q is not free
+    assert so.new_reqs == [] and d.connector.poll() == []  # nothing to hand out: q is not free
     assert d.check_invariants() == []
-    d.on_kv_ready(KVReady("a", 5))
-    (o,) = d.poll_kv()  # y3 gets exactly the released blocks
+    d.connector.on_kv_ready(KVReady("a", 5))
+    (o,) = d.connector.poll()  # y3 gets exactly the released blocks
     assert o.req_id == "y3" and o.kv is not None and set(o.kv.block_ids) == q
     assert not quarantined(d) and d.check_invariants() == []
 
@@ -318,10 +319,10 @@ def test_quarantined_blocks_are_never_handed_out():
 def test_audit_accepts_the_quarantine_but_catches_a_leak():
     d, _, _ = make("decode", num_blocks=8)
     d.add_request(decode_req("a", list(range(1, 10))))
-    d.poll_kv()
+    d.connector.poll()
     d.abort_requests(["a"])
     assert quarantined(d) and d.check_invariants() == []
-    d.reservations.quarantine.clear()  # forgotten without being freed: a leak
+    d.connector.reservations.quarantine.clear()  # forgotten without being freed: a leak
     errs = d.check_invariants()
     assert any("leaked" in e for e in errs) and any("quarantined blocks counted" in e for e in errs)
 
@@ -332,11 +333,11 @@ def test_reservations_leave_the_running_requests_their_reserve():
         d.add_request(request(rid, list(range(1, 14)), max_tokens=2, ignore_eos=True))
     step(d, dw)  # 4 blocks each; the reserve for 2 running requests: 1 block
     d.add_request(decode_req("r", list(range(40, 71))))  # 31 + 1 tokens: all 8 free blocks
-    assert d.poll_kv() == [] and d.stats().waiting == 1
+    assert d.connector.poll() == [] and d.stats().waiting == 1
     step(d, dw)
     assert d.stats().waiting == 1  # schedule() tried too
     assert not d.has_unfinished_requests()
-    assert d.poll_kv()[0].kv is not None  # nothing running: no reserve
+    assert d.connector.poll()[0].kv is not None  # nothing running: no reserve
 
 
 # -- prefill role ----------------------------------------------------------------------------
@@ -360,10 +361,10 @@ def test_prefill_plans_follow_chunks_and_skip_remote_hits():
     assert all(s.peer == LISTEN and s.remote_req_id == "r" for pl in plans if pl for s in pl.sends)
     assert not p.requests  # max_tokens=1: done, but its blocks are leased
     assert p.stats().kv_transfer_leased_blocks == 5 and not all_free(p)
-    fin = p.take_kv_finishes()
+    fin = p.connector.take_kv_finishes()
     assert fin == [KVFinish("r", LISTEN, "r", reference(pw, prompt, 1)[0])]
     for pl in plans:
-        assert p.on_transfer_report(TransferReport(pl.step_id, {})) == []
+        assert p.connector.on_transfer_report(TransferReport(pl.step_id, {})) == []
         assert p.check_invariants() == []
     assert all_free(p) and p.stats().kv_transfer_leased_blocks == 0
 
@@ -387,7 +388,7 @@ def test_prefill_sends_its_own_prefix_hits_and_leases_hold_blocks_until_the_repo
     so, _, _ = step(p, pw)
     assert not leased & set(so.new_reqs[0].block_ids)
     assert plan is not None
-    p.on_transfer_report(TransferReport(plan.step_id, {}))
+    p.connector.on_transfer_report(TransferReport(plan.step_id, {}))
     assert all_free(p) and p.check_invariants() == []
     # The prompt's full blocks stay in the prefill side's prefix cache after the lease.
     assert len(p.kv.pool.cached) >= 3
@@ -400,13 +401,13 @@ def test_failed_report_fails_a_live_request_once():
     _, plan1, _ = step(p, pw)
     _, plan2, _ = step(p, pw)
     assert plan1 is not None and plan2 is not None
-    (o,) = p.on_transfer_report(TransferReport(plan1.step_id, {"r": "peer reset"}))
+    (o,) = p.connector.on_transfer_report(TransferReport(plan1.step_id, {"r": "peer reset"}))
     assert o.finish_reason == "error" and o.error_code == "kv_transfer_failed"
     assert "peer reset" in (o.error or "")
-    (f,) = p.take_kv_finishes()
+    (f,) = p.connector.take_kv_finishes()
     assert f.req_id == "r" and f.token == -1 and "peer reset" in f.error
-    assert p.on_transfer_report(TransferReport(plan2.step_id, {"r": "peer reset"})) == []
-    assert p.take_kv_finishes() == []
+    assert p.connector.on_transfer_report(TransferReport(plan2.step_id, {"r": "peer reset"})) == []
+    assert p.connector.take_kv_finishes() == []
     assert p.stats().kv_transfers_failed == 2
     step(p, pw)  # the worker drops it
     assert all_free(p) and p.check_invariants() == []
@@ -419,16 +420,16 @@ def test_abort_before_first_token_sends_an_error_finish_and_drop_plan_fails():
     _, plan, _ = step(p, pw)
     assert plan is not None
     p.abort_requests(["a"])
-    (f,) = p.take_kv_finishes()
+    (f,) = p.connector.take_kv_finishes()
     assert f.req_id == "a" and f.error == "aborted by the client"
     so = p.schedule()
-    plan2 = p.take_plan()
+    plan2 = p.connector.take_plan()
     assert plan2 is not None and [s.req_id for s in plan2.sends] == ["b"]
-    (o,) = p.drop_plan(plan2, "plan too large")
+    (o,) = p.connector.drop_plan(plan2, "plan too large")
     assert o.req_id == "b" and o.error_code == "kv_transfer_failed" and o.error == "plan too large"
-    assert [f.error for f in p.take_kv_finishes()] == ["plan too large"]
+    assert [f.error for f in p.connector.take_kv_finishes()] == ["plan too large"]
     p.update_from_output(so, pw.execute(so))  # stale result for b
-    p.on_transfer_report(TransferReport(plan.step_id, {}))
+    p.connector.on_transfer_report(TransferReport(plan.step_id, {}))
     assert all_free(p) and p.check_invariants() == []
 
 
@@ -442,11 +443,11 @@ def test_prefill_ends_after_its_first_token_whatever_its_max_tokens():
     _, plan, outs = step(p, pw)
     assert plan is not None and [o.finish_reason for o in outs] == ["length"]
     assert outs[0].new_token_ids == reference(pw, prompt, 1)
-    assert p.take_kv_finishes() == [KVFinish("r", LISTEN, "d", outs[0].new_token_ids[0])]
-    assert p.abort_requests(["r"]) == [] and p.take_kv_finishes() == []  # the decode side has its KV
+    assert p.connector.take_kv_finishes() == [KVFinish("r", LISTEN, "d", outs[0].new_token_ids[0])]
+    assert p.abort_requests(["r"]) == [] and p.connector.take_kv_finishes() == []  # the decode side has its KV
     # Nor does a failed report of that step: the messager reports that in the finish it sends.
-    assert p.on_transfer_report(TransferReport(plan.step_id, {"r": "peer reset"})) == []
-    assert p.take_kv_finishes() == []
+    assert p.connector.on_transfer_report(TransferReport(plan.step_id, {"r": "peer reset"})) == []
+    assert p.connector.take_kv_finishes() == []
     assert all_free(p) and p.check_invariants() == []
 
 
@@ -464,9 +465,9 @@ def test_preempted_prefill_resends_from_the_remote_boundary(caching):
         if plan is not None:
             plans.append(plan)
         if len(plans) > 1:  # reports come back one plan late
-            p.on_transfer_report(TransferReport(plans.pop(0).step_id, {}))
+            p.connector.on_transfer_report(TransferReport(plans.pop(0).step_id, {}))
     for plan in plans:
-        p.on_transfer_report(TransferReport(plan.step_id, {}))
+        p.connector.on_transfer_report(TransferReport(plan.step_id, {}))
     k, victim = next((i, pre[0]) for i, (pre, _) in enumerate(steps) if pre)
     boundary = {"a": 1, "b": 8}[victim]  # a's decode side has block 0 already
     before = [r for _, sent in steps[:k] for r in sent[victim]]
@@ -506,16 +507,16 @@ def test_local_parks_the_first_token_until_every_report_then_ends_it():
     first = reference(pw, PROMPT18, 1)
     assert [(o.new_token_ids, o.finish_reason) for o in outs] == [(first, None)]  # at once
     r = p.requests["r"]
-    assert list(p.parked) == ["r"] and r.status == RequestStatus.PARKED and r.kv_pending == 3
+    assert list(p.connector.parked) == ["r"] and r.status == RequestStatus.PARKED and p.connector.sends["r"].pending == 3
     assert not p.has_unfinished_requests() and p.stats().running == 0
-    assert p.take_kv_finishes() == []  # the decode side learns nothing before the reports
+    assert p.connector.take_kv_finishes() == []  # the decode side learns nothing before the reports
     assert p.check_invariants() == []  # parked, holding its blocks
-    assert p.on_transfer_report(TransferReport(plans[2].step_id, {})) == []
-    assert p.on_transfer_report(TransferReport(plans[0].step_id, {})) == []
-    (o,) = p.on_transfer_report(TransferReport(plans[1].step_id, {}))
+    assert p.connector.on_transfer_report(TransferReport(plans[2].step_id, {})) == []
+    assert p.connector.on_transfer_report(TransferReport(plans[0].step_id, {})) == []
+    (o,) = p.connector.on_transfer_report(TransferReport(plans[1].step_id, {}))
     assert o.new_token_ids == [] and o.finish_reason == "length" and o.error is None
-    assert p.take_kv_finishes() == [KVFinish("r", LISTEN, "d-r", first[0])]
-    assert not p.parked and not p.requests and p.num_kv_fallbacks == 0
+    assert p.connector.take_kv_finishes() == [KVFinish("r", LISTEN, "d-r", first[0])]
+    assert not p.connector.parked and not p.requests and p.connector.num_kv_fallbacks == 0
     assert all_free(p) and p.check_invariants() == []
 
 
@@ -532,11 +533,11 @@ def test_local_failure_after_the_first_token_decodes_it_like_a_mixed_run():
     p, pw, _ = make("prefill", budget=8, threshold=8, fallback="local")
     p.add_request(send_req("r", PROMPT18, range(5), max_tokens=6, ignore_eos=True))
     plans, outs = three_steps(p, pw)
-    assert p.on_transfer_report(TransferReport(plans[0].step_id, {})) == []
-    assert p.on_transfer_report(TransferReport(plans[1].step_id, {"r": "peer reset"})) == []
-    assert p.take_kv_finishes() == [KVFinish("r", LISTEN, "d-r", -1, FALLBACK_ERROR)]
+    assert p.connector.on_transfer_report(TransferReport(plans[0].step_id, {})) == []
+    assert p.connector.on_transfer_report(TransferReport(plans[1].step_id, {"r": "peer reset"})) == []
+    assert p.connector.take_kv_finishes() == [KVFinish("r", LISTEN, "d-r", -1, FALLBACK_ERROR)]
     r = p.requests["r"]
-    assert r.status == RequestStatus.RUNNING and r.kv_send is None and not p.parked
+    assert r.status == RequestStatus.RUNNING and "r" not in p.connector.sends and not p.connector.parked
     assert p.check_invariants() == []
     outs += drain_outputs(p, pw)
     # The same tokens as a mixed instance: the prompt's KV and the first token were kept.
@@ -547,8 +548,8 @@ def test_local_failure_after_the_first_token_decodes_it_like_a_mixed_run():
     assert [t for o in outs for t in o.new_token_ids] == reference(pw, PROMPT18, 6, ignore_eos=True)
     assert [o.finish_reason for o in outs] == [None] * 5 + ["length"]
     # The last report changes nothing: the request is gone, its KVFinish went out.
-    assert p.on_transfer_report(TransferReport(plans[2].step_id, {"r": "peer reset"})) == []
-    assert p.take_kv_finishes() == [] and p.num_kv_fallbacks == 1
+    assert p.connector.on_transfer_report(TransferReport(plans[2].step_id, {"r": "peer reset"})) == []
+    assert p.connector.take_kv_finishes() == [] and p.connector.num_kv_fallbacks == 1
     assert p.stats().kv_transfers_failed == 2
     assert all_free(p) and p.check_invariants() == []
 
@@ -560,19 +561,19 @@ def test_local_failure_before_the_first_token_falls_back_at_once(how):
     if how == "report":
         _, plan, outs = step(p, pw)
         assert plan is not None
-        assert p.on_transfer_report(TransferReport(plan.step_id, {"r": "unreachable"})) == []
+        assert p.connector.on_transfer_report(TransferReport(plan.step_id, {"r": "unreachable"})) == []
     else:  # the plan could not even go to the messager
         so = p.schedule()
-        plan = p.take_plan()
+        plan = p.connector.take_plan()
         assert plan is not None
-        assert p.drop_plan(plan, "plan too large") == []
+        assert p.connector.drop_plan(plan, "plan too large") == []
         outs = p.update_from_output(so, pw.execute(so))  # the step itself stands
-        assert plan.step_id not in p.transfers.leases
-    assert p.take_kv_finishes() == [KVFinish("r", LISTEN, "d-r", -1, FALLBACK_ERROR)]
-    assert p.requests["r"].kv_send is None
+        assert plan.step_id not in p.connector.transfers.leases
+    assert p.connector.take_kv_finishes() == [KVFinish("r", LISTEN, "d-r", -1, FALLBACK_ERROR)]
+    assert "r" not in p.connector.sends
     outs += drain_outputs(p, pw)  # never parked: decided before its first token
     assert [t for o in outs for t in o.new_token_ids] == reference(pw, PROMPT18, 6, ignore_eos=True)
-    assert outs[-1].finish_reason == "length" and p.take_kv_finishes() == []
+    assert outs[-1].finish_reason == "length" and p.connector.take_kv_finishes() == []
     if how == "report":
         assert p.stats().kv_transfer_leased_blocks == 0
     assert all_free(p) and p.check_invariants() == []
@@ -583,21 +584,21 @@ def test_parked_requests_abort_and_stop_strings():
     for rid, prompt in (("a", [1, 2, 3, 4, 5]), ("b", [6, 7, 8, 9, 10]), ("c", [11, 12, 13, 14, 15])):
         p.add_request(send_req(rid, prompt, range(2), max_tokens=4, ignore_eos=True))
     _, plan, outs = step(p, pw)
-    assert plan is not None and set(p.parked) == {"a", "b", "c"}
+    assert plan is not None and set(p.connector.parked) == {"a", "b", "c"}
     first = {o.req_id: o.new_token_ids[0] for o in outs}
     # A client abort ends it at once; the decode side learns why.
     (o,) = p.abort_requests(["a"])
     assert o.finish_reason == "abort"
-    assert p.take_kv_finishes() == [KVFinish("a", LISTEN, "d-a", -1, "aborted by the client")]
+    assert p.connector.take_kv_finishes() == [KVFinish("a", LISTEN, "d-a", -1, "aborted by the client")]
     # A stop string on the first token (the token processor): it ends so once settled.
     assert p.abort_requests(["b", "c"], "stop") == []
-    assert set(p.parked) == {"b", "c"} and p.check_invariants() == []
-    outs = p.on_transfer_report(TransferReport(plan.step_id, {"c": "peer reset"}))
+    assert set(p.connector.parked) == {"b", "c"} and p.check_invariants() == []
+    outs = p.connector.on_transfer_report(TransferReport(plan.step_id, {"c": "peer reset"}))
     assert sorted((o.req_id, o.finish_reason, o.new_token_ids) for o in outs) == [
         ("b", "stop", []), ("c", "stop", [])]
-    assert sorted(p.take_kv_finishes(), key=lambda f: f.req_id) == [
+    assert sorted(p.connector.take_kv_finishes(), key=lambda f: f.req_id) == [
         KVFinish("b", LISTEN, "d-b", first["b"]), KVFinish("c", LISTEN, "d-c", -1, FALLBACK_ERROR)]
-    assert not p.requests and not p.parked
+    assert not p.requests and not p.connector.parked
     assert all_free(p) and p.check_invariants() == []
 
 
@@ -605,30 +606,30 @@ def test_local_fallback_only_for_what_fits_and_none_finishes_at_the_first_token(
     p, pw, _ = make("prefill", num_blocks=8, fallback="local")
     # 100 tokens do not fit 8 blocks of 4: sent, never decoded here, so it fails as with none.
     p.add_request(send_req("big", list(range(1, 10)), range(3), max_tokens=100, ignore_eos=True))
-    assert not p.requests["big"].kv_fallback
+    assert not p.connector.sends["big"].fallback
     _, plan, (o,) = step(p, pw)
-    assert o.finish_reason == "length" and not p.parked  # not parked either: ends at once
-    assert plan is not None and p.on_transfer_report(TransferReport(plan.step_id, {"big": "x"})) == []
+    assert o.finish_reason == "length" and not p.connector.parked  # not parked either: ends at once
+    assert plan is not None and p.connector.on_transfer_report(TransferReport(plan.step_id, {"big": "x"})) == []
     p.add_request(send_req("r", PROMPT18, range(5), max_tokens=6))
-    assert p.requests["r"].kv_fallback
+    assert p.connector.sends["r"].fallback
     _, plan, _ = step(p, pw)
     assert plan is not None and p.requests["r"].status == RequestStatus.PARKED
-    assert p.on_transfer_report(TransferReport(plan.step_id, {"r": "x"})) == []
+    assert p.connector.on_transfer_report(TransferReport(plan.step_id, {"r": "x"})) == []
     assert p.requests["r"].status == RequestStatus.RUNNING  # decodes here
     # --pd-fallback none: the first failed report fails it (unchanged).
     n, nw, _ = make("prefill", budget=8, threshold=8)
     n.add_request(send_req("r", PROMPT18, range(5), max_tokens=6))
     _, plan, _ = step(n, nw)
-    assert plan is not None and not n.requests["r"].kv_fallback
-    (o,) = n.on_transfer_report(TransferReport(plan.step_id, {"r": "x"}))
+    assert plan is not None and not n.connector.sends["r"].fallback
+    (o,) = n.connector.on_transfer_report(TransferReport(plan.step_id, {"r": "x"}))
     assert o.error_code == "kv_transfer_failed"
 
 
 def test_decode_side_fails_a_fallen_back_request_with_kv_fallback():
     d, _, _ = make("decode")
     d.add_request(decode_req("r", list(range(1, 11))))
-    d.poll_kv()
-    (o,) = d.on_kv_ready(KVReady("r", error=FALLBACK_ERROR))
+    d.connector.poll()
+    (o,) = d.connector.on_kv_ready(KVReady("r", error=FALLBACK_ERROR))
     assert o.finish_reason == "error" and o.error_code == "kv_fallback" and o.error == FALLBACK_ERROR
     assert d.stats().kv_transfers_failed == 0  # not a failure: the prefill instance answers
     assert all_free(d) and not d.requests and d.check_invariants() == []
@@ -716,20 +717,20 @@ class PD:
                 self.p_final[rid] = o
 
     def take_finishes(self) -> None:
-        for f in self.p.take_kv_finishes():
+        for f in self.p.connector.take_kv_finishes():
             assert f.req_id not in self.p_finishes, f"second KVFinish for {f.req_id}"
             self.p_finishes[f.req_id] = f.token
             self.plans_ring.append(f)
 
     def d_poll(self) -> None:
-        before = set(self.d.reservations.quarantine)
-        self.record_d(self.d.poll_kv())
-        self.gone |= before - set(self.d.reservations.quarantine)
+        before = set(self.d.connector.reservations.quarantine)
+        self.record_d(self.d.connector.poll())
+        self.gone |= before - set(self.d.connector.reservations.quarantine)
 
     def writable(self, remote_id: str) -> set[int]:
         """The decode blocks a prefill may write for reservation ``remote_id``: its own while
         reserved, else those quarantined under its id."""
-        res = self.d.reservations
+        res = self.d.connector.reservations
         req = res.reserved.get(remote_id)
         if req is not None:
             return {b.block_id for b in req.blocks}
@@ -738,12 +739,12 @@ class PD:
 
     def d_step(self) -> None:
         so = self.d.schedule()
-        self.record_d(self.d.take_outputs())
+        self.record_d(self.d.connector.take_outputs())
         self.record_d(self.d.update_from_output(so, self.dw.execute(so)))
 
     def p_step(self) -> None:
         so = self.p.schedule()
-        plan = self.p.take_plan()
+        plan = self.p.connector.take_plan()
         if plan is not None:
             self.plans_ring.append(plan)
         self.record_p(self.p.update_from_output(so, self.pw.execute(so)))
@@ -773,11 +774,11 @@ class PD:
             self.ready.append(KVReady(item.remote_req_id, -1 if err else item.token, err))
 
     def p_report(self) -> None:
-        self.record_p(self.p.on_transfer_report(self.reports.popleft()))
+        self.record_p(self.p.connector.on_transfer_report(self.reports.popleft()))
         self.take_finishes()
 
     def d_ready(self) -> None:
-        self.record_d(self.d.on_kv_ready(self.ready.popleft()))
+        self.record_d(self.d.connector.on_kv_ready(self.ready.popleft()))
 
     def abort(self, rid: str) -> None:
         self.record_d(self.d.abort_requests([rid]))
@@ -808,7 +809,7 @@ class PD:
                 self.d_step()
                 busy = True
             if not busy:
-                if not self.d.reservations and not self.d.reservations.quarantine:
+                if not self.d.connector.reservations and not self.d.connector.reservations.quarantine:
                     return
                 self.clock.t += TIMEOUT + 1  # lost ones time out
             self.check()
@@ -849,7 +850,7 @@ def test_end_to_end_fallback_answers_from_the_prefill_side():
         else:  # the prefill side ends after the first token, once its transfer is reported
             assert pd.d_tokens[rid] == want and pd.p_tokens[rid] == want[:1]
             assert pd.p_final[rid].finish_reason in ("stop", "length")
-    assert pd.p.num_kv_fallbacks == 2
+    assert pd.p.connector.num_kv_fallbacks == 2
     assert all_free(pd.d) and all_free(pd.p)
 
 
@@ -903,8 +904,8 @@ def test_random_interleavings_keep_block_accounting(ops, caching, fallback):
     pd.drain()
     assert not pd.d.requests and not pd.p.requests
     assert all_free(pd.d) and all_free(pd.p), (pd.d.stats(), pd.p.stats())
-    assert pd.p.stats().kv_transfer_leased_blocks == 0 and not pd.p.transfers.leases
-    assert not pd.d.reservations.quarantine and pd.d.stats().kv_reserved_blocks == 0
+    assert pd.p.stats().kv_transfer_leased_blocks == 0 and not pd.p.connector.transfers.leases
+    assert not pd.d.connector.reservations.quarantine and pd.d.stats().kv_reserved_blocks == 0
     assert set(pd.d_final) == set(pd.prompts)
     for rid, o in pd.d_final.items():
         if o.finish_reason in ("stop", "length"):
@@ -921,7 +922,7 @@ def test_random_interleavings_keep_block_accounting(ops, caching, fallback):
                 else:
                     assert pf.finish_reason == "abort", pf
     fell_back = sum(o.error_code == "kv_fallback" for o in pd.d_final.values())
-    assert fell_back <= pd.p.num_kv_fallbacks
+    assert fell_back <= pd.p.connector.num_kv_fallbacks
 
 
 # -- the engine stage loop, in process: real rings, a FakeWorker thread, the test as the rest --
@@ -1112,14 +1113,14 @@ def test_prefill_stops_sending_when_the_decode_reservation_ends():
     p.add_request(er)
     plan = step(p, pw)[1]
     assert plan is not None  # the first chunk goes
-    assert p.next_kv_deadline() == pytest.approx(clock() + 2.0)
+    assert p.connector.next_deadline() == pytest.approx(clock() + 2.0)
     clock.t += 1.9
-    assert p.poll_kv() == []
+    assert p.connector.poll() == []
     clock.t += 0.2
-    outs = p.poll_kv()
+    outs = p.connector.poll()
     assert [(o.req_id, o.finish_reason, o.error_code) for o in outs] == [("r", "error", "kv_transfer_timeout")]
     assert "reservation" in outs[0].error
-    assert not p.has_unfinished_requests() and p.take_plan() is None
-    assert [f.error != "" for f in p.take_kv_finishes()] == [True]  # the decode side is told
-    assert p.on_transfer_report(TransferReport(plan.step_id, {})) == []
+    assert not p.has_unfinished_requests() and p.connector.take_plan() is None
+    assert [f.error != "" for f in p.connector.take_kv_finishes()] == [True]  # the decode side is told
+    assert p.connector.on_transfer_report(TransferReport(plan.step_id, {})) == []
     assert all_free(p) and p.check_invariants() == []

@@ -96,10 +96,31 @@ def run_pipeline(args, prompts: list[list[int]]) -> tuple[dict, dict]:
     return row, stats
 
 
+class _TimedExecutor:
+    """A ModelRunner in process, its execute() alone timed (steps that ran tokens counted)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.pending: list = []
+        self.steps, self.execute_s = 0, 0.0
+
+    def submit(self, so) -> None:
+        self.pending.append(so)
+
+    def result(self):
+        so = self.pending.pop(0)
+        t0 = time.perf_counter()
+        out = self.runner.execute(so)
+        self.execute_s += time.perf_counter() - t0
+        self.steps += so.total_num_scheduled_tokens > 0
+        return out
+
+
 def run_worker_alone(args, prompts: list[list[int]]) -> dict:
     """The same requests through an in-process Scheduler + ModelRunner, synchronously; only
     the ModelRunner's execute() is timed."""
     from pipeline.config import add_engine_args, config_from_args
+    from pipeline.engine.core import EngineCore
     from pipeline.engine.scheduler import Scheduler
     from pipeline.messages import EngineRequest, ids_to_bytes
     from pipeline.sampling_params import SamplingParams
@@ -118,14 +139,15 @@ def run_worker_alone(args, prompts: list[list[int]]) -> dict:
         now = time.time()
         for i, p in enumerate(prompts):
             sched.add_request(EngineRequest(str(i), ids_to_bytes(p), sp, now, runner.eos_token_ids))
-        steps, execute_s, tokens = 0, 0.0, 0
-        while sched.has_unfinished_requests():
-            so = sched.schedule()
-            t0 = time.perf_counter()
-            out = runner.execute(so)
-            execute_s += time.perf_counter() - t0
-            steps += so.total_num_scheduled_tokens > 0
-            tokens += sum(len(o.new_token_ids) for o in sched.update_from_output(so, out))
+        timed = _TimedExecutor(runner)
+        tokens = 0
+
+        def count(outs: list) -> None:
+            nonlocal tokens
+            tokens += sum(len(o.new_token_ids) for o in outs)
+
+        EngineCore(sched, timed, count).run_until_done()
+        steps, execute_s = timed.steps, timed.execute_s
     finally:
         runner.close()
     return {"output_tokens": tokens, "seconds": execute_s, "output_tok_per_s": tokens / execute_s,

@@ -7,37 +7,39 @@ block's ref count equals its number of owners plus the references held for a KV 
 decode role: an ended reservation's blocks stay quarantined until its prefill peer is done
 with them; ``Reservations.check`` checks the quarantine itself), only cached blocks are
 shared by requests, no request lists a block twice, nothing is leaked, and only requests that
-may hold blocks do: running ones, decode-role reservations (WAITING_FOR_KV),
-decode-role requests waiting for admission with the KV they received and prefill-role
-requests PARKED until their transfers are reported (--pd-fallback local).
+may hold blocks do: running ones, and those the KV connector says may (decode-role
+reservations, WAITING_FOR_KV, and requests waiting for admission with the KV they received;
+prefill-role requests PARKED until their transfers are reported, --pd-fallback local).
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from pipeline.engine.block_pool import BlockPool
 from pipeline.engine.request import Request, RequestStatus
 
 
-def _may_hold_blocks(req: Request) -> bool:
-    st = req.status
-    return (st == RequestStatus.RUNNING or st == RequestStatus.WAITING_FOR_KV
-            or st == RequestStatus.PARKED or (st == RequestStatus.WAITING and req.kv_received))
+def _running(req: Request) -> bool:
+    return req.status == RequestStatus.RUNNING
 
 
 def audit_block_table(pool: BlockPool, requests: Iterable[Request], num_running: int,
-                      held: Mapping[int, int] | None = None) -> list[str]:
+                      held: Mapping[int, int] | None = None,
+                      may_hold_blocks: Callable[[Request], bool] | None = None) -> list[str]:
     """``held``: block id -> references held for a KV transfer, not by a request (prefill
-    transfer leases, decode quarantine); a referenced block nobody holds is a leak."""
+    transfer leases, decode quarantine); a referenced block nobody holds is a leak.
+    ``may_hold_blocks``: the KV connector's rule of which requests may own blocks (none:
+    running ones only)."""
     errs = pool.check()
     held = held or {}
+    may_hold = may_hold_blocks or _running
     owners: dict[int, list[str]] = defaultdict(list)
     n_running = 0
     for req in requests:
         if req.status == RequestStatus.RUNNING:
             n_running += 1
-        if req.blocks and not _may_hold_blocks(req):
+        if req.blocks and not may_hold(req):
             errs.append(f"request {req.req_id} ({req.status.name}) holds {len(req.blocks)} blocks")
         for b in req.blocks:
             owners[b.block_id].append(req.req_id)

@@ -35,14 +35,11 @@ def may_run_ahead(req: Request, max_model_len: int) -> bool:
     """Whether ``req``, in flight, may be scheduled again before its results are back.
 
     Not when its next input depends on a result in a way the worker cannot know itself: a
-    prefill-role request (its first token ends it here and goes to its decode peer), or a
     token in flight that certainly ends it by length (the slot after it must not be computed:
     it may lie past max_model_len and past the blocks its admission counted on). Any other
     token may end it too (EOS, stop token, stop string, abort): then the step run ahead is
     dropped as stale.
     """
-    if req.kv_send is not None:
-        return False
     if req.num_placeholders:
         n = len(req.all_token_ids) + req.num_placeholders
         return n < req.max_num_tokens and n < max_model_len

@@ -7,14 +7,11 @@ processor reports. A client request of ``n > 1`` completions is n Requests ("chi
 each has its own id, ``out_id`` (the client request's id) and ``index``. Nothing outside the
 engine stage ever sees or mutates it.
 
-Disaggregation adds a status and three fields: a decode-role request is WAITING_FOR_KV from
-its arrival until its prompt's KV arrived (first without blocks, queued for a reservation,
-then holding them; ``engine.disagg.Reservations`` says which), then WAITING while it holds
-the received KV until it is admitted (``kv_received``); a prefill-role request carries where
-its prompt's KV goes (``kv_send``) and how far it went (``kv_sent_blocks``, ``kv_finished``).
-With ``--pd-fallback local`` a prefill-role request may decode here after all
-(``kv_fallback``): its first token waits, PARKED, for the reports of the steps that carried
-its sends (``kv_pending``); any failure and it drops ``kv_send`` and goes on as a mixed one.
+Transfer state (where its KV comes from or goes) is the KV connector's
+(``engine.kv_connector``), not the request's. Two statuses say that a connector holds it:
+WAITING_FOR_KV (decode role: queued for a reservation or receiving its prompt's KV) and
+PARKED (prefill role, --pd-fallback local: its first token is out, its transfers are not
+all reported yet).
 """
 from __future__ import annotations
 
@@ -26,7 +23,6 @@ from pipeline.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pipeline.engine.block_pool import KVBlock
-    from pipeline.messages.kv import KVTransferParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -110,23 +106,6 @@ class Request:
     held: list[Request] = field(default_factory=list)
     # Next prompt token whose logprobs go out (token 0 has none); prompt_logprobs only.
     prompt_logprobs_sent: int = 1
-    # Decode role: its prompt's KV arrived from a prefill instance into the blocks it holds
-    # (so it may wait for admission holding them, with num_computed_tokens == prompt length).
-    kv_received: bool = False
-    # Prefill role: the decode instance's blocks to fill; leading blocks sent in full so far
-    # (reset by a preemption: sent again from the remote prefix-hit boundary); whether its
-    # KVFinish (first token, or error) is out.
-    kv_send: KVTransferParams | None = None
-    kv_sent_blocks: int = 0
-    kv_finished: bool = False
-    # Prefill role, --pd-fallback local: whether it may decode here if its transfer fails
-    # (its whole max_tokens fits this pool); the steps whose plans carry its sends and whose
-    # reports are not in yet; while PARKED, its first token (for the KVFinish) and how it
-    # ends once its transfer is settled (None: by the prefill rule if ok, decoding on if not).
-    kv_fallback: bool = False
-    kv_pending: int = 0
-    kv_first_token: int = -1
-    kv_end: RequestStatus | None = None
 
     def __post_init__(self) -> None:
         if not self.out_id:

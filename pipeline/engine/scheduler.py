@@ -18,13 +18,13 @@ prefix cache instead of computing them again (each recomputes at most its last, 
 block, for its own first token's logits). Aborting the client id aborts every child; a stop
 string ends one child (the token processor names it by ``child_id``).
 
-Disaggregation: ``engine.disagg`` holds its state (decode-role reservations and their
-quarantine, prefill-role transfer leases), ``engine.scheduler_pd`` the Scheduler's methods
-for it (``poll_kv``, ``on_kv_ready``, ``take_plan``, ``on_transfer_report``, ...). A decode-role
-reservation waits for its KV outside the queue; once it came the request is admitted first,
-holding its blocks (``_admit``). A prefill-role step's plan is made at the end of ``schedule()``;
-a prefill-role request ends after its first token, or (--pd-fallback local) is parked out of
-the batch, keeping its blocks, until its transfers are reported (``parked``).
+KV that this instance's steps do not compute (prefill/decode disaggregation; later a second
+KV tier) is the ``connector``'s (``engine.kv_connector``), called at fixed points: admission,
+the end of ``schedule()``, each sampled token, a request's end or preemption. It owns the
+transfer state of its requests; a mixed instance has none (``connector is None``). A request
+the connector holds (a decode-role reservation waiting for its KV, a prefill-role request
+parked after its first token) is in ``requests`` but neither running nor waiting; once its KV
+came the connector hands it back (``resume``: admitted first, holding its blocks; ``_admit``).
 """
 from __future__ import annotations
 
@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pipeline.config import EngineConfig
-from pipeline.engine import inflight, scheduler_pd
+from pipeline.engine import inflight
 from pipeline.engine.audit import audit_block_table
-from pipeline.engine.disagg import SEND_MARGIN_S, Reservations, TransferLeases, check_kv_transfer
 from pipeline.engine.kv_cache_manager import KVCacheManager
+from pipeline.engine.kv_connector import make_connector
+from pipeline.engine.kv_connector.base import check_kv_transfer
 from pipeline.engine.preemption import make_policy
 from pipeline.engine.request import ABORT_STATUS, FINISH_REASONS, Request, RequestStatus
 from pipeline.engine.request_queue import WaitingQueue
@@ -55,7 +56,6 @@ from pipeline.messages import (
     bytes_to_ids,
     ids_to_bytes,
 )
-from pipeline.messages.kv import TransferPlan
 from pipeline.messages.outputs import child_id
 from pipeline.messages.step import PromptLogprobs
 from pipeline.sampling_params import SamplingParams
@@ -97,7 +97,8 @@ class Scheduler:
                  max_model_len: int, hash_key: bytes | None = None, *,
                  clock: Callable[[], float] = time.monotonic, async_scheduling: bool = False) -> None:
         """``clock``: the monotonic clock of reservation deadlines (tests inject one).
-        ``async_scheduling``: schedule requests in flight ahead (``engine.inflight``)."""
+        ``async_scheduling``: schedule requests in flight ahead (``engine.inflight``), in a
+        mixed instance only (a connector's transfer follows its requests' confirmed state)."""
         for name, v in (("max_num_seqs", config.max_num_seqs),
                         ("max_num_batched_tokens", config.max_num_batched_tokens),
                         ("max_model_len", max_model_len)):
@@ -111,7 +112,6 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.async_scheduling = async_scheduling
         # An explicit threshold always caps a prefill chunk; the default (0) caps it only when
         # the chunk shares the step with other requests, so a lone prompt still gets the whole
         # budget (TTFT) while a prefill never inflates a decode step by more than a quarter.
@@ -133,21 +133,9 @@ class Scheduler:
         self.num_computed_tokens = 0  # prompt, recomputed and decode tokens run by the worker
         self.num_generated_tokens = 0
         self.num_stale_results = 0  # results for requests preempted/aborted while in flight
-        # Disaggregation (engine.disagg): decode-role reservations, prefill-role leases.
-        self.role = config.role
         self.clock = clock
-        self.reservations = Reservations(self.kv, config.kv_transfer_timeout, clock)
-        self.transfers = TransferLeases(self.kv.pool, block_size)
-        # Prefill role: when each request's decode-side reservation ends (its sends must stop).
-        self.send_deadlines: dict[str, float] = {}
-        self._plan: TransferPlan | None = None  # this step's, until take_plan()
-        self._kv_outputs: list[EngineOutput] = []  # reservations made in schedule()
-        self.num_kv_transfers_failed = 0
-        # Prefill role, --pd-fallback local: requests whose first token is out, waiting for
-        # their transfers' reports (PARKED: in self.requests, not in running nor waiting).
-        self.parked: dict[str, Request] = {}
-        self.num_kv_fallbacks = 0  # requests decoded here after their transfer failed
-        self.num_kv_ready_ignored = 0  # KVReady for no reservation (gone, or never made)
+        self.connector = make_connector(self)  # None: a mixed instance
+        self.async_scheduling = async_scheduling and self.connector is None
 
     # -- admission and abort ------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
@@ -157,30 +145,28 @@ class Scheduler:
         try:
             self._add_request(er)
         except ValueError as exc:
-            if er.req_id not in self.requests:
-                self.transfers.refused(er, str(exc))
+            if er.req_id not in self.requests and self.connector is not None:
+                self.connector.refused(er, str(exc))
             raise
 
     def _add_request(self, er: EngineRequest) -> None:
         sp = er.sampling_params
         n = sp.n
         ids = [child_id(er.req_id, k, n) for k in range(n)]
-        for rid in {er.req_id, *ids}:
+        req_ids = {er.req_id, *ids}
+        for rid in req_ids:
             if rid in self.requests or rid in self.parents:
                 raise ValueError(f"request id {rid!r} is already in the engine")
-            if rid in self.reservations.quarantine:  # its KVReady must free only its blocks
-                raise ValueError(f"request id {rid!r} is still in the engine: a prefill instance "
-                                 f"may be writing into its ended reservation's KV blocks")
         prompt = bytes_to_ids(er.prompt_token_ids).tolist()
-        kvt = er.kv_transfer
-        if kvt is not None:
-            check_kv_transfer(er, self.role, self.block_size, len(prompt))
+        conn = self.connector
+        max_tokens = sp.max_tokens
+        if conn is not None:
+            conn.check_request(er, req_ids, len(prompt))
+            max_tokens = conn.tokens_to_fit(er, len(prompt))
+        elif er.kv_transfer is not None:
+            check_kv_transfer(er, "mixed", self.block_size, len(prompt))
         # The last sampled token's KV is never computed, hence total - 1.
-        need = -(-(len(prompt) + sp.max_tokens - 1) // self.block_size)
-        sending = kvt is not None and kvt.role == "prefill"
-        max_tokens = 1 if sending and need > self.kv.pool.num_blocks else sp.max_tokens
-        if sending:  # it ends after its first token, unless it falls back (and fits)
-            need = -(-(len(prompt) + max_tokens - 1) // self.block_size)
+        need = -(-(len(prompt) + max_tokens - 1) // self.block_size)
         if need > self.kv.pool.num_blocks:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs "
                              f"{need} KV blocks of {self.block_size} tokens, more than the whole "
@@ -197,15 +183,8 @@ class Scheduler:
             c.block_hashes = list(first.block_hashes)  # same prompt, same chain
             self.requests[c.req_id] = c
         self.num_prompt_tokens += len(prompt)
-        if kvt is not None and kvt.role == "decode":
-            self.reservations.add(first)  # n == 1: no siblings
-            return
-        first.kv_send = kvt  # prefill role, or None
-        # A request whose max_tokens does not fit this pool cannot decode here: it fails.
-        first.kv_fallback = sending and self.config.pd_fallback == "local" and \
-            max_tokens == sp.max_tokens
-        if kvt is not None and kvt.deadline_s > 0:
-            self.send_deadlines[first.req_id] = self.clock() + max(0.0, kvt.deadline_s - SEND_MARGIN_S)
+        if conn is not None and conn.add_request(first, er):
+            return  # held by the connector until its KV is in (n == 1: no siblings)
         first.order = self.waiting.add(first)
         if n > 1:
             self.parents[er.req_id] = children
@@ -237,42 +216,33 @@ class Scheduler:
             for req in children if children is not None else [self.requests.get(rid)]:
                 if req is None or req.req_id not in self.requests:
                     continue  # unknown or already finished: its final output went out already
-                if req.status == RequestStatus.PARKED and status in (
-                        RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-                    # A stop string on its first token: it ends so once its transfer is
-                    # settled (ok: the decode side finds the same stop; failed: it ends here).
-                    req.kv_end = status
-                    continue
+                if self.connector is not None and self.connector.defer_abort(req, status):
+                    continue  # ends so once its transfer is settled
                 self._detach(req)
                 req.status = status
-                self._finish(req, why or f"finished ({reason}) before its first token")
-                outs.append(self._output(req, [], why))
+                self.finish(req, why or f"finished ({reason}) before its first token")
+                outs.append(self.output(req, [], why))
         return outs
 
     def _detach(self, req: Request) -> None:
         """Take a live request out of the list or queue it is in (before finishing it)."""
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req.status == RequestStatus.PARKED:
-            del self.parked[req.req_id]
-        elif req.status == RequestStatus.WAITING_FOR_KV:
-            self.reservations.discard(req)
-        else:
+        elif self.connector is None or not self.connector.detach(req):
             self.waiting.discard(req)  # a no-op for a held sibling
 
-    def _fail(self, req: Request, code: str, message: str) -> list[EngineOutput]:
+    def fail(self, req: Request, code: str, message: str) -> list[EngineOutput]:
         """End a live request as an error with ``code`` (the answer's ErrorInfo.code)."""
         self._detach(req)
         req.status = RequestStatus.FINISHED_ERROR
-        self._finish(req, message)
-        return [self._output(req, [], message, error_code=code)]
+        self.finish(req, message)
+        return [self.output(req, [], message, error_code=code)]
 
-    def _finish(self, req: Request, why: str = "") -> None:
-        """``why``: for a prefill-role PD request ending before its first token, what its
-        KVFinish tells the decode instance."""
-        if req.kv_send is not None:
-            self.transfers.finish(req, error=why or "the prefill request ended before its first token")
-            self.send_deadlines.pop(req.req_id, None)
+    def finish(self, req: Request, why: str = "") -> None:
+        """Free a request that ended (its status says how). ``why``: for one ending before
+        its first token, what the connector tells its peer."""
+        if self.connector is not None:
+            self.connector.request_finished(req, why)
         self.kv.free(req)
         req.finish_time = time.time()
         inflight.reset(req)
@@ -292,16 +262,47 @@ class Scheduler:
         inflight.reset(req)
         req.sent_to_worker = False
         req.num_preemptions += 1
-        req.kv_sent_blocks = 0  # prefill role: send again from the remote prefix-hit boundary
+        if self.connector is not None:
+            self.connector.on_preempt(req)
         self.num_preemptions += 1
         self._reserve = RESERVE_INIT
         self.waiting.add_front(req)
 
+    # -- what a connector hands back ----------------------------------------------------
+    def resume(self, req: Request) -> None:
+        """``req``'s KV is in (it holds its blocks): admitted first thing (``_admit``)."""
+        req.status = RequestStatus.WAITING
+        self.waiting.add_front(req)
+
+    def run(self, req: Request) -> None:
+        """``req``, held with its blocks, decodes on."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def reserve_headroom(self) -> int:
+        """Blocks admission keeps free for the running requests' growth."""
+        return int(self._reserve * len(self.running))
+
+    def append_token(self, req: Request, tok: int) -> bool:
+        """The one rule for a sampled token: append it, hash a block it filled, and check
+        whether it ended the request (status set); True if it did."""
+        toks = req.all_token_ids
+        toks.append(tok)
+        self.num_generated_tokens += 1
+        n_toks = len(toks)
+        if n_toks % self.block_size == 0 and self.kv.enable_caching:
+            self.kv.hash_new_blocks(req)
+        max_len = self.max_model_len
+        # Inline pre-check: most tokens can end nothing, skip the full stop rules.
+        return (tok in req.stop_ids or n_toks >= req.max_num_tokens
+                or n_toks >= max_len) and req.check_stop(max_len)
+
     def has_unfinished_requests(self) -> bool:
-        """Whether a step has work (or may have, once blocks free up). Decode-role
-        reservations and parked prefill-role requests are no work for a step: the stage
-        waits for KV, transfer reports or a deadline."""
-        return len(self.requests) > len(self.reservations) + len(self.parked)
+        """Whether a step has work (or may have, once blocks free up). Requests the
+        connector holds are no work for a step: the stage waits for KV, transfer reports or
+        a deadline."""
+        held = 0 if self.connector is None else self.connector.num_held
+        return len(self.requests) > held
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -357,10 +358,8 @@ class Scheduler:
         if not preempted:
             self._reserve = max(RESERVE_MIN, self._reserve * RESERVE_DECAY)
             self._admit(step, budget, num_sched, new_reqs, st)
-            if self.reservations.queued:
-                self._kv_outputs += self._reserve_kv()
-        if self.role == "prefill":
-            self._plan_step(step, num_sched)
+        if self.connector is not None:
+            self.connector.build_connector_meta(step, num_sched, not preempted)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(step, new_reqs, cached_reqs, num_sched, sum(num_sched.values()),
                                finished, [r.req_id for r in preempted])
@@ -391,7 +390,7 @@ class Scheduler:
     def _admit(self, step: int, budget: int, num_sched: dict[str, int],
                new_reqs: list[NewRequestData], st: _Step) -> None:
         running, kv = self.running, self.kv
-        reserve = int(self._reserve * len(running))
+        reserve = self.reserve_headroom()
         while budget > 0 and len(running) < self.max_num_seqs:
             req = self.waiting.peek()
             if req is None:
@@ -442,9 +441,9 @@ class Scheduler:
         prompt_lps = {p.req_id: p for p in out.prompt_logprobs} if out.prompt_logprobs else None
         outputs: list[EngineOutput] = []
         any_finished = False
-        kv, step, max_len, bs = self.kv, sched.step_id, self.max_model_len, self.block_size
+        kv, step, bs = self.kv, sched.step_id, self.block_size
         caching = kv.enable_caching
-        requests = self.requests
+        requests, conn = self.requests, self.connector
         for rid, n in sched.num_scheduled_tokens.items():
             req = requests.get(rid)
             # Stale: aborted, finished, preempted (maybe re-admitted) since it was scheduled.
@@ -465,23 +464,16 @@ class Scheduler:
                     raise RuntimeError(f"worker sampled no token for {rid!r} after computing all "
                                        f"{computed} known tokens")
                 if plp:
-                    outputs.append(self._output(req, [], None, prompt_logprobs=plp))
+                    outputs.append(self.output(req, [], None, prompt_logprobs=plp))
                 continue
             if computed != len(toks):
                 raise RuntimeError(f"worker sampled a token for {rid!r} mid-prefill "
                                    f"({computed}/{len(toks)} computed)")
-            toks.append(tok)
             req.num_placeholders -= 1
-            self.num_generated_tokens += 1
-            if caching and len(toks) % bs == 0:
-                kv.hash_new_blocks(req)
-            n_toks = len(toks)
-            # Inline pre-check: most tokens can end nothing, skip the full stop rules.
-            done = (tok in req.stop_ids or n_toks >= req.max_num_tokens
-                    or n_toks >= max_len) and req.check_stop(max_len)
-            if req.kv_send is not None and not req.kv_finished:  # prefill role: the first token
-                done = self._first_token(req, tok, done)
-                any_finished = True  # ended or parked: out of the running list either way
+            done = self.append_token(req, tok)
+            if conn is not None and (ended := conn.on_token(req, tok, done)) is not None:
+                done = ended
+                any_finished = True  # ended or held: out of the running list either way
             lp = logprobs.get(rid) if logprobs else None
             outputs.append(EngineOutput(req.out_id, [tok], FINISH_REASONS.get(req.status) if done else None,
                                         req.stop_reason, [lp] if lp else None,
@@ -489,7 +481,7 @@ class Scheduler:
                                         req.first_scheduled_time, None, req.index, plp))
             if done:
                 any_finished = True
-                self._finish(req)
+                self.finish(req)
         if any_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
@@ -509,7 +501,7 @@ class Scheduler:
         return new or None
 
     @staticmethod
-    def _output(req: Request, toks: list[int], error: str | None,
+    def output(req: Request, toks: list[int], error: str | None,
                 prompt_logprobs: list[TokenLogprobs] | None = None,
                 error_code: str | None = None) -> EngineOutput:
         return EngineOutput(req.out_id, toks, req.finish_reason, req.stop_reason, None,
@@ -517,27 +509,12 @@ class Scheduler:
                             req.first_scheduled_time, error, req.index, prompt_logprobs,
                             error_code=error_code)
 
-    # -- disaggregation (engine.scheduler_pd) ------------------------------------------------
-    _reserve_kv = scheduler_pd.reserve_kv
-    poll_kv = scheduler_pd.poll_kv
-    expire_reservations = scheduler_pd.expire_reservations
-    next_kv_deadline = scheduler_pd.next_kv_deadline
-    take_outputs = scheduler_pd.take_outputs
-    on_kv_ready = scheduler_pd.on_kv_ready
-    _plan_step = scheduler_pd.plan_step
-    take_plan = scheduler_pd.take_plan
-    drop_plan = scheduler_pd.drop_plan
-    _kv_failed = scheduler_pd.kv_failed
-    _first_token = scheduler_pd.first_token
-    on_transfer_report = scheduler_pd.on_transfer_report
-    take_kv_finishes = scheduler_pd.take_kv_finishes
-
     # -- observability ------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        pool = self.kv.pool
+        pool, conn = self.kv.pool, self.connector
         return EngineStats(
             # Requests queued for a reservation wait for blocks too.
-            running=len(self.running), waiting=len(self.waiting) + len(self.reservations.queued),
+            running=len(self.running), waiting=len(self.waiting) + (conn.num_waiting if conn else 0),
             kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used_blocks,
             kv_blocks_cached=len(pool.cached), kv_blocks_cached_evictable=pool.num_cached_free,
             kv_blocks_free=pool.num_free_blocks - pool.num_cached_free,
@@ -549,27 +526,16 @@ class Scheduler:
             prompt_tokens=self.num_prompt_tokens, computed_tokens=self.num_computed_tokens,
             generation_tokens=self.num_generated_tokens,
             stale_results_dropped=self.num_stale_results,
-            reserve_blocks_per_running=self._reserve,
-            kv_reserved_requests=len(self.reservations.reserved),
-            kv_reserved_blocks=self.reservations.num_reserved_blocks,  # quarantined ones too
-            kv_reservation_timeouts=self.reservations.num_timeouts,
-            kv_transfer_leased_blocks=self.transfers.num_leased_blocks,
-            kv_transfers_failed=self.num_kv_transfers_failed)
+            reserve_blocks_per_running=self._reserve, **(conn.stats() if conn else {}))
 
     def check_invariants(self) -> list[str]:
         """O(blocks) audit of the block table; logs and returns violations (empty: sound)."""
-        res = self.reservations
+        conn = self.connector
         errs = audit_block_table(self.kv.pool, self.requests.values(), len(self.running),
-                                 self.transfers.held + res.quarantined_block_ids())
-        errs += res.check()
-        errs += [f"quarantined request {rid} is live again" for rid in res.quarantine
-                 if rid in self.requests]
-        errs += [f"parked request {rid} ({r.status.name}) is not PARKED or not live"
-                 for rid, r in self.parked.items()
-                 if r.status != RequestStatus.PARKED or self.requests.get(rid) is not r]
-        errs += [f"request {r.req_id} is PARKED but not in the parked table"
-                 for r in self.requests.values()
-                 if r.status == RequestStatus.PARKED and r.req_id not in self.parked]
+                                 conn.held_block_ids() if conn else None,
+                                 conn.may_hold_blocks if conn else None)
+        if conn is not None:
+            errs += conn.check()
         for r in self.requests.values():
             errs += inflight.check(r, self.block_size)
         for e in errs:

@@ -1,7 +1,6 @@
-"""Engine stage, prefill/decode disaggregation: the decode role's reservations and the prefill
-role's transfer leases. The Scheduler owns the requests and their outputs; these two own the
-PD state beside them and take or give back blocks only through the KVCacheManager / BlockPool.
-(``engine.scheduler_pd`` holds the Scheduler's own steps of both roles.)
+"""Engine stage, decode role: the reservations of requests whose prompt's KV comes from a
+prefill instance, and the quarantine of blocks a peer may still write. Held by the
+``DecodeConnector``; takes or gives back blocks only through the KVCacheManager / BlockPool.
 
 Owns / State:
 - ``Reservations`` (decode role): requests waiting for their prompt's KV, each with a deadline
@@ -22,54 +21,25 @@ Owns / State:
   free; ``EngineStats.kv_reserved_blocks`` counts them with the reserved requests' blocks,
   so 0 still means "nothing held for a peer". A new request may not take a quarantined id
   (``Scheduler.add_request`` refuses it), so a late KVReady can free only its own blocks.
-- ``TransferLeases`` (prefill role): per step, a reference on every block of the step's
-  TransferPlan until the cache messager's TransferReport for that step (seed 000: a block is
-  never freed or reused while its KV is on the wire), the requests whose sends it carries
-  (each counts it in ``Request.kv_pending`` until then: --pd-fallback local waits for them
-  before a request's first token ends it), and the KVFinish messages owed to the messager
-  (at most one per request: its first token, or why it failed, or FALLBACK_ERROR).
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
-from pipeline.engine.block_pool import BlockPool, KVBlock
+from pipeline.engine.block_pool import KVBlock
 from pipeline.engine.kv_cache_manager import KVCacheManager
 from pipeline.engine.request import Request, RequestStatus
-from pipeline.messages import EngineOutput, EngineRequest
-from pipeline.messages.kv import KVFinish, KVReservation, KVSend, TransferPlan, pairs_to_bytes
+from pipeline.messages import EngineOutput
+from pipeline.messages.kv import KVReservation
 
 logger = logging.getLogger(__name__)
 
 
 # The longest a reservation's blocks stay held after it ended without a KVReady (see above).
 QUARANTINE_S = 5.0
-# A prefill stops sending this long before the reservation's end as the router reported it
-# (KVTransferParams.deadline_s): the decode side's clock started a hop earlier.
-SEND_MARGIN_S = 1.0
-
-
-def check_kv_transfer(er: EngineRequest, role: str, block_size: int, num_prompt: int) -> None:
-    """What the tokenizer stage checked (``tokenizer.validate.check_kv_transfer``), again
-    where a wrong block table would corrupt another instance's KV cache: ValueError."""
-    kvt = er.kv_transfer
-    assert kvt is not None
-    if kvt.role != role:
-        raise ValueError(f"kv_transfer.role {kvt.role!r} on an engine of role {role!r}")
-    if er.sampling_params.n != 1:
-        raise ValueError(f"a kv_transfer request has n=1, got n={er.sampling_params.n}")
-    if kvt.role == "prefill":
-        need = -(-num_prompt // block_size)
-        if len(kvt.remote_block_ids) != need:
-            raise ValueError(f"kv_transfer.remote_block_ids: {len(kvt.remote_block_ids)} blocks, "
-                             f"the prompt's {num_prompt} tokens need {need} of {block_size}")
-        cached = kvt.remote_num_cached_tokens
-        if cached % block_size or cached >= num_prompt:
-            raise ValueError(f"kv_transfer.remote_num_cached_tokens: {cached} must be a multiple "
-                             f"of {block_size} below the prompt's {num_prompt} tokens")
 
 
 def reserve_tokens(req: Request) -> int:
@@ -266,95 +236,3 @@ class Reservations:
         if n != self.num_quarantined_blocks:
             errs.append(f"{self.num_quarantined_blocks} quarantined blocks counted, {n} held")
         return errs
-
-
-class TransferLeases:
-    """Prefill role: per-step plans of the prompt blocks to send, the blocks they hold until
-    the step's report, and the KVFinish messages owed to the cache messager."""
-
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
-        self.pool = pool
-        self.block_size = block_size
-        self.leases: dict[int, list[KVBlock]] = {}  # step id -> blocks held for its transfer
-        self.carried: dict[int, list[Request]] = {}  # step id -> the requests it sends for
-        self.held: Counter[int] = Counter()  # block id -> leases on it (the audit's view)
-        self.finishes: list[KVFinish] = []
-        self.num_unknown_reports = 0
-
-    @property
-    def num_leased_blocks(self) -> int:
-        return len(self.held)
-
-    def plan(self, step_id: int, scheduled: Iterable[tuple[Request, int]]) -> TransferPlan | None:
-        """The plan of step ``step_id`` given its (request, scheduled tokens) (requests not
-        computed yet: ``num_computed_tokens`` is where the step starts). Per request: the
-        prompt blocks its tokens up to this step's end touch that were not sent in full yet,
-        from the decode side's prefix-hit boundary on. Leases them until ``release``."""
-        bs = self.block_size
-        sends: list[KVSend] = []
-        blocks: list[KVBlock] = []
-        carried: list[Request] = []
-        for req, n in scheduled:
-            kv = req.kv_send
-            if kv is None:
-                continue
-            p = req.num_prompt_tokens
-            end = min(req.num_computed_tokens + n, p)
-            hi = -(-end // bs)
-            lo = max(req.kv_sent_blocks, kv.remote_num_cached_tokens // bs)
-            # A partial block is sent again once more of it is computed.
-            req.kv_sent_blocks = hi if end >= p else max(req.kv_sent_blocks, end // bs)
-            if lo >= hi:
-                continue
-            mine = req.blocks[lo:hi]
-            remote = kv.remote_block_ids
-            sends.append(KVSend(req.req_id, kv.peer, kv.remote_req_id, pairs_to_bytes(
-                [(b.block_id, remote[i]) for i, b in enumerate(mine, lo)])))
-            blocks += mine
-            carried.append(req)
-            req.kv_pending += 1
-        if not sends:
-            return None
-        self.pool.touch(blocks)
-        self.leases[step_id] = blocks
-        self.carried[step_id] = carried
-        self.held.update(b.block_id for b in blocks)
-        return TransferPlan(step_id, sends)
-
-    def release(self, step_id: int) -> list[Request] | None:
-        """Drop step ``step_id``'s lease (its report came, or its plan was never sent): the
-        requests it sent for, one ``kv_pending`` less each (finished ones too); None if there
-        is no such lease."""
-        blocks = self.leases.pop(step_id, None)
-        if blocks is None:
-            return None
-        carried = self.carried.pop(step_id)
-        for req in carried:
-            req.kv_pending -= 1
-        self.pool.free_blocks(reversed(blocks))  # tail first: eviction order
-        held = self.held
-        for b in blocks:
-            held[b.block_id] -= 1
-            if not held[b.block_id]:
-                del held[b.block_id]
-        return carried
-
-    def finish(self, req: Request, token: int = -1, error: str = "") -> None:
-        """Owe the messager ``req``'s KVFinish, unless one is out already (ring order: after
-        every plan sent so far, so after its last write)."""
-        kv = req.kv_send
-        if kv is None or req.kv_finished:
-            return
-        req.kv_finished = True
-        self.finishes.append(KVFinish(req.req_id, kv.peer, kv.remote_req_id, token, error))
-
-    def refused(self, er: EngineRequest, why: str) -> None:
-        """A prefill-role request the engine refused: its decode peer learns it at once."""
-        kv = er.kv_transfer
-        if kv is not None and kv.role == "prefill" and kv.peer and kv.remote_req_id:
-            self.finishes.append(KVFinish(er.req_id, kv.peer, kv.remote_req_id, -1,
-                                          f"the prefill instance refused the request: {why}"))
-
-    def take_finishes(self) -> list[KVFinish]:
-        out, self.finishes = self.finishes, []
-        return out

@@ -1,0 +1,22 @@
+"""Engine stage: KV connectors (``base.KVConnector``): the prefill and decode roles of
+prefill/decode disaggregation, and later a second KV tier."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pipeline.engine.kv_connector.base import KVConnector
+
+if TYPE_CHECKING:
+    from pipeline.engine.scheduler import Scheduler
+
+
+def make_connector(sched: Scheduler) -> KVConnector | None:
+    """The connector of ``sched.config.role``; None for a mixed instance."""
+    role = sched.config.role
+    if role == "prefill":
+        from pipeline.engine.kv_connector.prefill import PrefillConnector
+        return PrefillConnector(sched)
+    if role == "decode":
+        from pipeline.engine.kv_connector.decode import DecodeConnector
+        return DecodeConnector(sched)
+    return None
