@@ -413,6 +413,29 @@ def test_failed_report_fails_a_live_request_once():
     assert all_free(p) and p.check_invariants() == []
 
 
+def test_failed_report_after_the_first_token_ends_nothing_more_on_the_prefill_side():
+    """The other order of test_failed_report_fails_a_live_request_once (no fallback): the
+    first token is out before the failed report. The request ended with it (its KVFinish
+    carries the token: the decode side learns of the failed write from its own messager);
+    the late report only releases the lease and counts the failure."""
+    p, pw, _ = make("prefill", budget=8, threshold=8)
+    prompt = list(range(1, 31))  # 4 chunks
+    p.add_request(prefill_req("r", prompt, list(range(8))))
+    plans, outs = [], []
+    while p.has_unfinished_requests():
+        _, plan, o = step(p, pw)
+        plans.append(plan)
+        outs += o
+    (o,) = outs
+    assert len(o.new_token_ids) == 1 and o.finish_reason == "length" and o.error is None
+    assert p.connector.take_kv_finishes() == [KVFinish("r", LISTEN, "r", o.new_token_ids[0])]
+    for plan in plans:
+        assert plan is not None
+        assert p.connector.on_transfer_report(TransferReport(plan.step_id, {"r": "peer reset"})) == []
+    assert p.connector.take_kv_finishes() == [] and p.stats().kv_transfers_failed == len(plans)
+    assert all_free(p) and p.check_invariants() == []
+
+
 def test_abort_before_first_token_sends_an_error_finish_and_drop_plan_fails():
     p, pw, _ = make("prefill", budget=8, threshold=8)
     p.add_request(prefill_req("a", list(range(1, 31)), list(range(8))))
