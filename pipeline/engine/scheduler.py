@@ -33,17 +33,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import msgspec
-
 from pipeline.config import EngineConfig
 from pipeline.engine import inflight
 from pipeline.engine.audit import audit_block_table
 from pipeline.engine.kv_cache_manager import KVCacheManager
 from pipeline.engine.kv_connector import make_connector
-from pipeline.engine.kv_connector.base import check_kv_transfer
+from pipeline.engine.new_request import make_requests
 from pipeline.engine.preemption import make_policy
-from pipeline.engine.request import ABORT_STATUS, FINISH_REASONS, Request, RequestStatus
+from pipeline.engine.request import ABORT_STATUS, Request, RequestStatus
 from pipeline.engine.request_queue import WaitingQueue
+from pipeline.engine.stats import scheduler_stats
+from pipeline.engine.step_outputs import final_output, new_prompt_logprobs, token_output
 from pipeline.messages import (
     CachedRequestData,
     EngineOutput,
@@ -52,13 +52,8 @@ from pipeline.messages import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
-    TokenLogprobs,
-    bytes_to_ids,
     ids_to_bytes,
 )
-from pipeline.messages.outputs import child_id
-from pipeline.messages.step import PromptLogprobs
-from pipeline.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -72,14 +67,6 @@ RESERVE_DECAY = 0.98
 # 16 MiB, and of one largest request plus the rest of a step) with room for the rest. The
 # first request of a step always goes.
 NEW_REQUESTS_BYTES_PER_STEP = 8 << 20
-
-
-def _child_params(sp: SamplingParams, index: int) -> SamplingParams:
-    """Completion ``index``'s own params: one sample, its own seed (seed + index, as vLLM),
-    and only the first child computes the prompt's logprobs."""
-    return msgspec.structs.replace(
-        sp, n=1, seed=None if sp.seed is None else (sp.seed + index) % 2**63,
-        prompt_logprobs=sp.prompt_logprobs if index == 0 else None)
 
 
 @dataclass(slots=True)
@@ -127,7 +114,7 @@ class Scheduler:
         self.step_id = 0
         self._admit_seq = 0
         self._finished_ids: list[str] = []  # the worker must drop them at the next step
-        self._reserve = RESERVE_INIT
+        self.reserve_per_running = RESERVE_INIT
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_computed_tokens = 0  # prompt, recomputed and decode tokens run by the worker
@@ -150,43 +137,20 @@ class Scheduler:
             raise
 
     def _add_request(self, er: EngineRequest) -> None:
-        sp = er.sampling_params
-        n = sp.n
-        ids = [child_id(er.req_id, k, n) for k in range(n)]
-        req_ids = {er.req_id, *ids}
-        for rid in req_ids:
-            if rid in self.requests or rid in self.parents:
-                raise ValueError(f"request id {rid!r} is already in the engine")
-        prompt = bytes_to_ids(er.prompt_token_ids).tolist()
+        # The ids of children and parents: a child id may not take a client id, nor the reverse.
+        taken = self.requests.keys() | self.parents.keys()
         conn = self.connector
-        max_tokens = sp.max_tokens
-        if conn is not None:
-            conn.check_request(er, req_ids, len(prompt))
-            max_tokens = conn.tokens_to_fit(er, len(prompt))
-        elif er.kv_transfer is not None:
-            check_kv_transfer(er, "mixed", self.block_size, len(prompt))
-        # The last sampled token's KV is never computed, hence total - 1.
-        need = -(-(len(prompt) + max_tokens - 1) // self.block_size)
-        if need > self.kv.pool.num_blocks:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs "
-                             f"{need} KV blocks of {self.block_size} tokens, more than the whole "
-                             f"KV cache (num_blocks={self.kv.pool.num_blocks})")
-        eos = frozenset(er.eos_token_ids)
-        params_bytes = len(msgspec.msgpack.encode(sp))
-        children = [Request(rid, prompt, _child_params(sp, k) if n > 1 else sp, er.arrival_time,
-                            eos, er.priority, er.cache_salt, out_id=er.req_id, index=k,
-                            params_bytes=params_bytes)
-                    for k, rid in enumerate(ids)]
+        children = make_requests(er, taken, self.block_size, self.kv.pool.num_blocks, conn)
         first = children[0]
         self.kv.hash_new_blocks(first)
         for c in children:
             c.block_hashes = list(first.block_hashes)  # same prompt, same chain
             self.requests[c.req_id] = c
-        self.num_prompt_tokens += len(prompt)
+        self.num_prompt_tokens += first.num_prompt_tokens
         if conn is not None and conn.add_request(first, er):
             return  # held by the connector until its KV is in (n == 1: no siblings)
         first.order = self.waiting.add(first)
-        if n > 1:
+        if len(children) > 1:
             self.parents[er.req_id] = children
             first.held = children[1:]
             if not self.kv.enable_caching:
@@ -221,7 +185,7 @@ class Scheduler:
                 self._detach(req)
                 req.status = status
                 self.finish(req, why or f"finished ({reason}) before its first token")
-                outs.append(self.output(req, [], why))
+                outs.append(final_output(req, [], why))
         return outs
 
     def _detach(self, req: Request) -> None:
@@ -236,7 +200,7 @@ class Scheduler:
         self._detach(req)
         req.status = RequestStatus.FINISHED_ERROR
         self.finish(req, message)
-        return [self.output(req, [], message, error_code=code)]
+        return [final_output(req, [], message, error_code=code)]
 
     def finish(self, req: Request, why: str = "") -> None:
         """Free a request that ended (its status says how). ``why``: for one ending before
@@ -265,7 +229,7 @@ class Scheduler:
         if self.connector is not None:
             self.connector.on_preempt(req)
         self.num_preemptions += 1
-        self._reserve = RESERVE_INIT
+        self.reserve_per_running = RESERVE_INIT
         self.waiting.add_front(req)
 
     # -- what a connector hands back ----------------------------------------------------
@@ -281,7 +245,7 @@ class Scheduler:
 
     def reserve_headroom(self) -> int:
         """Blocks admission keeps free for the running requests' growth."""
-        return int(self._reserve * len(self.running))
+        return int(self.reserve_per_running * len(self.running))
 
     def append_token(self, req: Request, tok: int) -> bool:
         """The one rule for a sampled token: append it, hash a block it filled, and check
@@ -356,7 +320,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         # No admission in a step that had to preempt: the pool is too tight for more work.
         if not preempted:
-            self._reserve = max(RESERVE_MIN, self._reserve * RESERVE_DECAY)
+            self.reserve_per_running = max(RESERVE_MIN, self.reserve_per_running * RESERVE_DECAY)
             self._admit(step, budget, num_sched, new_reqs, st)
         if self.connector is not None:
             self.connector.build_connector_meta(step, num_sched, not preempted)
@@ -456,7 +420,7 @@ class Scheduler:
                 kv.cache_computed_blocks(req)
             if req.held and computed >= req.num_prompt_tokens:
                 self._release_siblings(req)  # the prompt's blocks are cached now
-            plp = self._prompt_logprobs(req, prompt_lps.get(rid)) if prompt_lps else None
+            plp = new_prompt_logprobs(req, prompt_lps.get(rid)) if prompt_lps else None
             toks = req.all_token_ids
             tok = sampled.get(rid)
             if tok is None:
@@ -464,7 +428,7 @@ class Scheduler:
                     raise RuntimeError(f"worker sampled no token for {rid!r} after computing all "
                                        f"{computed} known tokens")
                 if plp:
-                    outputs.append(self.output(req, [], None, prompt_logprobs=plp))
+                    outputs.append(final_output(req, [], None, prompt_logprobs=plp))
                 continue
             if computed != len(toks):
                 raise RuntimeError(f"worker sampled a token for {rid!r} mid-prefill "
@@ -474,11 +438,7 @@ class Scheduler:
             if conn is not None and (ended := conn.on_token(req, tok, done)) is not None:
                 done = ended
                 any_finished = True  # ended or held: out of the running list either way
-            lp = logprobs.get(rid) if logprobs else None
-            outputs.append(EngineOutput(req.out_id, [tok], FINISH_REASONS.get(req.status) if done else None,
-                                        req.stop_reason, [lp] if lp else None,
-                                        req.num_prompt_tokens, req.num_cached_tokens,
-                                        req.first_scheduled_time, None, req.index, plp))
+            outputs.append(token_output(req, tok, done, logprobs.get(rid) if logprobs else None, plp))
             if done:
                 any_finished = True
                 self.finish(req)
@@ -486,47 +446,9 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
 
-    @staticmethod
-    def _prompt_logprobs(req: Request, p: PromptLogprobs | None) -> list[TokenLogprobs] | None:
-        """The part of a step's prompt logprobs not sent yet (a rerun after preemption
-        computes them again)."""
-        if p is None:
-            return None
-        sent = req.prompt_logprobs_sent
-        if p.start > sent:
-            raise RuntimeError(f"worker sent prompt logprobs of {req.req_id!r} from token "
-                               f"{p.start}, expected from {sent} or before")
-        new = p.logprobs[sent - p.start:]
-        req.prompt_logprobs_sent = max(sent, p.start + len(p.logprobs))
-        return new or None
-
-    @staticmethod
-    def output(req: Request, toks: list[int], error: str | None,
-                prompt_logprobs: list[TokenLogprobs] | None = None,
-                error_code: str | None = None) -> EngineOutput:
-        return EngineOutput(req.out_id, toks, req.finish_reason, req.stop_reason, None,
-                            req.num_prompt_tokens, max(req.num_cached_tokens, 0),
-                            req.first_scheduled_time, error, req.index, prompt_logprobs,
-                            error_code=error_code)
-
     # -- observability ------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        pool, conn = self.kv.pool, self.connector
-        return EngineStats(
-            # Requests queued for a reservation wait for blocks too.
-            running=len(self.running), waiting=len(self.waiting) + (conn.num_waiting if conn else 0),
-            kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used_blocks,
-            kv_blocks_cached=len(pool.cached), kv_blocks_cached_evictable=pool.num_cached_free,
-            kv_blocks_free=pool.num_free_blocks - pool.num_cached_free,
-            kv_usage=pool.num_used_blocks / pool.num_blocks,
-            prefix_cache_hit_rate=self.kv.hit_rate,
-            prefix_cache_queried_tokens=self.kv.num_queried_tokens,
-            prefix_cache_hit_tokens=self.kv.num_hit_tokens,
-            num_preemptions=self.num_preemptions, num_evictions=pool.num_evictions,
-            prompt_tokens=self.num_prompt_tokens, computed_tokens=self.num_computed_tokens,
-            generation_tokens=self.num_generated_tokens,
-            stale_results_dropped=self.num_stale_results,
-            reserve_blocks_per_running=self._reserve, **(conn.stats() if conn else {}))
+        return scheduler_stats(self)
 
     def check_invariants(self) -> list[str]:
         """O(blocks) audit of the block table; logs and returns violations (empty: sound)."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.engine.kv_connector.base import KVConnector
 from pipeline.engine.kv_connector.reservations import Reservations
 from pipeline.engine.request import Request, RequestStatus
+from pipeline.engine.step_outputs import final_output
 from pipeline.messages import EngineOutput, EngineRequest
 from pipeline.messages.kv import FALLBACK_ERROR, KVReady
 
@@ -98,7 +99,7 @@ class DecodeConnector(KVConnector):
             why = self.reservations.timeout_message(req)
             req.status = RequestStatus.FINISHED_ERROR
             sched.finish(req, why)
-            outs.append(sched.output(req, [], why, error_code="kv_transfer_timeout"))
+            outs.append(final_output(req, [], why, error_code="kv_transfer_timeout"))
         return outs
 
     def take_outputs(self) -> list[EngineOutput]:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.engine.kv_connector.base import KVConnector
 from pipeline.engine.kv_connector.leases import SEND_MARGIN_S, SendState, TransferLeases
 from pipeline.engine.request import Request, RequestStatus
+from pipeline.engine.step_outputs import final_output
 from pipeline.messages import EngineOutput, EngineRequest
 from pipeline.messages.kv import FALLBACK_ERROR, KVFinish, TransferPlan, TransferReport
 
@@ -205,7 +206,7 @@ class PrefillConnector(KVConnector):
         if st.end is not None:  # its first token (or a stop string on it) ended it anyway
             req.status = st.end
             sched.finish(req)
-            return [sched.output(req, [], None)]
+            return [final_output(req, [], None)]
         sched.run(req)  # decodes on with the blocks it kept
         return []
 
@@ -222,7 +223,7 @@ class PrefillConnector(KVConnector):
             self.transfers.finish(st, token=st.first_token)
             req.status = st.end or RequestStatus.FINISHED_LENGTH
             sched.finish(req)
-            outs.append(sched.output(req, [], None))
+            outs.append(final_output(req, [], None))
         return outs
 
     def take_kv_finishes(self) -> list[KVFinish]:
