@@ -16,7 +16,7 @@ import pytest
 from e2e_helpers import make_tiny_model, shm_entries
 
 from pipeline.config import config_from_args
-from pipeline.gateway import protocol as P
+from pipeline.frontend import protocol as P
 from pipeline.gateway import serve
 from pipeline.gateway.systemd import Notifier
 from pipeline.messages import RequestResult

@@ -39,14 +39,14 @@ LAYERS: dict[str, set[str]] = {
     "http": {"client", "messages", "gateway", "sampling_params", "config", "tokenizer"},
 }
 STAGES = {"tokenizer", "engine", "worker", "output", "cache"}
-CLIENT_MAY_USE = {"pipeline.gateway.protocol", "pipeline.gateway.curve"}
+CLIENT_MAY_USE = {"pipeline.frontend.protocol", "pipeline.frontend.curve"}
 # The router is a front end over daemons: their wire protocol and systemd, no stage.
-ROUTER_MAY_USE = {"pipeline.gateway.protocol", "pipeline.gateway.systemd", "pipeline.gateway.curve",
-                  "pipeline.gateway.front"}
+ROUTER_MAY_USE = {"pipeline.frontend.protocol", "pipeline.gateway.systemd", "pipeline.frontend.curve",
+                  "pipeline.frontend.args"}
 # The HTTP front end: the wire protocol, the OpenAI models and conversions, its spec; the
 # Tokenizer class, never a stage's loop.
-HTTP_MAY_USE = {"pipeline.gateway.protocol", "pipeline.gateway.openai_api", "pipeline.gateway.openai_convert",
-                "pipeline.gateway.http_front", "pipeline.tokenizer.tokenizer"}
+HTTP_MAY_USE = {"pipeline.frontend.protocol", "pipeline.http.openai_api", "pipeline.http.openai_convert",
+                "pipeline.http.launcher", "pipeline.tokenizer.tokenizer"}
 
 
 def modules() -> dict[str, Path]:
@@ -96,7 +96,7 @@ def test_the_walk_sees_the_tree():
     assert {"pipeline.messages.tags", "pipeline.runtime.rings", "pipeline.gateway.serve",
             "pipeline.tokenizer.validate", "pipeline.layers.fused_decoder"} <= set(MODULES)
     assert "pipeline.engine.scheduler" in GRAPH["pipeline.engine.stage"]
-    assert "pipeline.gateway.protocol" in GRAPH["pipeline.client.base"]  # `from X import mod`
+    assert "pipeline.frontend.protocol" in GRAPH["pipeline.client.base"]  # `from X import mod`
 
 
 def test_no_package_level_import_cycles():

@@ -25,7 +25,7 @@ import pytest
 import zmq
 from e2e_helpers import PIPELINE, ROOT, env, free_port
 
-from pipeline.gateway import protocol as P
+from pipeline.frontend import protocol as P
 from pipeline.gateway.systemd import Notifier
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, error_result
 from pipeline.messages.answers import Timings, Usage

@@ -28,13 +28,13 @@ import msgspec
 import zmq
 
 from pipeline.config import EngineConfig, add_engine_args, add_node_args, add_pd_args, config_from_args
-from pipeline.gateway import protocol as P
-from pipeline.gateway.front import add_front_args, cannot_start, check_front_args, is_loopback
+from pipeline.frontend import protocol as P
+from pipeline.frontend.args import add_front_args, cannot_start, check_front_args, is_loopback
 from pipeline.gateway.gateway import Answer, Gateway
-from pipeline.gateway.http_front import HttpFront, parse_http
+from pipeline.http.launcher import HttpFront, parse_http
 from pipeline.gateway.metrics import Metrics
-from pipeline.gateway.openai_convert import fingerprint, served_model_name
-from pipeline.gateway.sessions import ClientSessions, DuplicateRequestId
+from pipeline.http.openai_convert import fingerprint, served_model_name
+from pipeline.frontend.sessions import ClientSessions, DuplicateRequestId
 from pipeline.gateway.supervisor import StartupError
 from pipeline.gateway.systemd import Notifier
 from pipeline.messages import ErrorInfo, RequestResult, error_result
@@ -331,7 +331,7 @@ class Server:
             # at bind time, and this one is private to this user (HttpFront's directory).
             sock.bind(self.http.endpoint)
         if a.curve_keys:
-            from pipeline.gateway.curve import server_socket_setup
+            from pipeline.frontend.curve import server_socket_setup
             try:
                 self.auth = server_socket_setup(sock, a.curve_keys)
             except (OSError, ValueError) as exc:

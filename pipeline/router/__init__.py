@@ -1,6 +1,6 @@
 """`pipeline router`: one address in front of several `pipeline serve` instances.
 
-It speaks the daemon's wire protocol (``gateway.protocol``) on both sides, so clients use it
+It speaks the daemon's wire protocol (``frontend.protocol``) on both sides, so clients use it
 as they would a daemon. Over mixed replicas (``--instance``) or disaggregated pools
 (``--prefill``/``--decode``). Modules: ``args`` (the flags), ``server`` (the front ROUTER
 socket and its one loop, the request table, start-up and drain), ``upstream`` (one DEALER

@@ -14,7 +14,7 @@ decode instance's, or the prefill instance's when that failed or decoded the req
 instance is lost with it in flight (``instance_failed``, naming the instance; the other leg
 is aborted), no instance came up within NO_INSTANCE_WAIT_S (``unavailable``), or the drain
 ran out.
-Clients are held to the daemon's rules (``gateway.protocol``): bad frames get its error
+Clients are held to the daemon's rules (``frontend.protocol``): bad frames get its error
 answers, a duplicate id in flight gets ``duplicate_id``, and a client gone (bye, or its
 connection dropped: ROUTER_MANDATORY pings, as the daemon does) has its requests aborted on
 their instances. systemd Type=notify: READY=1 once listening, WATCHDOG=1 while the loop
@@ -36,8 +36,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from pipeline.gateway import protocol as P
-from pipeline.gateway.front import cannot_start, is_loopback
+from pipeline.frontend import protocol as P
+from pipeline.frontend.args import cannot_start, is_loopback
 from pipeline.gateway.systemd import Notifier
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, error_result
 from pipeline.messages.kv import KVReservation

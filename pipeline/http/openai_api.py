@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.gateway.protocol import MAX_MESSAGES
+from pipeline.frontend.protocol import MAX_MESSAGES
 from pipeline.messages import MAX_PROMPT_TOKENS
 
 # OpenAI's `logprobs` / `top_logprobs` (the engine's own limit is checked by SamplingParams).

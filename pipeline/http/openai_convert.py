@@ -14,8 +14,8 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from pipeline.gateway import protocol as P
-from pipeline.gateway.openai_api import ChatCompletionRequest, ChatMessageParam, CompletionRequest
+from pipeline.frontend import protocol as P
+from pipeline.http.openai_api import ChatCompletionRequest, ChatMessageParam, CompletionRequest
 from pipeline.messages import Completion, ErrorInfo, RequestResult
 from pipeline.messages.step import TokenLogprobs
 from pipeline.sampling_params import StructuredOutputsParams
