@@ -1,11 +1,12 @@
 """A ZMQ front end (the daemon, the router): which client owns which in-flight request.
 
-State: per client identity (the ROUTER routing id) that has requests in flight, its requests;
-per request the internal id (the stages' id in the daemon, the router's own id there). A client is known only while it has requests in
-flight, so the table is bounded by the requests in flight whatever clients come and go. See
-``protocol``'s docstring for how a client is declared gone (``bye``, its connection gone);
-``drop_client`` returns the internal ids the front end must abort (in the engine, on the
-instances). Not thread-safe: the server's ZMQ loop (``zmq_server``) owns it.
+State: per client identity (the ROUTER routing id) that has requests in flight, its
+requests; per request the internal id (the stages' id in the daemon, the router's own id
+there). A client is known only while it has requests in flight, so the table is bounded by
+the requests in flight whatever clients come and go. See ``protocol``'s docstring for how a
+client is declared gone (``bye``, its connection gone); ``drop_client`` returns the internal
+ids the front end must abort (in the engine, on the instances). Not thread-safe: the
+server's ZMQ loop (``zmq_server``) owns it.
 """
 from __future__ import annotations
 

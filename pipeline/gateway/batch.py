@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 from pydantic import ValidationError
 
+from pipeline.frontend.protocol import MAX_ID_LEN, ProtocolError, gateway_request, request_from_json
 from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest
 from pipeline.http.openai_convert import (
     ApiError,
@@ -38,7 +39,6 @@ from pipeline.http.openai_convert import (
     served_model_name,
     token_texts,
 )
-from pipeline.frontend.protocol import MAX_ID_LEN, ProtocolError, gateway_request, request_from_json
 from pipeline.messages import GatewayRequest, RequestResult
 from pipeline.runtime.spec import ModelInfo
 from pipeline.tokenizer.tokenizer import Tokenizer
