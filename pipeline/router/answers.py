@@ -139,4 +139,3 @@ class InstanceAnswers(RequestTable):
             self._abort(route)
             self._fail(rid, "unavailable", "no prefill instance available: none of "
                        f"{' '.join(u.address for u in self.prefill)} is up")
-

@@ -79,8 +79,7 @@ class RequestTable(ZmqServer):
         self.abort_deadline: float | None = None
         self.last_loop = time.monotonic()
 
-
-    # ---- to clients ----
+    # ---- a request's end ----
     def _finish(self, rid: str, res: RequestResult | None = None) -> None:
         """Forget a request; send its final (``res``, under the client's id) if given."""
         route = self.routes.pop(rid)
@@ -177,4 +176,3 @@ class RequestTable(ZmqServer):
 
     def _log(self, text: str) -> None:
         print(f"[router] {text}", file=sys.stderr, flush=True)
-
