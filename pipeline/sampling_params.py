@@ -331,3 +331,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 seqs.append(spaced)
         return msgspec.structs.replace(self, bad_words=[], bad_words_token_ids=seqs)
+
+
+# The one declaration of the sampling fields (SamplingParams's): the wire's ``Generate``
+# (``frontend.protocol``), the OpenAI bodies (``http.openai_api``) and their conversion
+# (``http.openai_convert``) derive theirs from it; pipe mode's JSON lines are ``Generate``s.
+SAMPLING_FIELDS: tuple[str, ...] = SamplingParams.__struct_fields__

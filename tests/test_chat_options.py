@@ -26,7 +26,7 @@ from pipeline.config import (
     config_from_args,
 )
 from pipeline.engine.fake_worker import FakeWorker
-from pipeline.gateway import protocol as P
+from pipeline.frontend import protocol as P
 from pipeline.gateway.gateway import Gateway, size_problem
 from pipeline.ipc.ring import Ring
 from pipeline.llm import LLM

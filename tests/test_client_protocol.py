@@ -20,9 +20,9 @@ from zmq.utils.monitor import recv_monitor_message
 from pipeline.client import Client, RequestError
 from pipeline.client.async_client import AsyncClient
 from pipeline.client.base import Inflight
-from pipeline.gateway import protocol as P
-from pipeline.gateway.curve import generate_keys, server_socket_setup
-from pipeline.gateway.sessions import ClientSessions, DuplicateRequestId
+from pipeline.frontend import protocol as P
+from pipeline.frontend.curve import generate_keys, server_socket_setup
+from pipeline.frontend.sessions import ClientSessions, DuplicateRequestId
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, Timings, Usage
 from pipeline.tokenizer.validate import InvalidRequest, check_sampling, one_prompt_field
 

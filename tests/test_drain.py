@@ -16,8 +16,9 @@ import pytest
 from e2e_helpers import make_tiny_model, shm_entries
 
 from pipeline.config import config_from_args
-from pipeline.gateway import protocol as P
+from pipeline.frontend import protocol as P
 from pipeline.gateway import serve
+from pipeline.gateway.serve_args import check_args
 from pipeline.gateway.systemd import Notifier
 from pipeline.messages import RequestResult
 
@@ -29,7 +30,7 @@ def server(tmp_path_factory):
     serve.add_args(p)
     args = p.parse_args(["--model", str(model), "--device", "cpu", "--max-model-len", "256",
                          "--worker-threads", "1"])
-    s = serve.Server(args, config_from_args(args), Notifier.from_env())
+    s = serve.Server(check_args(args), config_from_args(args), Notifier.from_env())
     s.gw.start(timeout_s=300)
     yield s
     s.close()

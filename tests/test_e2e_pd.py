@@ -20,7 +20,7 @@ from e2e_helpers import Daemon, RouterProc, free_port, make_tiny_model, shm_entr
 
 from pipeline.client import Client
 from pipeline.client.async_client import AsyncClient
-from pipeline.gateway import protocol as P
+from pipeline.frontend import protocol as P
 from pipeline.ipc.sweep import sweep_stale
 from pipeline.messages import RequestResult
 from pipeline.messages.kv import KVTransferParams

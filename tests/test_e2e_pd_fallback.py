@@ -21,7 +21,7 @@ from e2e_helpers import Daemon, free_port, make_tiny_model, shm_entries, wait_fo
 
 from pipeline.client import Client
 from pipeline.client.async_client import AsyncClient
-from pipeline.gateway import protocol as P
+from pipeline.frontend import protocol as P
 from pipeline.messages import RequestResult
 from pipeline.messages.kv import KVReservation, KVTransferParams
 

@@ -5,8 +5,11 @@ data flows, each importing only what is below it. Walks the AST of every module 
 - no import cycle between packages;
 - each package imports only the packages its row of LAYERS allows (and itself);
 - only the engine imports the block pool (one owner of the block table);
-- the client imports the messages and the gateway's wire protocol, never a stage package;
-  the router (a front end over daemons) the same, plus the gateway's systemd notifier.
+- the client imports the messages and the wire protocol (``frontend``), never a stage
+  package; the router (a front end over daemons) the client, ``frontend`` and the messages,
+  plus the gateway's systemd notifier;
+- the HTTP front end is a client of the daemon; the gateway imports only its launcher and
+  the OpenAI models and conversions (pipe mode's batch files), never the app.
 """
 from __future__ import annotations
 
@@ -33,20 +36,24 @@ LAYERS: dict[str, set[str]] = {
     "worker": STAGE_BASE | {"models", "layers", "structured_outputs"},
     "layers": {"_ext", "config"},
     "models": {"layers", "config"},
-    "client": {"messages", "gateway", "sampling_params", "config"},
-    "router": {"messages", "gateway", "sampling_params", "config"},
-    # the OpenAI HTTP front end: a client of the daemon (and its Tokenizer for /tokenize)
-    "http": {"client", "messages", "gateway", "sampling_params", "config", "tokenizer"},
+    # the wire protocol, client sessions, the one ZMQ server base, CURVE
+    "frontend": {"messages", "sampling_params", "config"},
+    "client": {"messages", "frontend", "sampling_params", "config"},
+    # of the gateway, its systemd notifier only (ROUTER_MAY_USE)
+    "router": {"client", "frontend", "messages", "sampling_params", "config", "gateway"},
+    # the OpenAI HTTP front end: a client of the daemon (and its Tokenizer for /tokenize; the
+    # launcher, the daemon's side, sweeps the ipc directories of dead instances)
+    "http": {"client", "frontend", "messages", "sampling_params", "config", "tokenizer", "ipc"},
 }
 STAGES = {"tokenizer", "engine", "worker", "output", "cache"}
-CLIENT_MAY_USE = {"pipeline.gateway.protocol", "pipeline.gateway.curve"}
-# The router is a front end over daemons: their wire protocol and systemd, no stage.
-ROUTER_MAY_USE = {"pipeline.gateway.protocol", "pipeline.gateway.systemd", "pipeline.gateway.curve",
-                  "pipeline.gateway.front"}
-# The HTTP front end: the wire protocol, the OpenAI models and conversions, its spec; the
-# Tokenizer class, never a stage's loop.
-HTTP_MAY_USE = {"pipeline.gateway.protocol", "pipeline.gateway.openai_api", "pipeline.gateway.openai_convert",
-                "pipeline.gateway.http_front", "pipeline.tokenizer.tokenizer"}
+CLIENT_MAY_USE = {"pipeline.frontend.protocol", "pipeline.frontend.curve"}
+# The router is a front end over daemons: of the gateway, its systemd notifier only.
+ROUTER_MAY_USE = {"pipeline.gateway.systemd"}
+# The HTTP front end: of the tokenizer, the Tokenizer class, never a stage's loop; of ipc,
+# the instances' liveness (the launcher).
+HTTP_MAY_USE = {"pipeline.tokenizer.tokenizer", "pipeline.ipc.instance"}
+# What of the HTTP front end the gateway imports (the app, FastAPI, never).
+HTTP_SHARED = {"pipeline.http.launcher", "pipeline.http.openai_api", "pipeline.http.openai_convert"}
 
 
 def modules() -> dict[str, Path]:
@@ -96,7 +103,7 @@ def test_the_walk_sees_the_tree():
     assert {"pipeline.messages.tags", "pipeline.runtime.rings", "pipeline.gateway.serve",
             "pipeline.tokenizer.validate", "pipeline.layers.fused_decoder"} <= set(MODULES)
     assert "pipeline.engine.scheduler" in GRAPH["pipeline.engine.stage"]
-    assert "pipeline.gateway.protocol" in GRAPH["pipeline.client.base"]  # `from X import mod`
+    assert "pipeline.frontend.protocol" in GRAPH["pipeline.client.base"]  # `from X import mod`
 
 
 def test_no_package_level_import_cycles():
@@ -143,14 +150,14 @@ def test_only_the_engine_imports_the_block_pool():
 
 def test_the_client_uses_only_messages_and_the_wire_protocol():
     bad = [f"{m} -> {d}" for m, deps in GRAPH.items() if package(m) == "client"
-           for d in deps if package(d) == "gateway" and d not in CLIENT_MAY_USE]
+           for d in deps if package(d) == "frontend" and d not in CLIENT_MAY_USE]
     assert not bad, bad
-    # and what those gateway modules import is below the client too
+    # and what those frontend modules import is below the client too
     for mod in CLIENT_MAY_USE:
-        assert all(package(d) in {"messages", "sampling_params", "gateway"} for d in GRAPH[mod]), GRAPH[mod]
+        assert all(package(d) in {"messages", "sampling_params", "frontend"} for d in GRAPH[mod]), GRAPH[mod]
 
 
-def test_the_router_uses_only_messages_the_wire_protocol_and_systemd():
+def test_the_router_uses_only_the_client_frontend_messages_and_systemd():
     bad = [f"{m} -> {d}" for m, deps in GRAPH.items() if package(m) == "router"
            for d in deps if package(d) == "gateway" and d not in ROUTER_MAY_USE]
     assert not bad, bad
@@ -158,8 +165,18 @@ def test_the_router_uses_only_messages_the_wire_protocol_and_systemd():
 
 def test_the_http_front_end_is_a_client_of_the_daemon():
     """It reaches the daemon through the client only: no stage loop, no ring, no gateway
-    internals; and the gateway starts it by name, never importing it."""
+    internals; and the gateway imports only its launcher and the OpenAI models and
+    conversions, never the app."""
     bad = [f"{m} -> {d}" for m, deps in GRAPH.items() if package(m) == "http"
-           for d in deps if package(d) in {"gateway", "tokenizer"} and d not in HTTP_MAY_USE]
+           for d in deps if package(d) in {"gateway", "tokenizer", "ipc"} and d not in HTTP_MAY_USE]
     assert not bad, bad
-    assert not [m for m, deps in GRAPH.items() if package(m) != "http" and any(package(d) == "http" for d in deps)]
+    assert not [m for m, deps in GRAPH.items() if package(m) != "http"
+                and any(package(d) == "http" and d not in HTTP_SHARED for d in deps)]
+    assert not [m for m, deps in GRAPH.items() if package(m) not in {"http", "gateway"}
+                and any(package(d) == "http" for d in deps)]
+
+
+def test_the_frontend_serves_the_protocol_without_the_gateway():
+    """The ZMQ server base and the protocol are below the daemon and the router."""
+    assert "pipeline.frontend.zmq_server" in GRAPH["pipeline.gateway.serve"]
+    assert "pipeline.frontend.zmq_server" in GRAPH["pipeline.router.table"]

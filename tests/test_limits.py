@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import EngineConfig
-from pipeline.gateway import protocol as P
+from pipeline.frontend import protocol as P
 from pipeline.gateway.gateway import Gateway
 from pipeline.ipc.codec import TaggedCodec
 from pipeline.ipc.ring import Ring

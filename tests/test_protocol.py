@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.gateway import protocol as P
-from pipeline.gateway.sessions import ClientSessions, DuplicateRequestId
+from pipeline.frontend import protocol as P
+from pipeline.frontend.sessions import ClientSessions, DuplicateRequestId
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, Timings, Usage
 from pipeline.sampling_params import SamplingParams
 

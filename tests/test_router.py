@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 from pipeline.client import Client
 from pipeline.client.async_client import AsyncClient
-from pipeline.gateway import protocol as P
+from pipeline.frontend import protocol as P
 from pipeline.messages import RequestDelta, RequestResult
 from pipeline.router.policy import MAX_IMBALANCE, PREFIX_BYTES, MixedPolicy
 from pipeline.router.stats import merge

@@ -25,7 +25,7 @@ import pytest
 import zmq
 from e2e_helpers import PIPELINE, ROOT, env, free_port
 
-from pipeline.gateway import protocol as P
+from pipeline.frontend import protocol as P
 from pipeline.gateway.systemd import Notifier
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, error_result
 from pipeline.messages.answers import Timings, Usage
@@ -179,8 +179,7 @@ def pd_router(prefill: list[str], decode: list[str]) -> Iterator[Router]:
     args = argparse.Namespace(listen=f"tcp://127.0.0.1:{free_port()}", instance=None,
                               prefill=prefill, decode=decode, drain_timeout=5.0,
                               max_frame_bytes=P.MAX_FRAME_BYTES)
-    check_args(args)
-    router = Router(args, Notifier(None))
+    router = Router(check_args(args), Notifier(None))
     router.open()
     code: list[int] = []
     thread = threading.Thread(target=lambda: code.append(router.serve()), daemon=True)
@@ -191,7 +190,7 @@ def pd_router(prefill: list[str], decode: list[str]) -> Iterator[Router]:
         router.stopping = True  # the drain, as on SIGTERM
         thread.join(20)
         router.close()
-    assert code == [0] and not router.routes and not router.clients
+    assert code == [0] and not router.routes and not router.sessions
     assert all(not u.inflight for u in router.upstreams)
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pipeline.gateway import protocol as P
+from pipeline.frontend import protocol as P
 from pipeline.messages import EngineOutput, EngineOutputs, RequestResult
 from pipeline.output.detokenizer import DetokenizerTable
 from pipeline.output.processor import OutputProcessor

@@ -18,7 +18,7 @@ import zmq
 from e2e_helpers import ROOT, Daemon, env, make_tiny_model, shm_entries
 
 from pipeline.client import Client
-from pipeline.gateway import protocol as P
+from pipeline.frontend import protocol as P
 from pipeline.messages import RequestDelta, RequestResult
 
 MAX_FRAME = 65536

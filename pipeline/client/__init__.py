@@ -3,7 +3,7 @@
 Imports the messages and the gateway's wire protocol only, never a stage package.
 
 Not a stage: client-side state only. Each client owns ONE DEALER socket over which all its
-requests are multiplexed (``gateway.protocol``); replies are routed to per-request queues by
+requests are multiplexed (``frontend.protocol``); replies are routed to per-request queues by
 a wire id the client gives each request (``base.Inflight``): the caller's ``id`` is what the
 answers carry back, and a late answer of a request given up on is never taken for a later
 one's. ``Client`` keeps the socket in a background I/O thread (ZMQ sockets are not

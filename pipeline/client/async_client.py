@@ -38,7 +38,7 @@ from pipeline.client.base import (
     new_socket,
     route,
 )
-from pipeline.gateway import protocol as P
+from pipeline.frontend import protocol as P
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, error_result
 
 # While unconnected, how often the I/O task looks for requests past connect_timeout.

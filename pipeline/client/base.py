@@ -2,7 +2,7 @@
 requests in flight, reply routing and the errors a client reports by itself.
 
 Not a stage. State: ``Inflight`` (one per client). See the package docstring for the
-client-side behaviour and ``gateway.protocol`` for the wire.
+client-side behaviour and ``frontend.protocol`` for the wire.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from urllib.parse import urlparse
 import msgspec
 import zmq
 
-from pipeline.gateway import protocol as P
-from pipeline.gateway.curve import client_socket_setup
+from pipeline.frontend import protocol as P
+from pipeline.frontend.curve import client_socket_setup
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, error_result
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -218,7 +218,7 @@ def new_socket(ctx: zmq.Context[_Socket], address: str, keys_dir: str | Path | N
         sock.setsockopt(zmq.SNDHWM, 0)  # never block the I/O loop on send
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 1000)  # let the closing bye out
-        # A dead daemon host is noticed even while no answer is due (see gateway.protocol).
+        # A dead daemon host is noticed even while no answer is due (see frontend.protocol).
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
         sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, P.KEEPALIVE_IDLE_S)
         sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, P.KEEPALIVE_INTERVAL_S)

@@ -36,7 +36,7 @@ from pipeline.client.base import (
     new_socket,
     route,
 )
-from pipeline.gateway import protocol as P
+from pipeline.frontend import protocol as P
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, error_result
 
 __all__ = ["Client", "RequestError"]

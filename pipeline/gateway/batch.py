@@ -24,8 +24,9 @@ from typing import Any
 import msgspec
 from pydantic import ValidationError
 
-from pipeline.gateway.openai_api import ChatCompletionRequest, CompletionRequest
-from pipeline.gateway.openai_convert import (
+from pipeline.frontend.protocol import MAX_ID_LEN, ProtocolError, gateway_request, request_from_json
+from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest
+from pipeline.http.openai_convert import (
     ApiError,
     body_error,
     chat_body,
@@ -38,7 +39,6 @@ from pipeline.gateway.openai_convert import (
     served_model_name,
     token_texts,
 )
-from pipeline.gateway.protocol import MAX_ID_LEN, ProtocolError, gateway_request, request_from_json
 from pipeline.messages import GatewayRequest, RequestResult
 from pipeline.runtime.spec import ModelInfo
 from pipeline.tokenizer.tokenizer import Tokenizer

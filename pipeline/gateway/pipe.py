@@ -45,9 +45,9 @@ from typing import BinaryIO
 import msgspec
 
 from pipeline.config import add_engine_args, config_from_args
+from pipeline.frontend.protocol import Generate, ProtocolError, gateway_request, request_from_json, sampling_params
 from pipeline.gateway.batch import MIXED, BatchLine, BatchLines, Refused, is_batch_line, output_line
 from pipeline.gateway.gateway import Answer, Gateway
-from pipeline.gateway.protocol import Generate, ProtocolError, gateway_request, request_from_json, sampling_params
 from pipeline.gateway.supervisor import StartupError
 from pipeline.messages import GatewayRequest, RequestDelta, RequestResult, error_result
 from pipeline.messages.requests import MAX_PROMPT_BYTES

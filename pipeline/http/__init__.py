@@ -1,11 +1,15 @@
-"""The OpenAI HTTP front end's process (`pipeline serve --http`): a FastAPI app on uvicorn that
-is a client of the daemon (``pipeline.client.AsyncClient`` over a private ipc socket), like
-`pipeline router` is. The daemon starts, supervises and stops it (``gateway.http_front``);
-the OpenAI request models and the conversions it shares with pipe mode's batch files are the
-gateway's (``gateway.openai_api``, ``gateway.openai_convert``), as the ZMQ wire protocol is.
+"""The OpenAI HTTP front end (`pipeline serve --http`): a FastAPI app on uvicorn in its own
+process that is a client of the daemon (``pipeline.client.AsyncClient`` over a private ipc
+socket), like `pipeline router` is; its request models and the conversions it shares with
+pipe mode's OpenAI batch files; and the daemon's side that starts it.
 
 - app: routes, authentication, error shapes
 - stream: server-sent events
 - limit: the body-size middleware (413)
 - process: the entry (``python -m pipeline.http.process``)
+- openai_api, openai_convert: the OpenAI API's request models and the conversions to and from
+  the wire protocol (``frontend.protocol``), shared with pipe mode's batch files
+  (``gateway.batch``)
+- launcher: the daemon's side of ``--http``: the port, the private ipc endpoint, the
+  front-end process (imported by ``gateway.serve``; the app itself never is)
 """

@@ -26,9 +26,9 @@ from starlette.exceptions import HTTPException
 
 from pipeline.client import AsyncClient
 from pipeline.client.base import RequestError
-from pipeline.gateway import openai_convert as C
-from pipeline.gateway.openai_api import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pipeline.http import openai_convert as C
 from pipeline.http.limit import BodyLimit
+from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pipeline.http.stream import disconnected, sse_response
 from pipeline.messages import RequestResult
 from pipeline.tokenizer.tokenizer import Tokenizer

@@ -2,7 +2,7 @@
 uvloop and httptools where installed) serving ``app.build_app`` on the listening socket the
 daemon bound and handed down, as a client of the daemon over a private ipc socket.
 
-Started and stopped by the daemon (``gateway.http_front``), never by a user. It reads its ``HttpSpec``
+Started and stopped by the daemon (``http.launcher``), never by a user. It reads its ``HttpSpec``
 (JSON) on stdin, writes one byte on the ready pipe once it serves, dies with the daemon
 (PR_SET_PDEATHSIG) and ignores SIGTERM/SIGINT: systemd and Ctrl-C reach the whole process
 group, and a front end that closed its port then would turn the daemon's drain (503 for new
@@ -22,7 +22,7 @@ from collections.abc import Callable, Generator
 
 import msgspec
 
-from pipeline.gateway.http_front import STOP_SIGNAL, HttpSpec
+from pipeline.http.launcher import STOP_SIGNAL, HttpSpec
 
 
 def _die_with_parent() -> None:

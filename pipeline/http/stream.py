@@ -19,8 +19,8 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pipeline.gateway import openai_convert as C
-from pipeline.gateway.openai_api import ChatCompletionRequest, CompletionRequest
+from pipeline.http import openai_convert as C
+from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest
 from pipeline.messages import RequestDelta, RequestResult
 
 if TYPE_CHECKING:

@@ -1,4 +1,5 @@
-"""Router: its command-line flags and their checks. Owns no state.
+"""Router: its command-line flags and their checked, typed form (``RouterArgs``, built from
+the parsed namespace by ``check_args``). Owns no state.
 
 Two ways to run: ``--instance ADDR...`` (mixed replicas, data parallel) or ``--prefill
 ADDR... --decode ADDR...`` (disaggregated pools); exactly one of them.
@@ -6,8 +7,9 @@ ADDR... --decode ADDR...`` (disaggregated pools); exactly one of them.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
-from pipeline.gateway.front import add_front_args, check_endpoint, check_front_args
+from pipeline.frontend.args import FrontArgs, add_front_args, check_endpoint
 
 POOL_FLAGS = ("instance", "prefill", "decode")
 
@@ -26,31 +28,45 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_front_args(p)
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """ValueError naming the flag and its limit."""
-    check_front_args(args)
-    for flag in POOL_FLAGS:
-        if getattr(args, flag, None) is None:
-            setattr(args, flag, [])
-    if args.instance and (args.prefill or args.decode):
-        raise ValueError("--instance (mixed replicas) cannot be combined with --prefill/--decode "
-                         "(disaggregated pools): give one or the other")
-    if not args.instance:
-        if not args.prefill and not args.decode:
-            raise ValueError("no instances: give --instance ADDR... (mixed replicas) or "
-                             "--prefill ADDR... --decode ADDR... (disaggregated pools)")
-        if not args.decode:
-            raise ValueError("--prefill needs --decode ADDR... (the decode pool)")
-        if not args.prefill:
-            raise ValueError("--decode needs --prefill ADDR... (the prefill pool)")
-    for flag in POOL_FLAGS:
-        addrs = getattr(args, flag)
-        for addr in addrs:
-            check_endpoint(f"--{flag}", addr)
-        if len(set(addrs)) != len(addrs):
-            raise ValueError(f"--{flag}: an address is given twice: {' '.join(addrs)}")
-        if args.listen in addrs:
-            raise ValueError(f"--listen {args.listen} is also an --{flag}")
-    both = sorted(set(args.prefill) & set(args.decode))
-    if both:
-        raise ValueError(f"--prefill/--decode: an address may not be in both pools: {' '.join(both)}")
+@dataclass(frozen=True, kw_only=True)
+class RouterArgs(FrontArgs):
+    """`pipeline router`'s flags, checked when built: ValueError naming the flag and its limit."""
+    listen: str
+    instance: tuple[str, ...] = ()  # mixed replicas
+    prefill: tuple[str, ...] = ()  # disaggregated pools
+    decode: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.instance and (self.prefill or self.decode):
+            raise ValueError("--instance (mixed replicas) cannot be combined with --prefill/--decode "
+                             "(disaggregated pools): give one or the other")
+        if not self.instance:
+            if not self.prefill and not self.decode:
+                raise ValueError("no instances: give --instance ADDR... (mixed replicas) or "
+                                 "--prefill ADDR... --decode ADDR... (disaggregated pools)")
+            if not self.decode:
+                raise ValueError("--prefill needs --decode ADDR... (the decode pool)")
+            if not self.prefill:
+                raise ValueError("--decode needs --prefill ADDR... (the prefill pool)")
+        for flag in POOL_FLAGS:
+            addrs = getattr(self, flag)
+            for addr in addrs:
+                check_endpoint(f"--{flag}", addr)
+            if len(set(addrs)) != len(addrs):
+                raise ValueError(f"--{flag}: an address is given twice: {' '.join(addrs)}")
+            if self.listen in addrs:
+                raise ValueError(f"--listen {self.listen} is also an --{flag}")
+        both = sorted(set(self.prefill) & set(self.decode))
+        if both:
+            raise ValueError(f"--prefill/--decode: an address may not be in both pools: {' '.join(both)}")
+
+
+def check_args(args: argparse.Namespace) -> RouterArgs:
+    """The parsed flags, checked and typed (the command's edge)."""
+    def pool(flag: str) -> tuple[str, ...]:
+        return tuple(getattr(args, flag, None) or ())
+
+    return RouterArgs(listen=args.listen, drain_timeout=args.drain_timeout,
+                      max_frame_bytes=args.max_frame_bytes, instance=pool("instance"),
+                      prefill=pool("prefill"), decode=pool("decode"))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import msgspec
 from msgspec import UNSET
 
-from pipeline.gateway import protocol as P
+from pipeline.frontend import protocol as P
 from pipeline.messages import RequestDelta, RequestResult
 from pipeline.messages.kv import KVReservation, KVTransferParams
 

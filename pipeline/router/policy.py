@@ -15,7 +15,7 @@ from typing import Protocol
 
 import msgspec
 
-from pipeline.gateway import protocol as P
+from pipeline.frontend import protocol as P
 
 # A prompt shorter than this has no prefix worth a cache hit: it goes to the least loaded.
 PREFIX_BYTES = 256

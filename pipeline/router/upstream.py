@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from pipeline.gateway import protocol as P
+from pipeline.frontend import protocol as P
 
 PROBE_INTERVAL_S = 0.5
 PROBE_TIMEOUT_S = 3.0

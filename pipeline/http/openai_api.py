@@ -12,12 +12,14 @@ naming the field. docs/openai.md lists them all.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from pipeline.gateway.protocol import MAX_MESSAGES
+from pipeline.frontend.protocol import MAX_MESSAGES
 from pipeline.messages import MAX_PROMPT_TOKENS
+from pipeline.sampling_params import SamplingParams
 
 # OpenAI's `logprobs` / `top_logprobs` (the engine's own limit is checked by SamplingParams).
 MAX_TOP_LOGPROBS = 20
@@ -69,32 +71,31 @@ class StructuredOutputs(_Body):
     json_object: bool | None = None
 
 
-class _Sampling(_Body):
+# The SamplingParams fields a body carries as they are (OpenAI's and vLLM's extras), each
+# optional (null: the engine's default), derived from the one declaration (SamplingParams).
+# These are shaped their own way: below (n defaults to 1; bad_words is a list of strings;
+# logit_bias has string keys, JSON's; structured_outputs is vLLM's object), per route
+# (max_tokens, logprobs), or not in the API (prompt_logprobs, bad_words_token_ids).
+OWN_SHAPE = frozenset({"n", "bad_words", "logit_bias", "structured_outputs", "max_tokens", "logprobs",
+                       "prompt_logprobs", "bad_words_token_ids"})
+if TYPE_CHECKING:
+    _SamplingFields = _Body
+else:
+    _SamplingFields = create_model(
+        "_SamplingFields", __base__=_Body,
+        **{f.name: (f.type | None, None) for f in msgspec.structs.fields(SamplingParams)
+           if f.name not in OWN_SHAPE})
+
+
+class SamplingBody(_SamplingFields):
     """The fields both routes map onto ``SamplingParams`` (OpenAI's, then vLLM's extras)."""
     model: str | None = None
     n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
-    min_tokens: int | None = None
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
-    truncate_prompt_tokens: int | None = None
     priority: int = 0
     cache_salt: Annotated[str, Field(max_length=256)] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
@@ -114,7 +115,7 @@ class _Sampling(_Body):
 TokenIds = Annotated[list[int], Field(max_length=MAX_PROMPT_TOKENS)]
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingBody):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds \
         | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     max_tokens: int | None = 16  # OpenAI's default for completions
@@ -124,7 +125,7 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None  # refused unless equal to n
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingBody):
     messages: Annotated[list[ChatMessageParam], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: int | None = None  # None: as many as the context leaves
     max_completion_tokens: int | None = None

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -75,7 +75,7 @@ from pipeline.messages import (
     RequestResult,
 )
 from pipeline.messages.kv import KVTransferParams
-from pipeline.sampling_params import SamplingParams, StructuredOutputsParams
+from pipeline.sampling_params import SAMPLING_FIELDS, SamplingParams
 
 PROTOCOL_VERSION = 1
 HEARTBEAT_INTERVAL_S = 1.0
@@ -118,9 +118,10 @@ MAX_TEMPLATE_KWARGS = 256
 ChatTemplateKwargs = Annotated[dict[str, Any], Meta(max_length=MAX_TEMPLATE_KWARGS)]
 
 
-class Generate(_Msg, tag="generate"):
-    """One request. Pipe mode JSON lines decode into this type too (``op``/``v`` optional
-    there, ``id`` may be an integer). Unset sampling fields take the caller's defaults."""
+class _Request(_Msg):
+    """``Generate``'s fields but the sampling ones. Pipe mode JSON lines decode into
+    ``Generate`` too (``op``/``v`` optional there, ``id`` may be an integer). Unset sampling
+    fields take the caller's defaults."""
     id: ReqId | int | None = None
     prompt: str | None = None  # at most MAX_PROMPT_BYTES of UTF-8, checked by the gateway
     prompt_token_ids: Annotated[list[int], Meta(max_length=MAX_PROMPT_TOKENS)] | None = None
@@ -136,35 +137,18 @@ class Generate(_Msg, tag="generate"):
     # Disaggregation: set by `pipeline router` on a prefill/decode instance, never by clients
     # (an instance of role mixed refuses it).
     kv_transfer: KVTransferParams | None = None
-    # The SamplingParams fields (tests check the two lists match); SamplingParams checks
-    # their limits.
-    n: int | UnsetType = UNSET
-    max_tokens: int | UnsetType = UNSET
-    min_tokens: int | UnsetType = UNSET
-    temperature: float | UnsetType = UNSET
-    top_p: float | UnsetType = UNSET
-    top_k: int | UnsetType = UNSET
-    min_p: float | UnsetType = UNSET
-    repetition_penalty: float | UnsetType = UNSET
-    presence_penalty: float | UnsetType = UNSET
-    frequency_penalty: float | UnsetType = UNSET
-    seed: int | None | UnsetType = UNSET
-    stop: str | list[str] | UnsetType = UNSET
-    stop_token_ids: list[int] | UnsetType = UNSET
-    bad_words: str | list[str] | UnsetType = UNSET
-    bad_words_token_ids: list[list[int]] | UnsetType = UNSET
-    logit_bias: dict[int, float] | None | UnsetType = UNSET
-    allowed_token_ids: list[int] | None | UnsetType = UNSET
-    ignore_eos: bool | UnsetType = UNSET
-    include_stop_str_in_output: bool | UnsetType = UNSET
-    logprobs: int | None | UnsetType = UNSET
-    prompt_logprobs: int | None | UnsetType = UNSET
-    skip_special_tokens: bool | UnsetType = UNSET
-    truncate_prompt_tokens: int | None | UnsetType = UNSET
-    structured_outputs: StructuredOutputsParams | None | UnsetType = UNSET
 
 
-SAMPLING_FIELDS: tuple[str, ...] = SamplingParams.__struct_fields__
+# The sampling fields are SamplingParams's own (the one declaration: ``SAMPLING_FIELDS``),
+# each unset unless the request sets it; SamplingParams checks their limits.
+if TYPE_CHECKING:
+    class Generate(_Request, tag="generate"):
+        def __init__(self, **fields: Any) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...
+else:
+    Generate = msgspec.defstruct(
+        "Generate", [(f.name, f.type | UnsetType, UNSET) for f in msgspec.structs.fields(SamplingParams)],
+        bases=(_Request,), tag="generate", kw_only=True, module=__name__)
 
 
 class Abort(_Msg, tag="abort"):

@@ -1,11 +1,12 @@
-"""Gateway (daemon): which ZMQ client owns which in-flight request.
+"""A ZMQ front end (the daemon, the router): which client owns which in-flight request.
 
-State: per client identity (the ROUTER routing id) that has requests in flight, its requests;
-per request the internal id the stages use. A client is known only while it has requests in
-flight, so the table is bounded by the requests in flight whatever clients come and go. See
-``protocol``'s docstring for how a client is declared gone (``bye``, its connection gone);
-``drop_client`` returns the internal ids the gateway must abort in the engine. Not
-thread-safe: the daemon's ZMQ loop owns it.
+State: per client identity (the ROUTER routing id) that has requests in flight, its
+requests; per request the internal id (the stages' id in the daemon, the router's own id
+there). A client is known only while it has requests in flight, so the table is bounded by
+the requests in flight whatever clients come and go. See ``protocol``'s docstring for how a
+client is declared gone (``bye``, its connection gone); ``drop_client`` returns the internal
+ids the front end must abort (in the engine, on the instances). Not thread-safe: the
+server's ZMQ loop (``zmq_server``) owns it.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ class DuplicateRequestId(ValueError):
 class ClientSessions:
     """Maps (client identity, client request id) <-> internal request id."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str | None = None) -> None:
+        """Internal ids are ``<prefix><n>`` (the router's "r12"), else ``<identity hex>.<n>``."""
+        self._prefix = prefix
         self._clients: dict[bytes, dict[str, str]] = {}  # identity -> {client id: internal id}
         self._owner: dict[str, tuple[bytes, str]] = {}  # internal id -> (identity, client id)
         self._seq = 0
@@ -34,7 +37,8 @@ class ClientSessions:
                                      "request's answer still comes)")
         # A counter keeps internal ids unique even if a client reuses an id later.
         self._seq += 1
-        internal = f"{identity.hex()}.{self._seq}"
+        internal = (f"{self._prefix}{self._seq}" if self._prefix is not None
+                    else f"{identity.hex()}.{self._seq}")
         requests[client_req_id] = internal
         self._owner[internal] = (identity, client_req_id)
         return internal

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from pipeline.gateway import protocol as P
-from pipeline.gateway.openai_api import ChatCompletionRequest, ChatMessageParam, CompletionRequest
+from pipeline.frontend import protocol as P
+from pipeline.http.openai_api import ChatCompletionRequest, ChatMessageParam, CompletionRequest, SamplingBody
 from pipeline.messages import Completion, ErrorInfo, RequestResult
 from pipeline.messages.step import TokenLogprobs
-from pipeline.sampling_params import StructuredOutputsParams
+from pipeline.sampling_params import SAMPLING_FIELDS, StructuredOutputsParams
 from pipeline.tokenizer.tokenizer import Tokenizer
 
 # error.code of an answer -> HTTP status; anything else is the server's fault (500).
@@ -26,10 +26,11 @@ STATUS = {"invalid_request": 400, "duplicate_id": 400, "unsupported_version": 40
           "answer_too_large": 400, "draining": 503, "queue_full": 503, "unavailable": 503,
           "unreachable": 503, "connection_lost": 503, "aborted": 499}
 MIN_LOGPROB = -9999.0  # what OpenAI reports for an impossible token (JSON has no -inf)
-_PASS = ("n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
-         "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
-         "skip_special_tokens", "include_stop_str_in_output", "min_tokens", "bad_words",
-         "allowed_token_ids", "truncate_prompt_tokens", "cache_salt")
+# The body's fields that go to the wire as they are: its sampling fields (the one
+# declaration's, ``SAMPLING_FIELDS``) but those converted below, and cache_salt.
+_CONVERTED = {"logit_bias", "structured_outputs"}
+_PASS = (*(f for f in SAMPLING_FIELDS if f in SamplingBody.model_fields and f not in _CONVERTED),
+         "cache_salt")
 # The field an error message names: "field `x`: ...", or the tokenizer stage's verdict on a
 # structured outputs spec ("structured_outputs.regex: not a valid regex: ...").
 _FIELD = re.compile(r"field `([^`]+)`|^(structured_outputs(?:\.\w+)?):")
@@ -177,7 +178,7 @@ def _checked(fields: dict[str, Any]) -> dict[str, Any]:
     """The fields as the daemon will check them (types, SamplingParams' limits): ApiError
     now rather than after part of a multi-prompt body ran."""
     try:
-        P.sampling_params(P.Generate(**{k: v for k, v in fields.items() if k in P.SAMPLING_FIELDS}))
+        P.sampling_params(P.Generate(**{k: v for k, v in fields.items() if k in SAMPLING_FIELDS}))
     except P.ProtocolError as exc:
         raise invalid(exc.error.message) from None
     except TypeError as exc:

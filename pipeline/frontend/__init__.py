@@ -1,0 +1,11 @@
+"""What every ZMQ front end of the daemon's protocol shares: `pipeline serve` (``gateway.serve``)
+and `pipeline router` (``router.server``) serve it, ``pipeline.client`` and the HTTP front end
+speak it.
+
+- protocol: the wire protocol (ZMQ frames) and the request parser pipe mode shares
+- sessions: which client owns which request in flight
+- zmq_server: the one ZMQ server base (the front ROUTER socket, frames in, answers out,
+  clients gone), which the daemon and the router build on
+- args: the front flags (``FrontArgs``), their checks, the open-port test, start-up failure
+- curve: ZMQ CURVE keys
+"""

@@ -1,0 +1,67 @@
+"""`pipeline serve`: its command-line flags and their checked, typed form (``ServeArgs``,
+built from the parsed namespace by ``check_args``; the engine's flags become an
+``EngineConfig`` in ``config``). Owns no state.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from pipeline.config import add_engine_args, add_node_args, add_pd_args
+from pipeline.frontend.args import FrontArgs, add_front_args
+from pipeline.http.launcher import parse_http
+
+DEFAULT_LISTEN = "tcp://127.0.0.1:7001"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    add_pd_args(p)
+    add_node_args(p)
+    p.add_argument("--listen", default=None,
+                   help=f"ZMQ endpoint to bind (default {DEFAULT_LISTEN} unless only --http is given; "
+                        "tcp://0.0.0.0:PORT to open it)")
+    p.add_argument("--http", default=None, metavar="[HOST:]PORT",
+                   help="serve the OpenAI API over HTTP too (HOST 127.0.0.1 by default)")
+    p.add_argument("--api-key", default=os.environ.get("PIPELINE_API_KEY"),
+                   help="--http requires `Authorization: Bearer KEY` (default: $PIPELINE_API_KEY)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the `model` HTTP requests name (default: the --model path; \"default\" for "
+                        "the embedded model)")
+    p.add_argument("--curve-keys", default=None, metavar="DIR",
+                   help="enable ZMQ CURVE: DIR holds server.key_secret and authorized client keys")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1")
+    add_front_args(p)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeArgs(FrontArgs):
+    """The daemon's own flags (``EngineConfig.check`` does the engine's), checked when built:
+    ValueError naming the flag and its limit."""
+    http: str | None = None
+    api_key: str | None = None
+    served_model_name: str | None = None
+    curve_keys: str | None = None
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.http is not None:
+            parse_http(self.http)
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key: must not be empty")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in [0, 65535] (0: off), got {self.metrics_port}")
+
+
+def check_args(args: argparse.Namespace) -> ServeArgs:
+    """The parsed flags, checked and typed (the command's edge). ``--listen`` defaults to
+    DEFAULT_LISTEN unless only ``--http`` is given."""
+    listen = DEFAULT_LISTEN if args.listen is None and args.http is None else args.listen
+    return ServeArgs(listen=listen, drain_timeout=args.drain_timeout, max_frame_bytes=args.max_frame_bytes,
+                     http=args.http, api_key=args.api_key, served_model_name=args.served_model_name,
+                     curve_keys=args.curve_keys, metrics_port=args.metrics_port,
+                     metrics_host=args.metrics_host)
