@@ -13,7 +13,7 @@ evicted before its head (a shorter prefix stays useful longer than a longer one)
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -92,6 +92,10 @@ class BlockPool:
         self.cached: dict[bytes, KVBlock] = {}
         self.num_cached_free = 0  # free blocks that still carry a hash (evictable)
         self.num_evictions = 0
+        # Called with each cached block as it is evicted, its hash still on it (a KV connector
+        # saving blocks as they leave the pool: a second KV tier). Its KV is intact until the
+        # step that reuses the block runs.
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,6 +119,8 @@ class BlockPool:
         return out
 
     def _evict(self, b: KVBlock) -> None:
+        if self.on_evict is not None:
+            self.on_evict(b)
         if self.cached.get(b.block_hash) is b:  # type: ignore[arg-type]
             del self.cached[b.block_hash]  # type: ignore[arg-type]
         b.block_hash = b.block_key = None

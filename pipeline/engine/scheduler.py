@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 from pipeline.config import EngineConfig
 from pipeline.engine import inflight
 from pipeline.engine.audit import audit_block_table
+from pipeline.engine.block_pool import KVBlock
 from pipeline.engine.kv_cache_manager import KVCacheManager
 from pipeline.engine.kv_connector import make_connector
+from pipeline.engine.kv_connector.base import KVConnector
 from pipeline.engine.new_request import make_requests
 from pipeline.engine.preemption import make_policy
 from pipeline.engine.request import ABORT_STATUS, Request, RequestStatus
@@ -82,10 +84,12 @@ class _Step:
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int,
                  max_model_len: int, hash_key: bytes | None = None, *,
-                 clock: Callable[[], float] = time.monotonic, async_scheduling: bool = False) -> None:
+                 clock: Callable[[], float] = time.monotonic, async_scheduling: bool = False,
+                 connector: Callable[[Scheduler], KVConnector] | None = None) -> None:
         """``clock``: the monotonic clock of reservation deadlines (tests inject one).
         ``async_scheduling``: schedule requests in flight ahead (``engine.inflight``), in a
-        mixed instance only (a connector's transfer follows its requests' confirmed state)."""
+        mixed instance only (a connector's transfer follows its requests' confirmed state).
+        ``connector``: makes the KV connector (default: the one of ``config.role``)."""
         for name, v in (("max_num_seqs", config.max_num_seqs),
                         ("max_num_batched_tokens", config.max_num_batched_tokens),
                         ("max_model_len", max_model_len)):
@@ -121,7 +125,9 @@ class Scheduler:
         self.num_generated_tokens = 0
         self.num_stale_results = 0  # results for requests preempted/aborted while in flight
         self.clock = clock
-        self.connector = make_connector(self)  # None: a mixed instance
+        self.connector = connector(self) if connector is not None else make_connector(self)
+        if self.connector is not None and self.connector.saves_evicted:
+            self.kv.pool.on_evict = self.connector.on_evict
         self.async_scheduling = async_scheduling and self.connector is None
 
     # -- admission and abort ------------------------------------------------------------
@@ -364,6 +370,15 @@ class Scheduler:
             held = bool(req.blocks)
             computed, n_hit = ([], 0) if req.owes_prompt_logprobs or held else \
                 kv.get_computed_blocks(req)
+            if self.connector is not None and not (held or req.owes_prompt_logprobs):
+                # Tokens beyond the pool's hit that the connector loads (a second KV tier):
+                # the request waits for them outside the batch, holding its blocks.
+                n_ext = min(self.connector.get_num_new_matched_tokens(req, n_hit),
+                            req.num_tokens - 1 - n_hit)
+                if n_ext > 0:
+                    if not self._load_external(req, computed, n_hit, n_ext, reserve):
+                        break
+                    continue
             n = min(req.num_tokens - req.num_computed_tokens - n_hit, budget)
             if self._explicit_threshold or running:
                 n = min(n, self.long_prefill_token_threshold)
@@ -397,6 +412,28 @@ class Scheduler:
                                            req.num_prompt_tokens, req.sampling_params,
                                            [b.block_id for b in req.blocks],
                                            req.num_computed_tokens))
+
+    def _load_external(self, req: Request, computed: list[KVBlock], n_hit: int, n_ext: int,
+                       reserve: int) -> bool:
+        """Blocks for ``req``'s pool hit plus ``n_ext`` tokens the connector loads, taken as
+        admission takes them; the connector holds it (WAITING_FOR_KV) until the load is in
+        and hands it back (``resume``). False: no room now."""
+        kv = self.kv
+        need = kv.blocks_needed(req, n_ext, computed)
+        if self.running and need + reserve > kv.pool.num_free_blocks:
+            return False
+        new = kv.allocate_slots(req, n_ext, computed)
+        if new is None:
+            return False
+        self.waiting.pop()
+        kv.record_lookup(req.num_tokens, n_hit + n_ext)
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = n_hit + n_ext
+            req.first_scheduled_time = time.time()
+        req.status = RequestStatus.WAITING_FOR_KV
+        assert self.connector is not None
+        self.connector.update_state_after_alloc(req, new, n_ext)
+        return True
 
     def update_from_output(self, sched: SchedulerOutput,
                            out: ModelRunnerOutput) -> list[EngineOutput]:

@@ -15,6 +15,7 @@ The scheduler calls a connector at fixed points, and only there:
   request with its blocks allocated (``update_state_after_alloc``) and holds it, as the
   decode connector holds a reservation, until the load is in (``on_message``), so a request
   waiting for a load never delays the running batch;
+- ``on_evict`` (``saves_evicted``): each cached block as the pool evicts it, to save it;
 - each step: ``build_connector_meta`` at the end of ``schedule()`` (the prefill connector's
   TransferPlan, the blocks to save), ``on_token`` for each sampled token of a request it has
   a say in (the prefill role's first token ends the request);
@@ -89,7 +90,16 @@ class KVConnector:
         return 0
 
     def update_state_after_alloc(self, req: Request, blocks: list[KVBlock], num_external: int) -> None:
-        """``req`` got ``blocks`` for the ``num_external`` tokens this connector loads."""
+        """``req`` got ``blocks`` (new ones, after its pool hit) for the ``num_external``
+        tokens this connector loads; it holds the request (WAITING_FOR_KV) until the load is
+        in: then ``num_computed_tokens`` += ``num_external``, and ``Scheduler.resume``."""
+
+    # Whether ``on_evict`` gets every cached block the pool evicts (BlockPool.on_evict).
+    saves_evicted = False
+
+    def on_evict(self, block: KVBlock) -> None:
+        """A cached block leaves the pool (its hash still on it; its KV intact until the step
+        that reuses it runs, so a save must be ordered before that step)."""
 
     # -- each step -------------------------------------------------------------------------
     def build_connector_meta(self, step: int, num_sched: dict[str, int], admitted: bool) -> None:
