@@ -24,19 +24,19 @@ the end of ``schedule()``, each sampled token, a request's end or preemption. It
 transfer state of its requests; a mixed instance has none (``connector is None``). A request
 the connector holds (a decode-role reservation waiting for its KV, a prefill-role request
 parked after its first token) is in ``requests`` but neither running nor waiting; once its KV
-came the connector hands it back (``resume``: admitted first, holding its blocks; ``_admit``).
+came the connector hands it back (``resume``: admitted first, holding its blocks;
+``engine.admission``).
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from pipeline.config import EngineConfig
 from pipeline.engine import inflight
+from pipeline.engine.admission import Admission, StepBudget
 from pipeline.engine.audit import audit_block_table
-from pipeline.engine.block_pool import KVBlock
 from pipeline.engine.kv_cache_manager import KVCacheManager
 from pipeline.engine.kv_connector import make_connector
 from pipeline.engine.kv_connector.base import KVConnector
@@ -54,32 +54,9 @@ from pipeline.messages import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
-    ids_to_bytes,
 )
 
 logger = logging.getLogger(__name__)
-
-# Admission holds back this many blocks per running request for their growth. Reset on a
-# preemption (admission was too eager), decays while none happens (FastDeploy v1's scheme).
-RESERVE_INIT = 1.0
-RESERVE_MIN = 0.05
-RESERVE_DECAY = 0.98
-# Newly admitted requests one step may carry to the workers (their token ids and sampling
-# params, encoded): the step must cross the step ring (runtime/rings.py: messages of at least
-# 16 MiB, and of one largest request plus the rest of a step) with room for the rest. The
-# first request of a step always goes.
-NEW_REQUESTS_BYTES_PER_STEP = 8 << 20
-
-
-@dataclass(slots=True)
-class _Step:
-    """What one schedule() call has handed out so far."""
-    budget: int
-    num_sched: dict[str, int] = field(default_factory=dict)
-    new_blocks: dict[str, list[int]] = field(default_factory=dict)
-    preempted: list[Request] = field(default_factory=list)
-    new_request_bytes: int = 0  # of the requests admitted in this step
-
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int,
@@ -106,7 +83,7 @@ class Scheduler:
         # An explicit threshold always caps a prefill chunk; the default (0) caps it only when
         # the chunk shares the step with other requests, so a lone prompt still gets the whole
         # budget (TTFT) while a prefill never inflates a decode step by more than a quarter.
-        self._explicit_threshold = config.long_prefill_token_threshold > 0
+        self.explicit_threshold = config.long_prefill_token_threshold > 0
         self.long_prefill_token_threshold = (config.long_prefill_token_threshold
                                              or max(1, config.max_num_batched_tokens // 4))
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, hash_key)
@@ -116,9 +93,8 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # admission order
         self.step_id = 0
-        self._admit_seq = 0
         self._finished_ids: list[str] = []  # the worker must drop them at the next step
-        self.reserve_per_running = RESERVE_INIT
+        self.admission = Admission(self)
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_computed_tokens = 0  # prompt, recomputed and decode tokens run by the worker
@@ -235,7 +211,7 @@ class Scheduler:
         if self.connector is not None:
             self.connector.on_preempt(req)
         self.num_preemptions += 1
-        self.reserve_per_running = RESERVE_INIT
+        self.admission = Admission(self)
         self.waiting.add_front(req)
 
     # -- what a connector hands back ----------------------------------------------------
@@ -248,10 +224,6 @@ class Scheduler:
         """``req``, held with its blocks, decodes on."""
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-
-    def reserve_headroom(self) -> int:
-        """Blocks admission keeps free for the running requests' growth."""
-        return int(self.reserve_per_running * len(self.running))
 
     def append_token(self, req: Request, tok: int) -> bool:
         """The one rule for a sampled token: append it, hash a block it filled, and check
@@ -278,7 +250,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.step_id += 1
         step = self.step_id
-        st = _Step(self.max_num_batched_tokens)
+        st = StepBudget(self.max_num_batched_tokens)
         bs = self.block_size
         order: list[Request] = []  # batch order: decodes, then continuing prefills
         prefills: list[Request] = []
@@ -302,7 +274,7 @@ class Scheduler:
                 inflight.mark_scheduled(req, step, 1)
                 order.append(req)
         threshold = self.long_prefill_token_threshold
-        capped = self._explicit_threshold or len(self.running) > 1
+        capped = self.explicit_threshold or len(self.running) > 1
         for req in prefills:
             if st.budget <= 0:
                 break
@@ -322,19 +294,18 @@ class Scheduler:
         cached_reqs = [CachedRequestData(r.req_id, new_blocks.get(r.req_id, []),
                                          r.num_computed_tokens + r.num_inflight_tokens - num_sched[r.req_id])
                        for r in order if r.req_id in num_sched]
-        budget, preempted = st.budget, st.preempted
+        preempted = st.preempted
         new_reqs: list[NewRequestData] = []
         # No admission in a step that had to preempt: the pool is too tight for more work.
         if not preempted:
-            self.reserve_per_running = max(RESERVE_MIN, self.reserve_per_running * RESERVE_DECAY)
-            self._admit(step, budget, num_sched, new_reqs, st)
+            self.admission.admit(step, st, new_reqs)
         if self.connector is not None:
             self.connector.build_connector_meta(step, num_sched, not preempted)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(step, new_reqs, cached_reqs, num_sched, sum(num_sched.values()),
                                finished, [r.req_id for r in preempted])
 
-    def _grow(self, req: Request, n: int, st: _Step) -> bool:
+    def _grow(self, req: Request, n: int, st: StepBudget) -> bool:
         """Room for ``n`` more tokens of running ``req``, preempting victims until it fits.
 
         False when ``req`` itself had to go. A victim already scheduled in this step gives
@@ -355,84 +326,6 @@ class Scheduler:
                 return False
         if blocks:
             st.new_blocks[req.req_id] = [b.block_id for b in blocks]
-        return True
-
-    def _admit(self, step: int, budget: int, num_sched: dict[str, int],
-               new_reqs: list[NewRequestData], st: _Step) -> None:
-        running, kv = self.running, self.kv
-        reserve = self.reserve_headroom()
-        while budget > 0 and len(running) < self.max_num_seqs:
-            req = self.waiting.peek()
-            if req is None:
-                break
-            # Prompt logprobs need every prompt position's logits: no prefix-cache hit. A
-            # request holding blocks (decode role: its prompt's KV arrived) looks up nothing.
-            held = bool(req.blocks)
-            computed, n_hit = ([], 0) if req.owes_prompt_logprobs or held else \
-                kv.get_computed_blocks(req)
-            if self.connector is not None and not (held or req.owes_prompt_logprobs):
-                # Tokens beyond the pool's hit that the connector loads (a second KV tier):
-                # the request waits for them outside the batch, holding its blocks.
-                n_ext = min(self.connector.get_num_new_matched_tokens(req, n_hit),
-                            req.num_tokens - 1 - n_hit)
-                if n_ext > 0:
-                    if not self._load_external(req, computed, n_hit, n_ext, reserve):
-                        break
-                    continue
-            n = min(req.num_tokens - req.num_computed_tokens - n_hit, budget)
-            if self._explicit_threshold or running:
-                n = min(n, self.long_prefill_token_threshold)
-            size = 4 * req.num_tokens + req.params_bytes  # what NewRequestData carries
-            if new_reqs and st.new_request_bytes + size > NEW_REQUESTS_BYTES_PER_STEP:
-                break
-            # Only a request that takes blocks eats into the running requests' reserve (one
-            # whose KV arrived has its first decode token's slot already: it never waits for
-            # a block, so reservations cannot deadlock the batch).
-            need = kv.blocks_needed(req, n, computed)
-            if running and need and need + reserve > kv.pool.num_free_blocks:
-                break
-            if kv.allocate_slots(req, n, computed) is None:
-                break
-            self.waiting.pop()
-            if not held:
-                kv.record_lookup(req.num_tokens, n_hit)
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = n_hit
-                req.first_scheduled_time = time.time()
-            req.status = RequestStatus.RUNNING
-            inflight.mark_scheduled(req, step, n)
-            req.sent_to_worker = True
-            self._admit_seq += 1
-            req.admit_seq = self._admit_seq
-            running.append(req)
-            num_sched[req.req_id] = n
-            budget -= n
-            st.new_request_bytes += size
-            new_reqs.append(NewRequestData(req.req_id, ids_to_bytes(req.all_token_ids),
-                                           req.num_prompt_tokens, req.sampling_params,
-                                           [b.block_id for b in req.blocks],
-                                           req.num_computed_tokens))
-
-    def _load_external(self, req: Request, computed: list[KVBlock], n_hit: int, n_ext: int,
-                       reserve: int) -> bool:
-        """Blocks for ``req``'s pool hit plus ``n_ext`` tokens the connector loads, taken as
-        admission takes them; the connector holds it (WAITING_FOR_KV) until the load is in
-        and hands it back (``resume``). False: no room now."""
-        kv = self.kv
-        need = kv.blocks_needed(req, n_ext, computed)
-        if self.running and need + reserve > kv.pool.num_free_blocks:
-            return False
-        new = kv.allocate_slots(req, n_ext, computed)
-        if new is None:
-            return False
-        self.waiting.pop()
-        kv.record_lookup(req.num_tokens, n_hit + n_ext)
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = n_hit + n_ext
-            req.first_scheduled_time = time.time()
-        req.status = RequestStatus.WAITING_FOR_KV
-        assert self.connector is not None
-        self.connector.update_state_after_alloc(req, new, n_ext)
         return True
 
     def update_from_output(self, sched: SchedulerOutput,

@@ -65,7 +65,7 @@ class DecodeConnector(KVConnector):
         """Reserve blocks for queued requests (FCFS), keeping the running requests' reserve
         free as admission does; their KVReservation outputs."""
         res = self.reservations
-        return [res.output(req, self.endpoint) for req in res.reserve(self.sched.reserve_headroom())]
+        return [res.output(req, self.endpoint) for req in res.reserve(self.sched.admission.headroom())]
 
     # -- leaving ---------------------------------------------------------------------------
     def detach(self, req: Request) -> bool:
