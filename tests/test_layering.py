@@ -33,6 +33,8 @@ LAYERS: dict[str, set[str]] = {
     "worker": STAGE_BASE | {"models", "layers", "structured_outputs"},
     "layers": {"_ext", "config"},
     "models": {"layers", "config"},
+    # the in-process LLM's TP ranks: stage processes it starts itself, never through the gateway
+    "llm_tp": STAGE_BASE | {"worker"},
     "client": {"messages", "gateway", "sampling_params", "config"},
     "router": {"messages", "gateway", "sampling_params", "config"},
     # the OpenAI HTTP front end: a client of the daemon (and its Tokenizer for /tokenize)

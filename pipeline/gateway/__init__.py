@@ -2,7 +2,6 @@
 and the in-flight table, and is the front of every way in.
 
 - gateway: `Gateway` (rings, stages, in-flight table, supervision, drain)
-- supervisor: spawning stage processes, waiting for their ready reports, their last words
 - serve: `pipeline serve`, the ZMQ daemon (systemd Type=notify); sessions, metrics, systemd,
   curve are its parts
 - pipe: `pipeline run`, pipe mode (JSON lines or plain prompts on stdin)

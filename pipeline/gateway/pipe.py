@@ -48,9 +48,9 @@ from pipeline.config import add_engine_args, config_from_args
 from pipeline.gateway.batch import MIXED, BatchLine, BatchLines, Refused, is_batch_line, output_line
 from pipeline.gateway.gateway import Answer, Gateway
 from pipeline.gateway.protocol import Generate, ProtocolError, gateway_request, request_from_json, sampling_params
-from pipeline.gateway.supervisor import StartupError
 from pipeline.messages import GatewayRequest, RequestDelta, RequestResult, error_result
 from pipeline.messages.requests import MAX_PROMPT_BYTES
+from pipeline.runtime.lifecycle import StartupError
 from pipeline.sampling_params import SamplingParams
 
 # Room for a maximal prompt in any JSON escaping (up to 6 bytes per byte, "\u0001").

@@ -35,9 +35,9 @@ from pipeline.gateway.http_front import HttpFront, parse_http
 from pipeline.gateway.metrics import Metrics
 from pipeline.gateway.openai_convert import fingerprint, served_model_name
 from pipeline.gateway.sessions import ClientSessions, DuplicateRequestId
-from pipeline.gateway.supervisor import StartupError
 from pipeline.gateway.systemd import Notifier
 from pipeline.messages import ErrorInfo, RequestResult, error_result
+from pipeline.runtime.lifecycle import StartupError
 
 if TYPE_CHECKING:
     from zmq.auth.thread import ThreadAuthenticator

@@ -1,8 +1,8 @@
 """The process entry of every stage, and how a stage reports back to the gateway.
 
 Every stage (tokenizer, engine, worker per TP rank, token processor) runs in its own OS
-process started by the gateway (``gateway.supervisor``) with the multiprocessing 'spawn'
-context. The process gets a StageSpec (msgspec-encoded) and one end of a control pipe on
+process started by its owner (the gateway, a TP node, ``llm_tp``; ``runtime.lifecycle``) with
+the multiprocessing 'spawn' context. The process gets a StageSpec (msgspec-encoded) and one end of a control pipe on
 which it reports, exactly once, either ``("ready", info)`` or ``("error", message)``. The
 gateway starts the stages before it has created the rings (``spec.await_start``): a stage
 imports its code (the worker: torch and the model), then waits on the same pipe for
