@@ -55,6 +55,10 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # a command, not a call in another program's process
+        from pipeline.runtime.process import die_with_parent_env
+
+        die_with_parent_env()  # PIPELINE_DIE_WITH=<parent pid>: the test suite's daemons
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     return int(args._main(args) or 0)

@@ -1,7 +1,8 @@
 """``pipeline.LLM(..., tensor_parallel_size=N)``: the in-process engine's worker over N ranks.
 
 Rank 0 is a ModelRunner in this process, as without tensor parallelism; ranks 1..N-1 are
-worker stage processes (``worker.stage``, started like the gateway starts them), which take
+worker stage processes (``worker.stage``, started and stopped as the gateway does it:
+``runtime.lifecycle``), which take
 each step from a broadcast ring this object writes before rank 0 runs it. Rank 0's reader
 slot of the ring is drained here (the stage reads its slot by rank), so the ring has one
 layout for every caller. Same interface as ModelRunner (``num_blocks``, ``execute``,
@@ -13,18 +14,24 @@ every rank carry its id; a killed LLM's are swept at the next start: their owner
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 from typing import Any
 
 import msgspec
 
 from pipeline.config import EngineConfig
-from pipeline.gateway.gateway import free_tcp_port
-from pipeline.gateway.supervisor import Stage, describe_exit, last_words, spawn_stage, wait_ready
 from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.instance import Instance, unlink_instance
 from pipeline.messages import ModelRunnerOutput, SchedulerOutput
-from pipeline.runtime.process import STOP_SIGNAL
+from pipeline.runtime.lifecycle import (
+    Stage,
+    describe_exit,
+    free_tcp_port,
+    last_words,
+    reap,
+    signal_stop,
+    spawn_stage,
+    wait_ready,
+)
 from pipeline.runtime.rings import STEPS_ROLE, Channel, capacity, message_limits
 from pipeline.runtime.spec import StageSpec
 from pipeline.worker.model_runner import TP_TIMEOUT_S, ModelRunner
@@ -75,20 +82,12 @@ class LocalTPWorkers:
         return self.runner.execute(sched)
 
     def close(self) -> None:
-        for s in self.ranks:
-            if s.process.is_alive() and s.process.pid is not None:
-                try:
-                    os.kill(s.process.pid, STOP_SIGNAL)
-                except ProcessLookupError:
-                    pass
+        # The ranks stop while rank 0 leaves the process group, not one after the other.
+        signal_stop(self.ranks)
         if self.runner is not None:
             self.runner.close()
             self.runner = None
-        for s in self.ranks:
-            s.process.join(5.0)
-            if s.process.is_alive():
-                s.process.kill()
-                s.process.join(2.0)
+        reap(self.ranks, 5.0)
         self.ranks = []
         for ring in (getattr(self, "_mine", None), getattr(self, "steps", None)):
             if ring is not None:

@@ -1,11 +1,18 @@
 """Shared fixtures. Every transport test runs under its own shared-memory instance and checks
-that nothing of it is left in /dev/shm afterwards."""
+that nothing of it is left in /dev/shm afterwards. Every `pipeline` command a test starts gets
+SIGTERM when this pytest process dies, even by SIGKILL (PIPELINE_DIE_WITH, set here for
+the commands started without ``e2e_helpers.env()``, which sets it too)."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from pipeline.ipc.instance import Instance, list_entries
+from pipeline.runtime.process import DIE_WITH_ENV
+
+os.environ[DIE_WITH_ENV] = str(os.getpid())
 
 
 def pytest_addoption(parser):

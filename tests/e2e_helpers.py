@@ -1,7 +1,10 @@
 """Helpers of the end-to-end tests (tests/test_e2e_*.py): a tiny checkpoint, `pipeline run`
 as a subprocess, a `pipeline serve` daemon as a subprocess, and the /dev/shm check.
 
-Everything here drives the real stage processes; nothing is mocked.
+Everything here drives the real stage processes; nothing is mocked. Every `pipeline` command
+started with ``env()`` gets SIGTERM when the process that started it dies
+(PIPELINE_DIE_WITH, ``runtime.process.die_with_parent_env``), so a killed test run leaves no
+daemon behind: start them from the main thread (the kernel watches the starting thread).
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from pipeline.runtime.process import DIE_WITH_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 PIPELINE = [sys.executable, "-m", "pipeline"]
@@ -39,6 +44,7 @@ def env() -> dict:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e.setdefault("OMP_NUM_THREADS", "1")
+    e[DIE_WITH_ENV] = str(os.getpid())  # a `pipeline` command does not outlive this process
     return e
 
 
@@ -63,6 +69,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
 
 
 def shm_entries(instance_id: str) -> list[str]:

@@ -25,11 +25,11 @@ from pipeline.cache.tcp import DONE, ERR, FLUSH, HELLO, OK, FlushAck, PeerInfo, 
 from pipeline.cache.tcp_receiver import KVReceiver
 from pipeline.cache.transfer import KVTransferError
 from pipeline.config import EngineConfig
-from pipeline.gateway.supervisor import Stage, spawn_stage, wait_ready
 from pipeline.ipc.layer_signal import LayerSignal
 from pipeline.ipc.ring import Ring
 from pipeline.ipc.segment import unlink_name
 from pipeline.messages.kv import KVFinish, KVReady, KVSend, TransferPlan, TransferReport, pairs_to_bytes
+from pipeline.runtime.lifecycle import Stage, spawn_stage, wait_ready
 from pipeline.runtime.process import EXIT_PEER_DIED, STOP_SIGNAL
 from pipeline.runtime.rings import Channel, capacity, message_limits
 from pipeline.runtime.spec import ModelInfo, StageSpec

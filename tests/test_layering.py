@@ -44,6 +44,8 @@ LAYERS: dict[str, set[str]] = {
     # the OpenAI HTTP front end: a client of the daemon (and its Tokenizer for /tokenize; the
     # launcher, the daemon's side, sweeps the ipc directories of dead instances)
     "http": {"client", "frontend", "messages", "sampling_params", "config", "tokenizer", "ipc"},
+    # the in-process LLM's TP ranks: stage processes it starts itself, never through the gateway
+    "llm_tp": STAGE_BASE | {"worker"},
 }
 STAGES = {"tokenizer", "engine", "worker", "output", "cache"}
 CLIENT_MAY_USE = {"pipeline.frontend.protocol", "pipeline.frontend.curve"}

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from e2e_helpers import ENGINE_FLAGS, PIPELINE, ROOT, env, make_tiny_model, shm_entries
 
-from pipeline.gateway.pipe import MAX_LINE_BYTES
+from pipeline.gateway.pipe_input import MAX_LINE_BYTES
 from pipeline.messages.requests import MAX_PROMPT_BYTES
 
 

@@ -20,8 +20,8 @@ from e2e_helpers import ENGINE_FLAGS, PIPELINE, ROOT, env, make_tiny_model, shm_
 
 from pipeline.config import EngineConfig
 from pipeline.gateway.gateway import Gateway
-from pipeline.gateway.supervisor import Stage, StartupError
 from pipeline.messages import GatewayRequest, RequestResult
+from pipeline.runtime.lifecycle import Stage, StartupError
 from pipeline.sampling_params import SamplingParams
 from pipeline.worker.kv_cache import KVCache
 

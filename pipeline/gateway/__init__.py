@@ -1,10 +1,12 @@
 """The gateway: the main process. Starts and supervises the stage processes, owns the rings
 and the in-flight table, and is the front of every way in.
 
-- gateway: `Gateway` (rings, stages, in-flight table, supervision, drain)
-- supervisor: spawning stage processes, waiting for their ready reports, their last words
+- gateway: `Gateway` (in-flight table, supervision, drain); stages: its base, the instance's
+  rings and stage processes brought up and torn down (``runtime.lifecycle``'s tools)
+- worker_node: `serve --node-rank R`, a host lending its worker ranks to node 0
 - serve: `pipeline serve`, the ZMQ daemon (systemd Type=notify), on ``frontend.zmq_server``;
   serve_args its flags (``ServeArgs``); metrics and systemd are its parts
-- pipe: `pipeline run`, pipe mode (JSON lines or plain prompts on stdin)
+- pipe: `pipeline run`, pipe mode (JSON lines or plain prompts on stdin); pipe_input: its
+  lines parsed into requests; pipe_output: its answer lines
 - batch: pipe mode's OpenAI batch files
 """

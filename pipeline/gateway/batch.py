@@ -6,8 +6,8 @@ once they have all finished. Bodies are validated by ``http.api`` and mapped by
 
 Owns / State (``BatchLines``, one per run in batch mode): the custom_ids seen so far (the
 reader thread's), and the lines in flight: line index -> the results of its engine requests
-(touched under the pipe writer's lock). The writer (``pipe.AnswerWriter``) orders and writes
-the lines and counts failures; this module never writes.
+(touched under the pipe writer's lock). The writer (``pipe_output.AnswerWriter``) orders and
+writes the lines and counts failures; this module never writes.
 
 A line the API refuses (a body field, ``stream`` true, another model) gets a ``response``
 with OpenAI's error object and its HTTP status (400, 404); a line that is no batch request

@@ -1,7 +1,8 @@
 """Gateway (main process): starts the stage processes, feeds them and supervises them.
 
-Owns the instance's shared-memory rings (it creates and unlinks them all), the stage
-processes, and the table of in-flight requests, which is what guarantees every accepted
+The instance's start-up and tear-down (rings, stage processes) are its base class's
+(``gateway.stages``); here: the in-flight table, the two threads that receive answers and
+watch the stages, and the drain. The in-flight table is what guarantees every accepted
 request exactly one final answer: from the token processor, from the tokenizer (invalid
 request), or from the gateway itself when a stage died or a drain ran out of time. It never
 tokenizes or schedules. `pipeline run` and `pipeline serve` are thin front ends over it.
@@ -11,40 +12,28 @@ limits of ``messages.requests``, measured as it will cross the submit ring, or o
 max_num_seqs + ``--max-queued-requests`` in flight: "queue_full") gets an error answer through
 ``on_output`` instead of being accepted; `submit` does not raise for it.
 The rings are sized from those limits and max_model_len (``runtime.rings``).
+Owns: the in-flight table, the engine's latest stats, the two threads (each with an Event it
+sets when it ends).
 """
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import socket
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait as wait_sentinels
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from pipeline.config import EngineConfig
-from pipeline.gateway.supervisor import Stage, describe_exit, last_words, send_start, spawn_stage, wait_ready
-from pipeline.ipc.broadcast import BroadcastRing
+from pipeline.gateway.stages import STOP_GRACE_S, GatewayStages
 from pipeline.ipc.errors import PeerDied
-from pipeline.ipc.instance import Instance, owner_alive, unlink_instance
-from pipeline.ipc.layer_signal import LayerSignal
-from pipeline.ipc.ring import Doorbell, Ring, wait_any
-from pipeline.ipc.sweep import sweep_stale
+from pipeline.ipc.ring import wait_any
 from pipeline.messages import AbortRequest, EngineStats, GatewayRequest, RequestDelta, RequestResult, error_result
-from pipeline.models.config import load_model_config
-from pipeline.runtime.process import EXIT_PEER_DIED, NEEDS_MODEL, STOP_SIGNAL
-from pipeline.runtime.rings import SHARED_DOORBELLS, STEPS_ROLE, Channel, capacity, message_limits, ring_roles
-from pipeline.runtime.spec import ModelInfo, StageSpec
+from pipeline.runtime.lifecycle import describe_exit, last_words, stop_stages
+from pipeline.runtime.process import EXIT_PEER_DIED
+from pipeline.runtime.spec import ModelInfo
 from pipeline.tokenizer.validate import InvalidRequest, check_messages_bytes, check_prompt_text
-
-if TYPE_CHECKING:
-    import psutil
 
 Answer = RequestDelta | RequestResult
 ABORT_CHUNK = 1024  # request ids per AbortRequest (ids are at most 1 KiB of UTF-8 each)
@@ -72,31 +61,11 @@ def size_problem(req: GatewayRequest, encoded_size: int, limit: int) -> str | No
             f"(MAX_REQUEST_BYTES); field `{name}` takes {fields[name]} of them")
 
 
-def sweep_kv_sockets(run_dir: Path) -> None:
-    """Remove the ipc sockets decode instances left behind when killed (`<id>`: a dead
-    instance, by the owner record ``ipc.sweep`` judges /dev/shm entries by)."""
-    for path in run_dir.glob("pipeline-*.kv"):
-        iid = path.name[len("pipeline-"):-len(".kv")]
-        if owner_alive(iid) is not True and path.is_socket() and path.stat().st_uid == os.geteuid():
-            path.unlink(missing_ok=True)
-
-
-def free_tcp_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-class Gateway:
+class Gateway(GatewayStages):
     def __init__(self, config: EngineConfig, on_output: OnOutput,
                  log: Callable[[str], None] | None = None) -> None:
-        self.config = config
+        super().__init__(config, log or (lambda m: print(f"[gateway] {m}", file=sys.stderr, flush=True)))
         self.on_output = on_output
-        self.log = log or (lambda m: print(f"[gateway] {m}", file=sys.stderr, flush=True))
-        self.stages: list[Stage] = []
-        self.model: ModelInfo | None = None
-        self.instance: Instance | None = None
-        self.rings: dict[str, Channel] = {}
         self.inflight: dict[str, bool] = {}  # req_id -> stream
         self.lock = threading.Lock()  # the in-flight table; held while answering
         self.submit_lock = threading.Lock()  # the submit ring has a single producer
@@ -105,106 +74,32 @@ class Gateway:
         self.failure: str | None = None  # set once when a stage dies
         self.failed = threading.Event()
         self.stopping = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._threads: list[tuple[threading.Thread, threading.Event]] = []  # and its end
         self.engine_stats = EngineStats()
         self.stats_updated = threading.Event()
-        self._ps: dict[int, psutil.Process] = {}  # cpu_percent needs the same handle
-        self._names: dict[str, str] = {}  # ring role -> shared-memory name, told to every stage
 
     # ---- start-up ----
     def start(self, timeout_s: float = 600.0) -> ModelInfo:
-        # A bad path or an unsupported checkpoint fails here, before any process starts.
-        mc = load_model_config(self.config.model)
-        # The worker's max_model_len is at most this (it refuses more than the checkpoint's).
-        limits = message_limits(self.config, self.config.max_model_len or mc.max_position_embeddings)
-        removed = sweep_stale()
-        if removed:
-            self.log(f"removed {len(removed)} stale shared-memory entries of dead instances")
-        self.instance = Instance(self.config.instance_id)
-        if self.config.role == "decode" and not self.config.kv_listen:
-            # Same host only: where prefill instances' cache messagers reach ours.
-            run_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
-            sweep_kv_sockets(run_dir)
-            self.config = msgspec.structs.replace(
-                self.config, kv_listen=f"ipc://{run_dir}/pipeline-{self.config.instance_id}.kv")
-        try:
-            # Every stage at once, the workers first, before the rings exist: each imports its
-            # code (the workers: torch and the model) while the rings are made and the others
-            # come up, then waits for ("start", model) (runtime.process): once the rings exist,
-            # and for those built from the worker's ModelInfo (NEEDS_MODEL) once rank 0 sent it.
-            self._names = self._ring_names()
-            kinds = ["engine", "tokenizer", "output"] + (["messager"] if self.config.role != "mixed" else [])
-            if self.config.tensor_parallel_size > 1 and not self.config.master_port:
-                # One host: the ranks meet on loopback at a port free now.
-                self.config = msgspec.structs.replace(self.config, master_port=free_tcp_port())
-            for r in range(self.config.ranks_per_node):  # node 0's ranks; other nodes run theirs
-                self._spawn(f"worker{r}", "worker", r)
-            for k in kinds:
-                self._spawn(k, k)
-            self._create_rings(limits, mc.num_layers)
-            for s in self.stages:
-                self._start_stage(s)
-            wait_ready(self.stages, timeout_s, self._on_ready)
-            assert self.model is not None  # worker0 reported ready
-        except BaseException:
-            self.close()
-            raise
+        model = self._start_stages(timeout_s)
         self.accepting = True
         for target in (self._receive_loop, self._supervise_loop):
-            t = threading.Thread(target=target, name=f"gateway-{target.__name__}", daemon=True)
+            ended = threading.Event()
+            t = threading.Thread(target=self._run_thread, args=(target, ended),
+                                 name=f"gateway-{target.__name__}", daemon=True)
             t.start()
-            self._threads.append(t)
+            self._threads.append((t, ended))
         self.log(f"ready: {len(self.stages)} stage processes, instance {self.config.instance_id}")
-        return self.model
+        return model
 
-    def _ring_names(self) -> dict[str, str]:
-        """role -> shared-memory name of every ring (and the layer signal) of this instance."""
-        assert self.instance is not None
-        roles = [*ring_roles(self.config.role), STEPS_ROLE]
-        return {r: self.instance.name(r) for r in roles + (["layers"] if self.config.role == "prefill" else [])}
-
-    def _create_rings(self, limits: dict[str, int], num_layers: int) -> None:
-        assert self.instance is not None
-        bells = {c: Doorbell.create(self.instance, f"bell.{c}") for c in SHARED_DOORBELLS}
-        self.doorbells = list(bells.values())
-        for role, (producer, consumer) in ring_roles(self.config.role).items():
-            mine = "gateway" in (producer, consumer)
-            self.rings[role] = Channel(Ring.create(
-                self.instance, role, capacity(limits[role]), doorbell=bells.get(consumer),
-                role="writer" if producer == "gateway" else "reader", claim=mine), role)
-        self.steps = BroadcastRing.create(self.instance, STEPS_ROLE, capacity(limits[STEPS_ROLE]),
-                                          self.config.ranks_per_node)
-        made = {r: ch.ring.name for r, ch in self.rings.items()} | {STEPS_ROLE: self.steps.name}
-        if self.config.role == "prefill":
-            # Worker rank 0 publishes each layer's "KV written" on it; the cache messager
-            # blocks on it (the gateway owns it so it is unlinked with the instance).
-            # Every rank's layers when the ranks share one KV segment (worker/kv_cache.py).
-            self.layer_signal = LayerSignal.create(self.instance, "layers",
-                                                   num_layers * self.config.tensor_parallel_size)
-            made["layers"] = self.layer_signal.name
-        assert made == self._names, (made, self._names)  # what the stages were told
-
-    def _on_ready(self, stage: Stage) -> None:
-        if stage.spec.kind == "worker" and stage.spec.rank == 0:
-            self.model = msgspec.convert(stage.info, ModelInfo)
-            for s in self.stages:
-                self._start_stage(s)
-
-    def _start_stage(self, stage: Stage) -> None:
-        """Tell ``stage`` to start, once: when the rings exist and it has what it needs."""
-        if stage.started or not self.rings:
-            return
-        if stage.spec.kind not in NEEDS_MODEL:
-            send_start(stage, None)
-        elif self.model is not None:
-            send_start(stage, msgspec.structs.asdict(self.model))
-
-    def _spawn(self, name: str, kind: str, rank: int = 0) -> Stage:
-        stage = spawn_stage(mp.get_context("spawn"), StageSpec(
-            name=name, kind=kind, config=self.config, rings=self._names, rank=rank,
-            await_start=True))
-        self.stages.append(stage)
-        return stage
+    @staticmethod
+    def _run_thread(target: Callable[[], None], ended: threading.Event) -> None:
+        # The thread says itself when it ended: Thread.join is not trusted for that (on
+        # Python 3.11 a signal handler's exception raised inside join() can mark a live
+        # thread stopped, bpo-45274), and close() unmaps the rings these threads read.
+        try:
+            target()
+        finally:
+            ended.set()
 
     # ---- requests ----
     def submit(self, req: GatewayRequest) -> bool:
@@ -378,54 +273,11 @@ class Gateway:
             self.inflight.clear()
         return len(left)
 
-    def stats_stages(self) -> list[dict]:
-        """Per stage process: pid, liveness, RSS and CPU % since the previous call."""
-        import psutil  # here: a one-line `pipeline run` never asks, and start-up is shorter
-
-        rows = []
-        for s in self.stages:
-            pid = s.process.pid
-            assert pid is not None  # spawn_stage started every stage
-            row: dict[str, Any] = {"stage": s.spec.name, "pid": pid, "alive": s.process.is_alive()}
-            try:
-                p = self._ps.get(pid) or self._ps.setdefault(pid, psutil.Process(pid))
-                row |= {"rss_bytes": p.memory_info().rss, "cpu_percent": p.cpu_percent(None)}
-            except (psutil.Error, TypeError):
-                pass
-            rows.append(row)
-        return rows
-
     def close(self) -> None:
         self.stopping.set()
         self.accepting = False
-        for s in self.stages:
-            if s.process.is_alive():
-                assert s.process.pid is not None  # alive, so started
-                try:
-                    os.kill(s.process.pid, STOP_SIGNAL)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 3.0
-        for s in self.stages:
-            s.process.join(max(0.0, deadline - time.monotonic()))
-            if s.process.is_alive():
-                s.process.kill()
-                s.process.join(2.0)
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(1.0)
-        # Unmap only when no thread of ours can still touch a ring (unlinking below is what
-        # frees the memory; a mapping dies with the process anyway).
-        if not any(t.is_alive() for t in self._threads if t is not threading.current_thread()):
-            for ring in [*(ch.ring for ch in self.rings.values()), getattr(self, "steps", None),
-                         getattr(self, "layer_signal", None), *getattr(self, "doorbells", [])]:
-                if ring is not None:
-                    ring.close()
-        if self.config.kv_listen.startswith("ipc://"):  # a killed messager leaves its socket
-            Path(self.config.kv_listen[len("ipc://"):]).unlink(missing_ok=True)
-        if self.instance is not None:
-            self.instance.cleanup()
-            # Segments a stage created itself (the worker's KV cache) and could not unlink
-            # because it was killed belong to this instance too.
-            unlink_instance(self.instance.id)
-            self.instance = None
+        stop_stages(self.stages, STOP_GRACE_S)
+        others = [ended for t, ended in self._threads if t is not threading.current_thread()]
+        for ended in others:
+            ended.wait(1.0)
+        self._release(unmap=all(ended.is_set() for ended in others))

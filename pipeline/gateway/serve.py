@@ -33,11 +33,11 @@ from pipeline.frontend.zmq_server import DISCONNECT_SETTLE_S, ZmqServer
 from pipeline.gateway.gateway import Answer, Gateway
 from pipeline.gateway.metrics import Metrics
 from pipeline.gateway.serve_args import ServeArgs, add_args, check_args
-from pipeline.gateway.supervisor import StartupError
 from pipeline.gateway.systemd import Notifier
 from pipeline.http.launcher import HttpFront
 from pipeline.http.openai_convert import fingerprint, served_model_name
 from pipeline.messages import RequestResult, error_result
+from pipeline.runtime.lifecycle import StartupError
 
 if TYPE_CHECKING:
     import argparse

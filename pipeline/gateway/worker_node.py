@@ -12,17 +12,15 @@ Owns: the rank processes and the instance whose name their KV segments carry.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import signal
 import sys
 import threading
 from multiprocessing.connection import wait as wait_sentinels
 
 from pipeline.config import EngineConfig
-from pipeline.gateway.supervisor import Stage, StartupError, describe_exit, last_words, spawn_stage, wait_ready
 from pipeline.ipc.instance import Instance, unlink_instance
 from pipeline.ipc.sweep import sweep_stale
-from pipeline.runtime.process import STOP_SIGNAL
+from pipeline.runtime.lifecycle import StartupError, describe_exit, last_words, spawn_stage, stop_stages, wait_ready
 from pipeline.runtime.spec import StageSpec
 from pipeline.worker.model_runner import TP_TIMEOUT_S
 
@@ -30,20 +28,6 @@ from pipeline.worker.model_runner import TP_TIMEOUT_S
 def log(msg: str) -> None:
     sys.stderr.write(f"[node] {msg}\n")
     sys.stderr.flush()
-
-
-def _stop(ranks: list[Stage]) -> None:
-    for s in ranks:
-        if s.process.is_alive() and s.process.pid is not None:
-            try:
-                os.kill(s.process.pid, STOP_SIGNAL)
-            except ProcessLookupError:
-                pass
-    for s in ranks:
-        s.process.join(5.0)
-        if s.process.is_alive():
-            s.process.kill()
-            s.process.join(2.0)
 
 
 def run(config: EngineConfig) -> int:
@@ -83,6 +67,6 @@ def run(config: EngineConfig) -> int:
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-        _stop(ranks)
+        stop_stages(ranks, 5.0)
         instance.cleanup()
         unlink_instance(instance.id)

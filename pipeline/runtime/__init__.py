@@ -6,6 +6,8 @@
   ring that speaks its role's messages
 - process: `stage_process` (every stage's process entry), `ReadyFn`, exit codes, the stop
   signal, `log`
+- lifecycle: starting, watching and stopping stage processes (`spawn_stage`, `wait_ready`,
+  `stop_stages`), for every owner of stages: the gateway, a TP node, `llm_tp`
 
 Stage packages import this, never the gateway.
 """

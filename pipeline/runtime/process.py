@@ -1,14 +1,16 @@
 """The process entry of every stage, and how a stage reports back to the gateway.
 
 Every stage (tokenizer, engine, worker per TP rank, token processor) runs in its own OS
-process started by the gateway (``gateway.supervisor``) with the multiprocessing 'spawn'
-context. The process gets a StageSpec (msgspec-encoded) and one end of a control pipe on
+process started by its owner (the gateway, a TP node, ``llm_tp``; ``runtime.lifecycle``) with
+the multiprocessing 'spawn' context. The process gets a StageSpec (msgspec-encoded) and one end of a control pipe on
 which it reports, exactly once, either ``("ready", info)`` or ``("error", message)``. The
 gateway starts the stages before it has created the rings (``spec.await_start``): a stage
 imports its code (the worker: torch and the model), then waits on the same pipe for
 ``("start", model)``, sent once the rings exist; ``model`` is the worker's ModelInfo for the
 stages of NEEDS_MODEL (sent when rank 0 reports ready), None for the others. After that the
 pipe is silent: all traffic goes through the shared-memory rings named in the spec.
+A stage dies with the process that started it (PR_SET_PDEATHSIG); ``die_with_parent_env``
+gives a `pipeline` command the same (SIGTERM) when asked to by PIPELINE_DIE_WITH.
 Owns no state beyond the process-wide signal set-up of the stage it runs.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib
+import multiprocessing
 import os
 import signal
 import sys
@@ -57,16 +60,54 @@ NEEDS_MODEL = frozenset({"engine", "tokenizer", "messager"})
 ReadyFn = Callable[[dict], None]
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
+# `pipeline` commands started with PIPELINE_DIE_WITH=<pid of their parent> get SIGTERM when
+# that parent dies (``die_with_parent_env``). The test suite sets it, so a daemon, router or
+# pipe-mode run a test started drains and unlinks its shared memory when pytest is killed.
+DIE_WITH_ENV = "PIPELINE_DIE_WITH"
+
+
+def die_with_parent(signum: int, parent: int) -> None:
+    """Have the kernel send ``signum`` to this process when ``parent`` (its parent's pid)
+    dies (Linux prctl PR_SET_PDEATHSIG); at once if it is already gone. The kernel means the
+    parent *thread* that started this process: start such children from a thread that lives
+    as long as the parent (its main thread)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signum)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the prctl: no signal will come for it
+        os.kill(os.getpid(), signum)
+
+
+def die_with_parent_env() -> None:
+    """Honour ``PIPELINE_DIE_WITH=<pid>`` (SIGTERM when that parent dies), and take it out of
+    the environment: the processes this one starts die with it their own way."""
+    value = os.environ.pop(DIE_WITH_ENV, None)
+    if not value:
+        return
+    try:
+        pid = int(value)
+    except ValueError:
+        raise SystemExit(f"{DIE_WITH_ENV}: must be a process id, got {value!r}") from None
+    if os.getppid() == pid:
+        die_with_parent(signal.SIGTERM, pid)
+        return
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:  # it died before we looked (we were its child or grandchild)
+        os.kill(os.getpid(), signal.SIGTERM)
+    except PermissionError:
+        pass
+    # Alive and not our parent: a process it started started us; that one decides.
+
+
 def _die_with_parent() -> None:
     # The gateway is the only supervisor: a stage must not outlive it (e.g. gateway
     # SIGKILLed by the OOM killer), or it would hold the KV memory forever.
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() == 1:
-        os._exit(EXIT_ERROR)
+    parent = multiprocessing.parent_process()
+    die_with_parent(signal.SIGKILL, parent.pid if parent is not None and parent.pid else os.getppid())
 
 
 def _yield_to_the_worker(kind: str) -> None:

@@ -1,14 +1,25 @@
-"""Gateway: starting stage processes and watching them (the supervisor's tools).
+"""The life of a stage process, seen from the process that owns it: start, watch, stop.
 
-``spawn_stage`` starts one stage process (``runtime.process.stage_process``) with the 'spawn'
-context; ``send_start`` tells one started with ``spec.await_start`` to go on (with the worker's
-ModelInfo where it needs it); ``wait_ready`` waits for the ready reports (or names the stage
-that failed), calling back on each; ``last_words`` and ``describe_exit`` say why a stage
-died. Owns no state: the Gateway holds the Stage records.
+One set of tools for every owner of stage processes: the gateway (all stages of an
+instance), a TP node's main process (``gateway.worker_node``: its worker ranks) and the
+in-process ``LLM`` over several ranks (``llm_tp``: ranks 1..N-1).
+
+- start: ``spawn_stage`` starts one stage process (``runtime.process.stage_process``) with the
+  'spawn' context; ``send_start`` tells one started with ``spec.await_start`` to go on (with
+  the worker's ModelInfo where it needs it); ``wait_ready`` waits for the ready reports (or
+  names the stage that failed), calling back on each. ``free_tcp_port``: where the ranks of
+  one host meet (torch.distributed's master port).
+- watch: ``last_words`` and ``describe_exit`` say why a stage died.
+- stop: ``signal_stop`` sends STOP_SIGNAL (the stage exits 0 at once), ``reap`` waits for
+  the exits under one deadline, kills what is left and collects it; ``stop_stages`` is both.
+
+Owns no state: the owner holds the Stage records.
 """
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +29,7 @@ from multiprocessing.process import BaseProcess
 
 import msgspec
 
-from pipeline.runtime.process import EXIT_PEER_DIED, stage_process
+from pipeline.runtime.process import EXIT_PEER_DIED, STOP_SIGNAL, stage_process
 from pipeline.runtime.spec import StageSpec
 
 
@@ -113,3 +124,41 @@ def describe_exit(code: int | None) -> str:
     if code == EXIT_PEER_DIED:
         return "stopped because a peer stage died"
     return f"exit code {code}"
+
+
+def signal_stop(stages: list[Stage]) -> None:
+    """Send STOP_SIGNAL to every stage still running (they exit 0 on it)."""
+    for s in stages:
+        if s.process.is_alive() and s.process.pid is not None:
+            try:
+                os.kill(s.process.pid, STOP_SIGNAL)
+            except ProcessLookupError:
+                pass
+
+
+def reap(stages: list[Stage], grace_s: float) -> None:
+    """Wait up to ``grace_s`` (one deadline for all) for the stages to exit, SIGKILL those
+    still running, and collect every exit (no zombie is left)."""
+    # Process.join waits on the process's sentinel and reaps with waitpid: it is no
+    # Thread.join, so a signal handler raising meanwhile cannot leave a live stage marked
+    # ended (bpo-45274); that exception propagates instead.
+    deadline = time.monotonic() + grace_s
+    for s in stages:
+        s.process.join(max(0.0, deadline - time.monotonic()))
+    for s in stages:
+        if s.process.is_alive():
+            s.process.kill()
+            s.process.join(2.0)
+
+
+def stop_stages(stages: list[Stage], grace_s: float) -> None:
+    """Stop ``stages``: STOP_SIGNAL, ``grace_s`` to exit, then SIGKILL."""
+    signal_stop(stages)
+    reap(stages, grace_s)
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free now on ``host``: where the TP ranks of one host meet."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
