@@ -364,7 +364,7 @@ def test_a_step_carries_no_more_new_requests_than_its_ring_can():
     still not carry more of their token ids (and params) than the step ring takes."""
     import msgspec
 
-    from pipeline.engine.scheduler import NEW_REQUESTS_BYTES_PER_STEP
+    from pipeline.engine.admission import NEW_REQUESTS_BYTES_PER_STEP
     prompt = [(i * 7) % 40 + 1 for i in range(300_000)]  # 1.2 MB as int32
     e = Engine(num_blocks=20_000, block_size=16, max_model_len=400_000, max_num_seqs=32, budget=16384)
     e.add("warm", prompt, max_tokens=1)
