@@ -56,7 +56,7 @@ from pipeline.messages import (
     ids_to_bytes,
 )
 from pipeline.messages.kv import TransferPlan
-from pipeline.messages.outputs import child_id
+from pipeline.messages.engine_outputs import child_id
 from pipeline.messages.step import PromptLogprobs
 from pipeline.sampling_params import SamplingParams
 

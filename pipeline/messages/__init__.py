@@ -5,7 +5,7 @@ messages from here (``from pipeline.messages import EngineRequest``).
 
 - requests: GatewayRequest, EngineRequest, AbortRequest, OutputRegistration, the size limits
 - step: SchedulerOutput (the per-step diff), ModelRunnerOutput, PromptLogprobs, token id <-> bytes
-- outputs: EngineOutput(s), EngineStats, ``child_id`` (the ids of a request's n completions)
+- engine_outputs: EngineOutput(s), EngineStats, ``child_id`` (the ids of a request's n completions)
 - answers: RequestDelta, RequestResult, Completion (and their parts), ``error_result``
 - tags: ``Tag`` and the tag -> type map of each ring
 """
@@ -19,7 +19,7 @@ from pipeline.messages.answers import (
     Usage,
     error_result,
 )
-from pipeline.messages.outputs import (
+from pipeline.messages.engine_outputs import (
     EngineOutput,
     EngineOutputs,
     EngineStats,

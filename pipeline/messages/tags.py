@@ -10,7 +10,7 @@ import enum
 
 from pipeline.messages.answers import RequestDelta, RequestResult
 from pipeline.messages.kv import KVFinish, KVReady, TransferPlan, TransferReport
-from pipeline.messages.outputs import EngineOutputs, EngineStats
+from pipeline.messages.engine_outputs import EngineOutputs, EngineStats
 from pipeline.messages.requests import AbortRequest, EngineRequest, GatewayRequest, OutputRegistration
 from pipeline.messages.step import ModelRunnerOutput, SchedulerOutput
 
