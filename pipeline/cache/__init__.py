@@ -1,7 +1,7 @@
 """Cache messager stage: layer-wise KV transfer for prefill/decode disaggregation (seed 000).
 
-- layout: `KVLayout` (the handshake: block size, dtype, head layout, model hash must match),
-  the byte view of a KV pool, block-pair validation and coalescing into contiguous runs
+- block_pairs: block-pair validation and coalescing into contiguous runs (the pools' layout,
+  the handshake both ends compare, is `messages.kv_layout.KVLayout`)
 - transfer: the `KVTransfer` interface and `IpcTransfer` (same host: copy into the decode
   instance's shared KV segment, mapped by name)
 - tcp: `TcpTransfer` and the decode side's `KVReceiver` (ZMQ, zero-copy frames; handshake

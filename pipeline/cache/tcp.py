@@ -36,9 +36,10 @@ import numpy as np
 import zmq
 from msgspec import Meta
 
-from pipeline.cache.layout import KVLayout, runs
+from pipeline.cache.block_pairs import runs
 from pipeline.cache.transfer import KVTransfer, KVTransferError
 from pipeline.ipc.cuda_ipc import MAX_CUDA_IPC
+from pipeline.messages.kv_layout import KVLayout
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,9 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from pipeline.cache.layout import KVLayout, check_pairs, runs
+from pipeline.cache.block_pairs import check_pairs, runs
 from pipeline.ipc.segment import attach_segment
+from pipeline.messages.kv_layout import KVLayout
 
 
 class KVTransferError(ConnectionError):

@@ -55,8 +55,8 @@ from pipeline.messages import (
     bytes_to_ids,
     ids_to_bytes,
 )
-from pipeline.messages.kv import TransferPlan
 from pipeline.messages.engine_outputs import child_id
+from pipeline.messages.kv import TransferPlan
 from pipeline.messages.step import PromptLogprobs
 from pipeline.sampling_params import SamplingParams
 

@@ -61,7 +61,7 @@ class EngineLoop:
         m = spec.model
         assert m is not None, "the engine is built once the worker reported its KV cache"
         self.spec = spec
-        self.sched = Scheduler(spec.config, m.num_blocks, m.block_size, m.max_model_len)
+        self.sched = Scheduler(spec.config, m.kv.num_blocks, m.kv.block_size, m.max_model_len)
         self.requests = rings.attach(spec, "requests")  # tokenizer -> engine
         self.stops = rings.attach(spec, "stops")  # token processor -> engine
         self.results = rings.attach(spec, "results")  # worker rank 0 -> engine

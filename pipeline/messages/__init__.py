@@ -7,6 +7,7 @@ messages from here (``from pipeline.messages import EngineRequest``).
 - step: SchedulerOutput (the per-step diff), ModelRunnerOutput, PromptLogprobs, token id <-> bytes
 - engine_outputs: EngineOutput(s), EngineStats, ``child_id`` (the ids of a request's n completions)
 - answers: RequestDelta, RequestResult, Completion (and their parts), ``error_result``
+- kv_layout: KVLayout (a KV pool's shape, the handshake of a KV transfer), LayoutMismatch
 - tags: ``Tag`` and the tag -> type map of each ring
 """
 from pipeline.messages.answers import (
@@ -25,6 +26,7 @@ from pipeline.messages.engine_outputs import (
     EngineStats,
     child_id,
 )
+from pipeline.messages.kv_layout import KVLayout, LayoutMismatch
 from pipeline.messages.requests import (
     MAX_PROMPT_BYTES,
     MAX_PROMPT_TOKENS,
@@ -62,6 +64,8 @@ __all__ = [
     "EngineOutputs",
     "EngineStats",
     "child_id",
+    "KVLayout",
+    "LayoutMismatch",
     "MAX_PROMPT_BYTES",
     "MAX_PROMPT_TOKENS",
     "MAX_REQUEST_BYTES",

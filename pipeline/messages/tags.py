@@ -9,8 +9,8 @@ from __future__ import annotations
 import enum
 
 from pipeline.messages.answers import RequestDelta, RequestResult
-from pipeline.messages.kv import KVFinish, KVReady, TransferPlan, TransferReport
 from pipeline.messages.engine_outputs import EngineOutputs, EngineStats
+from pipeline.messages.kv import KVFinish, KVReady, TransferPlan, TransferReport
 from pipeline.messages.requests import AbortRequest, EngineRequest, GatewayRequest, OutputRegistration
 from pipeline.messages.step import ModelRunnerOutput, SchedulerOutput
 
