@@ -25,7 +25,8 @@ from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.instance import Instance, unlink_instance
 from pipeline.messages import ModelRunnerOutput, SchedulerOutput
 from pipeline.runtime.process import STOP_SIGNAL
-from pipeline.runtime.rings import STEPS_ROLE, Channel, capacity, message_limits
+from pipeline.runtime.ring_sizes import capacity
+from pipeline.runtime.rings import STEPS_ROLE, Channel, message_limits
 from pipeline.runtime.spec import StageSpec
 from pipeline.worker.model_runner import TP_TIMEOUT_S, ModelRunner
 

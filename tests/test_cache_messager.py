@@ -31,7 +31,8 @@ from pipeline.ipc.segment import unlink_name
 from pipeline.messages.kv import KVFinish, KVReady, KVSend, TransferPlan, TransferReport, pairs_to_bytes
 from pipeline.messages.kv_layout import KVLayout
 from pipeline.runtime.process import EXIT_PEER_DIED, STOP_SIGNAL
-from pipeline.runtime.rings import Channel, capacity, message_limits
+from pipeline.runtime.ring_sizes import capacity
+from pipeline.runtime.rings import Channel, message_limits
 from pipeline.runtime.spec import ModelInfo, StageSpec
 
 PREFILL = KVLayout(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8,

@@ -937,11 +937,11 @@ class StageRig:
         from pipeline.ipc.broadcast import BroadcastRing
         from pipeline.ipc.ring import Doorbell, Ring
         from pipeline.messages.kv_layout import KVLayout
+        from pipeline.runtime.ring_sizes import capacity
         from pipeline.runtime.rings import (
             SHARED_DOORBELLS,
             STEPS_ROLE,
             Channel,
-            capacity,
             message_limits,
             ring_roles,
         )

@@ -25,7 +25,8 @@ from pipeline.ipc.ring import Ring
 from pipeline.messages import AbortRequest, EngineRequest, GatewayRequest, OutputRegistration, RequestResult
 from pipeline.messages.kv_layout import KVLayout
 from pipeline.output.detokenizer import DetokenizerTable
-from pipeline.runtime.rings import Channel, capacity, message_limits
+from pipeline.runtime.ring_sizes import capacity
+from pipeline.runtime.rings import Channel, message_limits
 from pipeline.runtime.spec import ModelInfo, StageSpec
 from pipeline.sampling_params import SamplingParams
 from pipeline.tokenizer.stage import TokenizerLoop, clip, max_token_text_bytes

@@ -7,8 +7,10 @@ messages from here (``from pipeline.messages import EngineRequest``).
 - step: SchedulerOutput (the per-step diff), ModelRunnerOutput, PromptLogprobs, token id <-> bytes
 - engine_outputs: EngineOutput(s), EngineStats, ``child_id`` (the ids of a request's n completions)
 - answers: RequestDelta, RequestResult, Completion (and their parts), ``error_result``
+- kv: what prefill/decode disaggregation sends (KVTransferParams, TransferPlan, KVReady, ...)
 - kv_layout: KVLayout (a KV pool's shape, the handshake of a KV transfer), LayoutMismatch
-- tags: ``Tag`` and the tag -> type map of each ring
+- tags: ``Tag``, the first byte of a ring message (each ring's tag -> type map is
+  ``runtime.rings.RING_MESSAGES``)
 """
 from pipeline.messages.answers import (
     FINISH_REASONS,
@@ -46,10 +48,7 @@ from pipeline.messages.step import (
     bytes_to_ids,
     ids_to_bytes,
 )
-from pipeline.messages.tags import (
-    RING_MESSAGES,
-    Tag,
-)
+from pipeline.messages.tags import Tag
 
 __all__ = [
     "FINISH_REASONS",
@@ -81,6 +80,5 @@ __all__ = [
     "TokenLogprobs",
     "bytes_to_ids",
     "ids_to_bytes",
-    "RING_MESSAGES",
     "Tag",
 ]

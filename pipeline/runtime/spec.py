@@ -34,7 +34,7 @@ class StageSpec(msgspec.Struct, kw_only=True):
     name: str  # e.g. "worker0"; used in every error message about the stage
     kind: str  # key of runtime.process.STAGE_MODULES
     config: EngineConfig
-    rings: dict[str, str]  # role -> shared-memory name, see runtime.rings.RING_ROLES
+    rings: dict[str, str]  # role -> shared-memory name, see runtime.rings.RINGS
     rank: int = 0
     # Wait for the gateway's ("start", model) on the control pipe after importing the stage's
     # code: the gateway starts stages before the rings exist (runtime.process).
