@@ -430,7 +430,7 @@ def test_a_bad_request_fails_alone_and_every_request_gets_one_answer(inst, decod
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=40, unique_by=lambda p: p[1]))
 def test_runs_cover_exactly_the_pairs_and_are_maximal(pairs):
-    from pipeline.cache.block_pairs import check_pairs, runs
+    from pipeline.cache.transfer import check_pairs, runs
     rs = runs(check_pairs(pairs, 41, 41))
     expanded = [(lo + i, ro + i) for lo, ro, n in rs for i in range(n)]
     assert sorted(expanded) == sorted(pairs)
