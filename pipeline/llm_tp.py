@@ -32,7 +32,8 @@ from pipeline.runtime.lifecycle import (
     spawn_stage,
     wait_ready,
 )
-from pipeline.runtime.rings import STEPS_ROLE, Channel, capacity, message_limits
+from pipeline.runtime.ring_sizes import capacity
+from pipeline.runtime.rings import STEPS_ROLE, Channel, message_limits
 from pipeline.runtime.spec import StageSpec
 from pipeline.worker.model_runner import TP_TIMEOUT_S, ModelRunner
 

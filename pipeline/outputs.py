@@ -2,6 +2,9 @@
 ``CompletionOutput`` per completion, and ``Logprob`` per candidate token.
 
 Plain data built by ``LLM`` from the token processor's ``RequestResult``; owns no state.
+The module keeps vLLM's path (``vllm.outputs``): code written against vLLM finds these classes
+where it looks. Not the engine's per-step ``messages.engine_outputs`` (a ring message), nor the
+``pipeline.output`` package (the token processor stage).
 """
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ MAX_LOGIT_BIAS = 1024
 MAX_LOGIT_BIAS_VALUE = 100.0
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
 # Logprobs are the one part of an answer whose size the request fixes up front; the answers
-# ring is sized for three such parts plus the text and token ids (runtime/rings.py,
-# message_limits).
+# ring is sized for three such parts plus the text and token ids (runtime/ring_sizes.py,
+# Sizes).
 MAX_LOGPROBS_BYTES = 4 << 20
 # structured_outputs: the spec (a schema, regex, grammar or the choices) in UTF-8 bytes, and
 # the choices' count. The grammar compiles in the tokenizer stage and the worker (ms for

@@ -18,7 +18,6 @@ import pytest
 import zmq
 from test_ipc_procs import CTX
 
-from pipeline.cache.layout import KVLayout
 from pipeline.cache.link import KVLink, LinkCache
 from pipeline.cache.stage import run as stage_run
 from pipeline.cache.tcp import DONE, ERR, FLUSH, HELLO, OK, FlushAck, PeerInfo, host_identity
@@ -29,9 +28,11 @@ from pipeline.ipc.layer_signal import LayerSignal
 from pipeline.ipc.ring import Ring
 from pipeline.ipc.segment import unlink_name
 from pipeline.messages.kv import KVFinish, KVReady, KVSend, TransferPlan, TransferReport, pairs_to_bytes
+from pipeline.messages.kv_layout import KVLayout
 from pipeline.runtime.lifecycle import Stage, spawn_stage, wait_ready
 from pipeline.runtime.process import EXIT_PEER_DIED, STOP_SIGNAL
-from pipeline.runtime.rings import Channel, capacity, message_limits
+from pipeline.runtime.ring_sizes import capacity
+from pipeline.runtime.rings import Channel, message_limits
 from pipeline.runtime.spec import ModelInfo, StageSpec
 
 PREFILL = KVLayout(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8,
@@ -50,10 +51,8 @@ def val(step: int, layer: int, block: int, kv: int) -> int:
 
 
 def model_info(layout: KVLayout, segment: str | None) -> ModelInfo:
-    return ModelInfo(num_blocks=layout.num_blocks, block_size=layout.block_size, max_model_len=64,
-                     vocab_size=VOCAB, eos_token_ids=[0], num_layers=layout.num_layers,
-                     num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                     kv_dtype=layout.dtype, kv_segment=segment, model_hash=layout.model_hash)
+    return ModelInfo(max_model_len=64, vocab_size=VOCAB, eos_token_ids=[0], kv=layout,
+                     kv_segment=segment)
 
 
 def channel(inst, role: str, tag: str, mine: str) -> Channel:

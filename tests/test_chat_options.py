@@ -32,7 +32,8 @@ from pipeline.ipc.ring import Ring
 from pipeline.llm import LLM
 from pipeline.messages import GatewayRequest, RequestResult, error_result
 from pipeline.messages.requests import MAX_PROMPT_BYTES, MAX_REQUEST_BYTES
-from pipeline.runtime.rings import Channel, capacity
+from pipeline.runtime.ring_sizes import capacity
+from pipeline.runtime.rings import Channel
 from pipeline.sampling_params import SamplingParams
 from pipeline.tokenizer.tokenizer import Tokenizer, check_chat_options
 

@@ -21,12 +21,12 @@ import torch
 from conftest import cuda_skip_reason
 
 from pipeline.cache.cuda_ipc import CudaIpcTransfer, open_pool
-from pipeline.cache.layout import KVLayout, LayoutMismatch
 from pipeline.cache.link import KVLink
 from pipeline.cache.tcp import TcpTransfer
 from pipeline.cache.tcp_receiver import KVReceiver
 from pipeline.cache.transfer import KVTransferError
 from pipeline.ipc.cuda_ipc import CudaIpcHandle, decode_handle
+from pipeline.messages.kv_layout import KVLayout, LayoutMismatch
 
 gpu = pytest.mark.skipif(cuda_skip_reason() is not None, reason=str(cuda_skip_reason()))
 SPAWN = multiprocessing.get_context("spawn")  # CUDA in the children: never forked

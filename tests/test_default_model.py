@@ -163,6 +163,6 @@ def test_worker_serves_default_model_like_training_model(tok: Tokenizer) -> None
         d.add("r", prompt, len(want))
         assert d.run()["r"] == want
     finally:
-        name = runner.kv_cache.spec.shm_name
+        name = runner.kv_cache.shm_name
         runner.close()
     assert not Path("/dev/shm" + name).exists()

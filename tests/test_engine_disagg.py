@@ -960,11 +960,12 @@ class StageRig:
         from pipeline.engine.stage import EngineLoop
         from pipeline.ipc.broadcast import BroadcastRing
         from pipeline.ipc.ring import Doorbell, Ring
+        from pipeline.messages.kv_layout import KVLayout
+        from pipeline.runtime.ring_sizes import capacity
         from pipeline.runtime.rings import (
             SHARED_DOORBELLS,
             STEPS_ROLE,
             Channel,
-            capacity,
             message_limits,
             ring_roles,
         )
@@ -984,8 +985,10 @@ class StageRig:
                                                  claim=True), r)
         self.steps = BroadcastRing.create(inst, STEPS_ROLE, capacity(limits[STEPS_ROLE]), 1)
         names = {r: c.ring.name for r, c in self.ch.items()} | {STEPS_ROLE: self.steps.name}
-        model = ModelInfo(num_blocks=32, block_size=4, max_model_len=MAX_LEN, vocab_size=VOCAB,
-                          eos_token_ids=[EOS])
+        # The engine reads the block count and size; the rest is a one-layer cache's.
+        kv = KVLayout(num_layers=1, num_blocks=32, block_size=4, num_kv_heads=1, head_dim=1,
+                      dtype="float32")
+        model = ModelInfo(max_model_len=MAX_LEN, vocab_size=VOCAB, eos_token_ids=[EOS], kv=kv)
         self.loop = EngineLoop(StageSpec(name="engine", kind="engine", config=cfg, rings=names,
                                          model=model))
         self.worker = FakeWorker(32, 4, MAX_LEN, VOCAB, [EOS], check_kv=True)

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from pipeline.ipc.codec import TaggedCodec
 from pipeline.messages import (
-    RING_MESSAGES,
     AbortRequest,
     EngineOutput,
     EngineOutputs,
@@ -21,6 +20,7 @@ from pipeline.messages import (
     bytes_to_ids,
     ids_to_bytes,
 )
+from pipeline.runtime.rings import RING_MESSAGES
 from pipeline.sampling_params import SamplingParams
 
 REQUESTS = TaggedCodec(RING_MESSAGES["requests"])

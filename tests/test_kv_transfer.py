@@ -5,9 +5,11 @@ the (real, separate) publisher published it and fails the step when the publishe
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import threading
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -15,7 +17,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_ipc_procs import CTX
 
-from pipeline.cache.layout import KVLayout, LayoutMismatch
 from pipeline.cache.messager import Messager
 from pipeline.cache.tcp import (
     DATA,
@@ -34,6 +35,7 @@ from pipeline.cache.tcp_receiver import KVReceiver
 from pipeline.cache.transfer import IpcTransfer, KVTransfer, KVTransferError
 from pipeline.ipc.layer_signal import LayerSignal
 from pipeline.ipc.segment import attach_segment, unlink_segment
+from pipeline.messages.kv_layout import KVLayout, LayoutMismatch
 
 LAYOUT = KVLayout(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8,
                   dtype="float32", model_hash="tiny-0")
@@ -428,7 +430,7 @@ def test_a_bad_request_fails_alone_and_every_request_gets_one_answer(inst, decod
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=40, unique_by=lambda p: p[1]))
 def test_runs_cover_exactly_the_pairs_and_are_maximal(pairs):
-    from pipeline.cache.layout import check_pairs, runs
+    from pipeline.cache.transfer import check_pairs, runs
     rs = runs(check_pairs(pairs, 41, 41))
     expanded = [(lo + i, ro + i) for lo, ro, n in rs for i in range(n)]
     assert sorted(expanded) == sorted(pairs)
@@ -443,11 +445,11 @@ def test_layout_reads_the_workers_cache_as_the_worker_lays_it_out(inst, dtype):
     from pipeline.runtime.spec import ModelInfo
     from pipeline.worker.kv_cache import KVCache
     kv = KVCache(3, 5, 4, 2, 8, getattr(torch, dtype), torch.device("cpu"), inst.id)
-    info = ModelInfo(num_blocks=5, block_size=4, max_model_len=20, vocab_size=10, eos_token_ids=[0],
-                     num_layers=3, num_kv_heads=2, head_dim=8, kv_dtype=kv.spec.dtype,
-                     kv_segment=kv.shm_name)
-    layout = KVLayout.from_model_info(info, "m")
-    assert (layout.block_bytes, layout.total_bytes) == (kv.spec.block_bytes, kv.spec.total_bytes)
+    info = ModelInfo(max_model_len=20, vocab_size=10, eos_token_ids=[0],
+                     kv=msgspec.structs.replace(kv.layout, model_hash="m"), kv_segment=kv.shm_name)
+    # What the messager gets: the ModelInfo as the control pipes carry it (runtime.process).
+    layout = msgspec.convert(pickle.loads(pickle.dumps(msgspec.structs.asdict(info))), ModelInfo).kv
+    assert (layout.block_bytes, layout.total_bytes) == (kv.layout.block_bytes, kv.layout.total_bytes)
     kv.buffer[2, 1, 3] = 1.0  # layer 2, V, block 3
     seg = attach_segment(kv.shm_name)
     pool = layout.pool(seg)

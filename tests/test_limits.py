@@ -19,7 +19,6 @@ from pipeline.gateway.gateway import Gateway
 from pipeline.ipc.codec import TaggedCodec
 from pipeline.ipc.ring import Ring
 from pipeline.messages import (
-    RING_MESSAGES,
     AbortRequest,
     EngineRequest,
     GatewayRequest,
@@ -31,14 +30,13 @@ from pipeline.messages import (
 )
 from pipeline.messages.answers import Completion
 from pipeline.messages.requests import MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS, MAX_REQUEST_BYTES
-from pipeline.runtime.rings import (
+from pipeline.runtime.ring_sizes import (
     ANSWER_BYTES_PER_TOKEN,
-    Channel,
     answer_bytes_bound,
     capacity,
-    message_limits,
     request_bytes,
 )
+from pipeline.runtime.rings import RING_MESSAGES, Channel, message_limits
 from pipeline.sampling_params import (
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,

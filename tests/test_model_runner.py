@@ -11,8 +11,8 @@ import torch
 from model_driver import Driver, make_runner, tiny_hf_model
 
 from pipeline.ipc.instance import Instance, list_entries
-from pipeline.ipc.segment import attach_segment
 from pipeline.ipc.layer_signal import LayerSignal
+from pipeline.ipc.segment import attach_segment
 from pipeline.messages import CachedRequestData, NewRequestData, SchedulerOutput, ids_to_bytes
 from pipeline.sampling_params import SamplingParams
 
@@ -39,15 +39,16 @@ def runner(model_dir):
 
 
 def test_kv_cache_is_a_private_named_segment_another_process_can_map(runner):
-    spec = runner.kv_cache.spec
-    path = "/dev/shm" + spec.shm_name
-    assert spec.shm_name == f"/pipeline.{runner.config.instance_id}.kv"
+    spec, shm_name = runner.kv_cache.layout, runner.kv_cache.shm_name
+    assert shm_name is not None
+    path = "/dev/shm" + shm_name
+    assert shm_name == f"/pipeline.{runner.config.instance_id}.kv"
     st = os.stat(path)
     assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_size == spec.total_bytes
     d = Driver(runner)
     d.add("a", PROMPT, 2)
     d.run()
-    seg = attach_segment(spec.shm_name)  # what the cache messager does
+    seg = attach_segment(shm_name)  # what the cache messager does
     try:
         other = torch.frombuffer(seg, dtype=torch.uint8).view(getattr(torch, spec.dtype)).view(
             spec.num_layers, 2, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)

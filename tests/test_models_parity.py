@@ -79,7 +79,7 @@ def case(request, tmp_path_factory):
         (logits(hf_lp, p, device) - logits(hf32, p, device)).abs().max().item()
         for p in prompts(runner.vocab_size))
     yield Case(request.param, hf32, hf_lp, runner, refs, noise, device)
-    name = runner.kv_cache.spec.shm_name  # None on cuda: the cache is device memory
+    name = runner.kv_cache.shm_name  # None on cuda: the cache is device memory
     runner.close()
     assert name is None or not os.path.exists("/dev/shm" + name)
 

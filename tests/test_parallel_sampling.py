@@ -28,7 +28,7 @@ from pipeline.messages import (
     TokenLogprobs,
     ids_to_bytes,
 )
-from pipeline.messages.outputs import child_id
+from pipeline.messages.engine_outputs import child_id
 from pipeline.output.detokenizer import DetokenizerTable
 from pipeline.output.processor import OutputProcessor
 from pipeline.sampling_params import SamplingParams

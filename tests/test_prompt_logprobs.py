@@ -2,7 +2,7 @@
 ``logprobs``), computed by the worker for prefill chunks, sent once per token by the engine
 (even when a preempted prefill reruns), never served from the prefix cache, and delivered
 as ``RequestResult.prompt_logprobs`` (entry 0 is None). (The results and outputs rings are
-sized for a logprobs entry per batched token: runtime/rings.py.)
+sized for a logprobs entry per batched token: runtime/ring_sizes.py.)
 
 Oracle: transformers' log-softmax over the prompt on a tiny checkpoint.
 """

@@ -375,7 +375,7 @@ def test_a_step_carries_no_more_new_requests_than_its_ring_can():
     while e.sched.has_unfinished_requests():
         so = e.sched.schedule()
         size = len(msgspec.msgpack.encode(so))
-        assert size <= 16 << 20  # the step ring's smallest largest message (runtime/rings.py)
+        assert size <= 16 << 20  # the step ring's smallest largest message (runtime/rings.py, RINGS)
         assert size <= NEW_REQUESTS_BYTES_PER_STEP + 4096 or len(so.new_reqs) == 1
         admitted.append(len(so.new_reqs))
         e.record(e.sched.update_from_output(so, e.worker.execute(so)))

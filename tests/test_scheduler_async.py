@@ -24,7 +24,7 @@ from pipeline.engine.kv_cache_manager import KVCacheManager
 from pipeline.engine.request import Request
 from pipeline.engine.scheduler import Scheduler
 from pipeline.messages import EngineOutput, EngineRequest, ModelRunnerOutput, SchedulerOutput, ids_to_bytes
-from pipeline.messages.outputs import child_id
+from pipeline.messages.engine_outputs import child_id
 from pipeline.sampling_params import SamplingParams
 
 EOS = 0

@@ -78,7 +78,7 @@ def test_every_stage_runs_before_the_worker_is_ready_and_gets_its_model_info(mod
         assert at_worker == {"worker0": True, "engine": True, "tokenizer": True, "output": True}
         assert names.index("engine") > names.index("worker0") < names.index("tokenizer")
         # ... and were built from it: the engine's block table is the worker's KV cache.
-        assert info.num_blocks == 256 and info.max_model_len == 256
+        assert info.kv.num_blocks == 256 and info.max_model_len == 256
         # Only the worker imports torch (the others start beside it on the same cores).
         assert {s.spec.name: _maps_torch(s.process.pid) for s in gw.stages} == {
             "worker0": True, "engine": False, "tokenizer": False, "output": False}
@@ -145,7 +145,7 @@ def test_cpu_kv_cache_is_reserved_up_front_but_mapped_at_first_touch():
                  num_kv_heads=2, head_dim=64, dtype=torch.float32, device=torch.device("cpu"),
                  instance_id=f"t{uuid.uuid4().hex[:8]}")
     try:
-        assert kv.spec.total_bytes == size
+        assert kv.layout.total_bytes == size
         # Reserved: the segment's pages are allocated in /dev/shm (a full /dev/shm fails here,
         # not later as SIGBUS) ...
         assert kv.shm_name is not None

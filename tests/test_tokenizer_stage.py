@@ -23,8 +23,10 @@ from hypothesis import strategies as st
 from pipeline.config import DEFAULT_MODEL, EngineConfig
 from pipeline.ipc.ring import Ring
 from pipeline.messages import AbortRequest, EngineRequest, GatewayRequest, OutputRegistration, RequestResult
+from pipeline.messages.kv_layout import KVLayout
 from pipeline.output.detokenizer import DetokenizerTable
-from pipeline.runtime.rings import Channel, capacity, message_limits
+from pipeline.runtime.ring_sizes import capacity
+from pipeline.runtime.rings import Channel, message_limits
 from pipeline.runtime.spec import ModelInfo, StageSpec
 from pipeline.sampling_params import SamplingParams
 from pipeline.tokenizer.stage import TokenizerLoop, clip, max_token_text_bytes
@@ -50,8 +52,9 @@ class Stage:
                    for r, end in ends.items()}
         spec = StageSpec(name="tokenizer", kind="tokenizer", config=cfg,
                          rings={r: c.ring.name for r, c in self.ch.items()}, ring_timeout_s=0.05,
-                         model=ModelInfo(num_blocks=64, block_size=16, max_model_len=MAX_LEN,
-                                         vocab_size=2048, eos_token_ids=[1]))
+                         model=ModelInfo(max_model_len=MAX_LEN, vocab_size=2048, eos_token_ids=[1],
+                                         kv=KVLayout(num_layers=1, num_blocks=64, block_size=16,
+                                                     num_kv_heads=1, head_dim=1, dtype="float32")))
         self.loop = TokenizerLoop(spec)
         self.gate = threading.Event()  # opens the tokenizer for prompts starting with "LONG"
         self.held = threading.Event()  # set once a LONG prompt waits at the gate

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.messages.requests import MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS
-from pipeline.runtime.rings import answer_bytes_bound
+from pipeline.runtime.ring_sizes import answer_bytes_bound
 from pipeline.sampling_params import SamplingParams
 from pipeline.tokenizer.validate import (
     InvalidRequest,

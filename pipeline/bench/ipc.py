@@ -242,7 +242,7 @@ def _per_op_us(fn: _Op, n: int = 2000) -> float:
 
 def main(args: argparse.Namespace) -> int:
     from pipeline.ipc.codec import TaggedCodec
-    from pipeline.messages import RING_MESSAGES
+    from pipeline.runtime.rings import RING_MESSAGES
     rep = Report("ipc")
     rep.machine["loadavg_1m"] = round(os.getloadavg()[0], 2)
     spin = args.spin_us

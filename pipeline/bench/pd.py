@@ -26,7 +26,6 @@ import numpy as np
 from pipeline.bench import pd_load
 from pipeline.bench.pd_overlap import forward_overlap
 from pipeline.bench.report import Report, percentiles_us
-from pipeline.cache.layout import KVLayout
 from pipeline.cache.messager import Messager
 from pipeline.cache.tcp import TcpTransfer
 from pipeline.cache.tcp_receiver import KVReceiver
@@ -34,6 +33,7 @@ from pipeline.cache.transfer import IpcTransfer, KVTransfer
 from pipeline.ipc.instance import Instance
 from pipeline.ipc.layer_signal import LayerSignal
 from pipeline.ipc.segment import attach_segment
+from pipeline.messages.kv_layout import KVLayout
 
 CTX = mp.get_context("fork")
 POLL_S = 0.01

@@ -17,10 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
-from pipeline.cache.layout import KVLayout
 from pipeline.cache.transfer import IpcTransfer, KVTransfer
+from pipeline.messages.kv_layout import KVLayout
 
 CTX = mp.get_context("spawn")  # torch is loaded here: the child must not inherit it
 
@@ -91,12 +92,9 @@ def forward_overlap(prompt_tokens: int = 512, steps: int = 6) -> dict:
         runner.load()
         kv = runner.kv_cache
         assert kv is not None and kv.shm_name is not None
-        s = kv.spec
-        layout = KVLayout(num_layers=s.num_layers, num_blocks=s.num_blocks, block_size=s.block_size,
-                          num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, dtype=s.dtype,
-                          model_hash=model_hash(model))
+        layout = msgspec.structs.replace(kv.layout, model_hash=model_hash(model))
         remote = inst.create_segment("remote-kv", layout.total_bytes)
-        sig = LayerSignal.create(inst, "layers", s.num_layers)
+        sig = LayerSignal.create(inst, "layers", layout.num_layers)
         sig.claim_publisher()
         runner.attach_layer_signal(sig)
         ends: list[float] = []

@@ -1,9 +1,9 @@
 """Cache messager stage: layer-wise KV transfer for prefill/decode disaggregation (seed 000).
 
-- layout: `KVLayout` (the handshake: block size, dtype, head layout, model hash must match),
-  the byte view of a KV pool, block-pair validation and coalescing into contiguous runs
-- transfer: the `KVTransfer` interface and `IpcTransfer` (same host: copy into the decode
-  instance's shared KV segment, mapped by name)
+- transfer: the `KVTransfer` interface, block-pair validation and coalescing into contiguous
+  runs, and `IpcTransfer` (same host: copy into the decode instance's shared KV segment,
+  mapped by name). The pools' layout, the handshake both ends compare, is
+  `messages.kv_layout.KVLayout`
 - tcp: `TcpTransfer` and the decode side's `KVReceiver` (ZMQ, zero-copy frames; handshake
   with the receiver's segment and host identity; done messages)
 - link: `KVLink` (one decode peer: ipc or tcp data, ZMQ control) and `LinkCache` (bounded LRU)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pipeline.cache.layout import KVLayout, LayoutMismatch, runs
-from pipeline.cache.transfer import KVTransfer, KVTransferError
+from pipeline.cache.transfer import KVTransfer, KVTransferError, runs
 from pipeline.ipc.cuda_ipc import decode_handle, open_flat
+from pipeline.messages.kv_layout import KVLayout, LayoutMismatch
 
 if TYPE_CHECKING:
     import torch

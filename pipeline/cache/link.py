@@ -24,10 +24,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from pipeline.cache.cuda_ipc import CudaIpcTransfer
-from pipeline.cache.layout import KVLayout
 from pipeline.cache.tcp import TcpTransfer, host_identity
 from pipeline.cache.transfer import IpcTransfer, KVTransfer, KVTransferError
 from pipeline.messages.kv import MAX_KV_ENDPOINT_BYTES
+from pipeline.messages.kv_layout import KVLayout
 
 logger = logging.getLogger(__name__)
 

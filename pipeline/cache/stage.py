@@ -37,7 +37,6 @@ from collections import OrderedDict
 import msgspec
 
 from pipeline.cache.cuda_ipc import open_pool
-from pipeline.cache.layout import KVLayout
 from pipeline.cache.link import MODES, KVLink, LinkCache, check_peer_endpoint
 from pipeline.cache.messager import Messager
 from pipeline.cache.tcp import MAX_REQ_ID, MAX_TOKEN
@@ -83,10 +82,6 @@ def need_rings(spec: StageSpec, *roles: str) -> None:
         raise ValueError(f"cache messager ({spec.config.role}): spec.rings lacks {', '.join(missing)}")
 
 
-def layout_of(m: ModelInfo) -> KVLayout:
-    return KVLayout.from_model_info(m, m.model_hash)
-
-
 class PrefillMessager:
     def __init__(self, spec: StageSpec) -> None:
         m = model_of(spec)
@@ -94,7 +89,7 @@ class PrefillMessager:
         if cfg.kv_transfer not in MODES:
             raise ValueError(f"cache messager: config.kv_transfer={cfg.kv_transfer!r} must be one of {MODES}")
         need_rings(spec, "kv_plans", "kv_reports", "layers")  # layers: the worker's LayerSignal
-        self.spec, self.layout = spec, layout_of(m)
+        self.spec, self.layout = spec, m.kv
         self.timeout_s = cfg.kv_transfer_timeout
         if m.kv_cuda_ipc and cfg.kv_transfer == "tcp":
             raise ValueError("cache messager: config.kv_transfer='tcp' with the KV cache on CUDA: "
@@ -262,7 +257,7 @@ class DecodeMessager:
             raise ValueError("cache messager (decode): config.kv_listen is empty (the gateway "
                              "resolves it to the tcp:// or ipc:// endpoint to listen on)")
         need_rings(spec, "kv_ready")
-        self.spec, self.layout = spec, layout_of(m)
+        self.spec, self.layout = spec, m.kv
         self.rx: KVReceiver | None = None
         self.ready_ch = rings.attach(spec, "kv_ready", "writer")  # messager -> engine
         # On CUDA nothing is mapped here: peers copy into the pool by the handle we pass on.

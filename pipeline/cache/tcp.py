@@ -36,9 +36,9 @@ import numpy as np
 import zmq
 from msgspec import Meta
 
-from pipeline.cache.layout import KVLayout, runs
-from pipeline.cache.transfer import KVTransfer, KVTransferError
+from pipeline.cache.transfer import KVTransfer, KVTransferError, runs
 from pipeline.ipc.cuda_ipc import MAX_CUDA_IPC
+from pipeline.messages.kv_layout import KVLayout
 
 logger = logging.getLogger(__name__)
 

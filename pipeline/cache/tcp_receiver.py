@@ -19,7 +19,6 @@ import msgspec
 import numpy as np
 import zmq
 
-from pipeline.cache.layout import KVLayout
 from pipeline.cache.tcp import (
     DATA,
     DONE,
@@ -37,6 +36,7 @@ from pipeline.cache.tcp import (
     host_identity,
 )
 from pipeline.ipc.errors import PeerDied
+from pipeline.messages.kv_layout import KVLayout
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,9 @@
 """Cache messager stage: the `KVTransfer` interface and its same-host implementation.
 
 Owns `KVTransfer` (send the K and V of (local block, remote block) pairs of ONE layer; flush;
-close), `KVTransferError` and `IpcTransfer`, which maps the decode instance's KV segment by
+close), `KVTransferError`, the pairs' validation (``check_pairs``: every id inside its pool, no
+remote block written twice) and coalescing into runs contiguous on both sides (``runs``: one
+copy or message per run), and `IpcTransfer`, which maps the decode instance's KV segment by
 name and copies each contiguous run of blocks with one copy per run (K and V slabs), no
 per-block Python loop. The TCP implementation is `pipeline/cache/tcp.py` (its receiving end
 `tcp_receiver.py`).
@@ -13,8 +15,34 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from pipeline.cache.layout import KVLayout, check_pairs, runs
 from pipeline.ipc.segment import attach_segment
+from pipeline.messages.kv_layout import KVLayout
+
+
+def check_pairs(pairs: object, local_blocks: int, remote_blocks: int) -> np.ndarray:
+    """(local, remote) block pairs as an int64 array of shape (n, 2); ValueError naming the
+    first block id out of range or the first remote block written twice."""
+    arr = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    for col, side, limit in ((0, "local", local_blocks), (1, "remote", remote_blocks)):
+        bad = np.flatnonzero((arr[:, col] < 0) | (arr[:, col] >= limit))
+        if bad.size:
+            raise ValueError(f"{side} block {int(arr[bad[0], col])} out of range 0..{limit - 1}")
+    remote, counts = np.unique(arr[:, 1], return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"remote block {int(remote[counts > 1][0])} written twice in one transfer")
+    return arr
+
+
+def runs(pairs: np.ndarray) -> list[tuple[int, int, int]]:
+    """Coalesce checked pairs into (local start, remote start, count) runs where both sides
+    are contiguous: one copy (or one message) per run instead of per block."""
+    if not len(pairs):
+        return []
+    p = pairs[np.argsort(pairs[:, 0], kind="stable")]
+    brk = np.flatnonzero((np.diff(p[:, 0]) != 1) | (np.diff(p[:, 1]) != 1)) + 1
+    starts = np.concatenate(([0], brk))
+    ends = np.concatenate((brk, [len(p)]))
+    return [(int(p[s, 0]), int(p[s, 1]), int(e - s)) for s, e in zip(starts, ends)]
 
 
 class KVTransferError(ConnectionError):

@@ -14,7 +14,7 @@ import msgspec
 from pipeline.engine.kv_connector.base import KVConnector, check_kv_transfer
 from pipeline.engine.request import Request
 from pipeline.messages import EngineRequest, bytes_to_ids
-from pipeline.messages.outputs import child_id
+from pipeline.messages.engine_outputs import child_id
 from pipeline.sampling_params import SamplingParams
 
 

@@ -70,7 +70,7 @@ class EngineLoop:
         role = spec.config.role
         # Async scheduling in the mixed role only (the module docstring says why).
         self.async_scheduling = role == "mixed"
-        self.sched = Scheduler(spec.config, m.num_blocks, m.block_size, m.max_model_len,
+        self.sched = Scheduler(spec.config, m.kv.num_blocks, m.kv.block_size, m.max_model_len,
                                async_scheduling=self.async_scheduling)
         self.requests = rings.attach(spec, "requests")  # tokenizer -> engine
         self.stops = rings.attach(spec, "stops")  # token processor -> engine

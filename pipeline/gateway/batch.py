@@ -110,7 +110,7 @@ class Refused(Exception):
 class BatchLines:
     def __init__(self, model_dir: str, model: ModelInfo | None, max_model_len: int) -> None:
         self.served = served_model_name(model_dir)
-        self.fingerprint = fingerprint(model.model_hash if model is not None else "")
+        self.fingerprint = fingerprint(model.kv.model_hash if model is not None else "")
         self.max_model_len = max_model_len
         self.text = token_texts(lambda: _tokenizer(model_dir))
         self.seen: dict[str, int] = {}  # custom_id -> index of the line that has it

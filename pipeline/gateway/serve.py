@@ -272,7 +272,7 @@ class Server(ZmqServer):
                     name = served_model_name(self.config.model, self.args.served_model_name)
                     self.http.start(dict(
                         model_path=self.config.model, model=name,
-                        max_model_len=model.max_model_len, fingerprint=fingerprint(model.model_hash),
+                        max_model_len=model.max_model_len, fingerprint=fingerprint(model.kv.model_hash),
                         chat_template=self.config.chat_template, api_key=self.args.api_key))
                     print(f"[gateway] OpenAI API on {self.http.url}/v1", file=sys.stderr, flush=True)
                 self.started = True

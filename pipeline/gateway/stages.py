@@ -30,7 +30,16 @@ from pipeline.ipc.sweep import sweep_stale
 from pipeline.models.config import load_model_config
 from pipeline.runtime.lifecycle import Stage, free_tcp_port, send_start, spawn_stage, stop_stages, wait_ready
 from pipeline.runtime.process import NEEDS_MODEL
-from pipeline.runtime.rings import SHARED_DOORBELLS, STEPS_ROLE, Channel, capacity, message_limits, ring_roles
+from pipeline.runtime.ring_sizes import capacity
+from pipeline.runtime.rings import (
+    LAYERS_ROLE,
+    SHARED_DOORBELLS,
+    STEPS_ROLE,
+    Channel,
+    message_limits,
+    ring_names,
+    ring_roles,
+)
 from pipeline.runtime.spec import ModelInfo, StageSpec
 
 if TYPE_CHECKING:
@@ -102,8 +111,7 @@ class GatewayStages:
     def _ring_names(self) -> dict[str, str]:
         """role -> shared-memory name of every ring (and the layer signal) of this instance."""
         assert self.instance is not None
-        roles = [*ring_roles(self.config.role), STEPS_ROLE]
-        return {r: self.instance.name(r) for r in roles + (["layers"] if self.config.role == "prefill" else [])}
+        return {r: self.instance.name(r) for r in ring_names(self.config.role)}
 
     def _create_rings(self, limits: dict[str, int], num_layers: int) -> None:
         assert self.instance is not None
@@ -117,13 +125,13 @@ class GatewayStages:
         self.steps = BroadcastRing.create(self.instance, STEPS_ROLE, capacity(limits[STEPS_ROLE]),
                                           self.config.ranks_per_node)
         made = {r: ch.ring.name for r, ch in self.rings.items()} | {STEPS_ROLE: self.steps.name}
-        if self.config.role == "prefill":
+        if LAYERS_ROLE in self._names:
             # Worker rank 0 publishes each layer's "KV written" on it; the cache messager
             # blocks on it (the gateway owns it so it is unlinked with the instance).
             # Every rank's layers when the ranks share one KV segment (worker/kv_cache.py).
-            self.layer_signal = LayerSignal.create(self.instance, "layers",
+            self.layer_signal = LayerSignal.create(self.instance, LAYERS_ROLE,
                                                    num_layers * self.config.tensor_parallel_size)
-            made["layers"] = self.layer_signal.name
+            made[LAYERS_ROLE] = self.layer_signal.name
         assert made == self._names, (made, self._names)  # what the stages were told
 
     def _on_ready(self, stage: Stage) -> None:

@@ -1,6 +1,6 @@
 """Transport message codec (every stage): one tag byte, then a msgspec struct as msgpack.
 
-A `TaggedCodec` is built from one ring's tag -> type map (``pipeline.messages.RING_MESSAGES``)
+A `TaggedCodec` is built from one ring's tag -> type map (``pipeline.runtime.rings.RING_MESSAGES``)
 and encodes/decodes exactly the types that ring may carry; an unknown tag or a payload that
 does not match its tag's type raises instead of decoding garbage. Token id arrays travel
 inside the structs as raw little-endian int32 ``bytes`` fields, which msgpack carries as one

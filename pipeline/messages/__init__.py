@@ -5,9 +5,12 @@ messages from here (``from pipeline.messages import EngineRequest``).
 
 - requests: GatewayRequest, EngineRequest, AbortRequest, OutputRegistration, the size limits
 - step: SchedulerOutput (the per-step diff), ModelRunnerOutput, PromptLogprobs, token id <-> bytes
-- outputs: EngineOutput(s), EngineStats, ``child_id`` (the ids of a request's n completions)
+- engine_outputs: EngineOutput(s), EngineStats, ``child_id`` (the ids of a request's n completions)
 - answers: RequestDelta, RequestResult, Completion (and their parts), ``error_result``
-- tags: ``Tag`` and the tag -> type map of each ring
+- kv: what prefill/decode disaggregation sends (KVTransferParams, TransferPlan, KVReady, ...)
+- kv_layout: KVLayout (a KV pool's shape, the handshake of a KV transfer), LayoutMismatch
+- tags: ``Tag``, the first byte of a ring message (each ring's tag -> type map is
+  ``runtime.rings.RING_MESSAGES``)
 """
 from pipeline.messages.answers import (
     FINISH_REASONS,
@@ -19,12 +22,13 @@ from pipeline.messages.answers import (
     Usage,
     error_result,
 )
-from pipeline.messages.outputs import (
+from pipeline.messages.engine_outputs import (
     EngineOutput,
     EngineOutputs,
     EngineStats,
     child_id,
 )
+from pipeline.messages.kv_layout import KVLayout, LayoutMismatch
 from pipeline.messages.requests import (
     MAX_PROMPT_BYTES,
     MAX_PROMPT_TOKENS,
@@ -44,10 +48,7 @@ from pipeline.messages.step import (
     bytes_to_ids,
     ids_to_bytes,
 )
-from pipeline.messages.tags import (
-    RING_MESSAGES,
-    Tag,
-)
+from pipeline.messages.tags import Tag
 
 __all__ = [
     "FINISH_REASONS",
@@ -62,6 +63,8 @@ __all__ = [
     "EngineOutputs",
     "EngineStats",
     "child_id",
+    "KVLayout",
+    "LayoutMismatch",
     "MAX_PROMPT_BYTES",
     "MAX_PROMPT_TOKENS",
     "MAX_REQUEST_BYTES",
@@ -77,6 +80,5 @@ __all__ = [
     "TokenLogprobs",
     "bytes_to_ids",
     "ids_to_bytes",
-    "RING_MESSAGES",
     "Tag",
 ]

@@ -34,7 +34,7 @@ from pipeline.messages import (
     Usage,
 )
 from pipeline.messages.answers import Completion
-from pipeline.messages.outputs import child_id
+from pipeline.messages.engine_outputs import child_id
 from pipeline.output.detokenizer import DetokenizerTable, IncrementalDetokenizer
 from pipeline.output.stop_checker import StopChecker
 from pipeline.sampling_params import SamplingParams

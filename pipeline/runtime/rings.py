@@ -1,152 +1,129 @@
-"""The ring roles of an instance, their sizes, and `Channel`: one end of a ring speaking its
-messages.
+"""The rings of an instance, declared once (`RINGS`), and `Channel`: one end of a ring
+speaking its messages.
 
-RING_ROLES is the wiring diagram: for each single-producer/single-consumer ring, its producer
-and its consumer. The engine -> workers step ring is a broadcast ring (one reader per TP
-rank). A consumer that reads several rings blocks on one doorbell shared by them
-(``SHARED_DOORBELLS``, ``ipc.ring.wait_any``). The gateway creates every ring; stages attach
-their ends by the names in their StageSpec. Owns no state.
-
-Sizes: a ring message is at most half the ring. ``message_limits`` says, per role, the
-largest message the ring must carry, derived from the request limits
-(``messages.requests``), the sampling limits (``sampling_params``), max_model_len and the
-batch size; ``capacity`` turns a limit into a ring size. So a request that passes validation
-fits every ring it crosses. Where a request could still outgrow a ring (an answer of many
-long completions), the tokenizer stage refuses it up front with ``answer_bytes_bound``
-(bound against ``message_limits(...)["answers"]``) instead of a stage failing on send.
+RINGS is the wiring diagram, one `RingDecl` per ring role: its producer and its consumer
+stage; its kind (a single-producer/single-consumer ring; the engine -> workers broadcast ring,
+one reader per TP rank; or the worker -> cache messager layer signal, a sequence per layer);
+the instance roles that have it; what it carries (tag -> type, ``messages.tags.Tag``); and the
+largest message it must carry (from ``runtime.ring_sizes``). The rest is derived from it: the
+rings an instance creates (``ring_names``, ``ring_roles``), each ring's codec
+(``RING_MESSAGES``) and size (``message_limits``, ``ring_sizes.capacity``), and the consumers
+that read several rings, which block on one doorbell shared by them (``SHARED_DOORBELLS``,
+``ipc.ring.wait_any``). The gateway creates every ring; stages attach their ends by the names
+in their StageSpec. Owns no state.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pipeline.config import EngineConfig
 from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.codec import TaggedCodec
 from pipeline.ipc.ring import Ring
-from pipeline.messages import RING_MESSAGES
-from pipeline.messages.requests import MAX_PROMPT_TOKENS, MAX_REQUEST_BYTES
-from pipeline.runtime.spec import StageSpec
-from pipeline.sampling_params import (
-    MAX_LOGPROBS,
-    MAX_LOGPROBS_BYTES,
-    TRUSTED_DECODE,
-    SamplingParams,
-    logprob_entry_bytes,
+from pipeline.messages.answers import RequestDelta, RequestResult
+from pipeline.messages.engine_outputs import EngineOutputs, EngineStats
+from pipeline.messages.kv import KVFinish, KVReady, TransferPlan, TransferReport
+from pipeline.messages.requests import (
+    MAX_REQUEST_BYTES,
+    AbortRequest,
+    EngineRequest,
+    GatewayRequest,
+    OutputRegistration,
 )
+from pipeline.messages.step import ModelRunnerOutput, SchedulerOutput
+from pipeline.messages.tags import Tag
+from pipeline.runtime.ring_sizes import KiB, MiB, Sizes
+from pipeline.runtime.spec import StageSpec
+from pipeline.sampling_params import TRUSTED_DECODE
 
-KiB, MiB = 1 << 10, 1 << 20
-# role -> (producer, consumer)
-RING_ROLES: dict[str, tuple[str, str]] = {
-    "submit": ("gateway", "tokenizer"),
-    "rejects": ("tokenizer", "gateway"),
-    "register": ("tokenizer", "output"),
-    "requests": ("tokenizer", "engine"),
-    "results": ("worker", "engine"),
-    "outputs": ("engine", "output"),
-    "stops": ("output", "engine"),
-    "answers": ("output", "gateway"),
-    "stats": ("engine", "gateway"),
-    # Disaggregation only: created for the roles that use them (``PD_RINGS``).
-    "kv_plans": ("engine", "messager"),
-    "kv_reports": ("messager", "engine"),
-    "kv_ready": ("messager", "engine"),
-}
-# Instance role -> the rings of RING_ROLES it creates beyond the mixed role's.
-PD_RINGS: dict[str, tuple[str, ...]] = {"mixed": (), "prefill": ("kv_plans", "kv_reports"),
-                                        "decode": ("kv_ready",)}
-SHARED_DOORBELLS = ("gateway", "engine", "output")
+ROLES = frozenset({"mixed", "prefill", "decode"})  # EngineConfig.role
+PREFILL, DECODE = frozenset({"prefill"}), frozenset({"decode"})
+
+
+@dataclass(frozen=True, slots=True)
+class RingDecl:
+    name: str  # the ring role: the key of StageSpec.rings and the shared-memory name's tail
+    producer: str
+    consumer: str  # "worker": every TP rank of this node (the broadcast ring)
+    messages: Mapping[int, type]  # tag -> type; empty for the layer signal (no messages)
+    limit: Callable[[Sizes], int] | None  # the largest message in bytes; None: layer signal
+    kind: Literal["ring", "broadcast", "layer_signal"] = "ring"
+    roles: frozenset[str] = ROLES  # the instance roles that create it
+    # False: carries what a client sent, not yet checked by the tokenizer stage.
+    trusted: bool = True
+
+
+RINGS: tuple[RingDecl, ...] = (
+    RingDecl("submit", "gateway", "tokenizer",
+             {Tag.GATEWAY_REQUEST: GatewayRequest, Tag.ABORT: AbortRequest},
+             lambda s: MAX_REQUEST_BYTES, trusted=False),
+    # Error answers; the tokenizer stage clips their messages.
+    RingDecl("rejects", "tokenizer", "gateway", {Tag.RESULT: RequestResult}, lambda s: 1 * MiB),
+    RingDecl("register", "tokenizer", "output", {Tag.REGISTRATION: OutputRegistration},
+             lambda s: s.request),
+    RingDecl("requests", "tokenizer", "engine",
+             {Tag.ENGINE_REQUEST: EngineRequest, Tag.ABORT: AbortRequest}, lambda s: s.request),
+    RingDecl("steps", "engine", "worker", {Tag.STEP: SchedulerOutput},
+             lambda s: max(16 * MiB, s.request + s.step), kind="broadcast"),
+    RingDecl("results", "worker", "engine", {Tag.RUNNER_OUTPUT: ModelRunnerOutput},
+             lambda s: s.step),
+    RingDecl("outputs", "engine", "output", {Tag.ENGINE_OUTPUTS: EngineOutputs}, lambda s: s.step),
+    RingDecl("stops", "output", "engine", {Tag.ABORT: AbortRequest}, lambda s: 512 * KiB),
+    RingDecl("answers", "output", "gateway", {Tag.DELTA: RequestDelta, Tag.RESULT: RequestResult},
+             lambda s: s.answer),
+    RingDecl("stats", "engine", "gateway", {Tag.STATS: EngineStats}, lambda s: 128 * KiB),
+    # Disaggregation only. Prefill: the engine's transfer plans and the messager's reports;
+    # worker rank 0 publishes each layer's "KV written" on the layer signal, sized by the
+    # gateway in layers (every rank's when the ranks share one KV segment, worker.kv_cache).
+    RingDecl("kv_plans", "engine", "messager",
+             {Tag.TRANSFER_PLAN: TransferPlan, Tag.KV_FINISH: KVFinish}, Sizes.kv_plan,
+             roles=PREFILL),
+    RingDecl("kv_reports", "messager", "engine", {Tag.TRANSFER_REPORT: TransferReport},
+             lambda s: max(1 * MiB, s.config.max_num_seqs * 2 * KiB), roles=PREFILL),
+    RingDecl("layers", "worker", "messager", {}, None, kind="layer_signal", roles=PREFILL),
+    # Decode: one KVReady per request, its error clipped to 8 KiB.
+    RingDecl("kv_ready", "messager", "engine", {Tag.KV_READY: KVReady}, lambda s: 64 * KiB,
+             roles=DECODE),
+)
+BY_NAME = {r.name: r for r in RINGS}
 STEPS_ROLE = "steps"  # engine -> every worker rank (broadcast)
-
-# What the tokenizer stage adds to a request besides its prompt as int32 token ids: the
-# model's eos ids and bad words as token sequences (at most 256 x 512 ids).
-REQUEST_GROWTH_BYTES = 1 * MiB
-# One scheduled sequence in a step's output (worker -> engine -> token processor): its id,
-# sampled token, finish/error strings and one logprobs entry.
-STEP_BYTES_PER_SEQ = 1 * KiB + logprob_entry_bytes(MAX_LOGPROBS)
-# A final answer: what does not grow with its tokens (ids, usage, timings, error message) and
-# per completion (stop reason, finish reason, headers)...
-ANSWER_FIXED_BYTES = 64 * KiB
-COMPLETION_FIXED_BYTES = 1 * KiB
-# ...and what the answers ring is sized to carry per output token of max_model_len: the
-# token id (5), its inter-token latency (9) and its text (at most 242 bytes here; the
-# tokenizer stage checks each request against its tokenizer's actual longest token).
-ANSWER_BYTES_PER_TOKEN = 256
-# Beyond this (max_model_len over ~200k) the answers ring stops growing; requests whose
-# answer could be larger are refused by the tokenizer stage, naming the limit.
-MAX_ANSWER_BYTES = 64 * MiB
+LAYERS_ROLE = "layers"  # worker -> cache messager (layer signal), prefill only
+# The consumers that read several rings: each parks on one doorbell shared by its rings.
+SHARED_DOORBELLS = tuple(c for c, n in Counter(r.consumer for r in RINGS if r.kind == "ring").items()
+                         if n > 1)
+# ring role -> {tag: message type}: what TaggedCodec encodes and decodes on it.
+RING_MESSAGES: dict[str, dict[int, type]] = {r.name: dict(r.messages) for r in RINGS if r.messages}
 
 
-def request_bytes(max_model_len: int) -> int:
-    """Upper bound of a tokenized request (register, requests and steps rings): what crossed
-    the submit ring minus its prompt, the prompt as token ids (validation caps them at
-    min(max_model_len - 1, MAX_PROMPT_TOKENS)), and what the tokenizer stage adds."""
-    return MAX_REQUEST_BYTES + 4 * min(max_model_len, MAX_PROMPT_TOKENS) + REQUEST_GROWTH_BYTES
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"instance role={role!r} must be one of {sorted(ROLES)}")
 
 
-def answer_bytes_bound(sp: SamplingParams, num_prompt_tokens: int, token_text_bytes: int) -> int:
-    """Upper bound of a request's encoded final answer (the largest message it puts on the
-    answers ring; its deltas are parts of it). ``token_text_bytes``: the most text one token
-    can add (see ``tokenizer.stage.max_token_text_bytes``).
-
-    Per output token of each completion: its id (at most 5 bytes of msgpack), its text, its
-    logprobs entry and an inter-token latency (a float64, 9 bytes); with n > 1 the top-level
-    fields repeat completion 0; prompt logprobs add one entry per prompt token."""
-    logprob = 0 if sp.logprobs is None else logprob_entry_bytes(sp.logprobs)
-    copies = sp.n + 1 if sp.n > 1 else 1
-    per_completion = COMPLETION_FIXED_BYTES + sp.max_tokens * (5 + token_text_bytes + logprob)
-    prompt = 0 if sp.prompt_logprobs is None else \
-        num_prompt_tokens * (1 + logprob_entry_bytes(sp.prompt_logprobs))
-    return ANSWER_FIXED_BYTES + copies * per_completion + sp.n * sp.max_tokens * 9 + prompt
-
-
-def message_limits(config: EngineConfig, max_model_len: int) -> dict[str, int]:
-    """Role -> the largest message (bytes) its ring must carry. ``max_model_len`` may be an
-    upper bound of the model's (the gateway sizes the rings before the worker says)."""
-    request = request_bytes(max_model_len)
-    # At least 4 MiB: the engine also reports aborted waiting requests in one message.
-    step = max(4 * MiB, config.max_num_seqs * STEP_BYTES_PER_SEQ
-               + config.max_num_batched_tokens * logprob_entry_bytes(MAX_LOGPROBS))
-    # Logprobs: the sampled ones of every completion, their copy in the top-level fields
-    # (n > 1) and the prompt's, each capped at MAX_LOGPROBS_BYTES by SamplingParams.
-    answer = min(MAX_ANSWER_BYTES, ANSWER_FIXED_BYTES + 3 * MAX_LOGPROBS_BYTES
-                 + max_model_len * ANSWER_BYTES_PER_TOKEN)
-    return {
-        "submit": MAX_REQUEST_BYTES,
-        "rejects": 1 * MiB,  # error answers; the tokenizer stage clips their messages
-        "register": request,
-        "requests": request,
-        "results": step,
-        "outputs": step,
-        "stops": 512 * KiB,
-        "answers": answer,
-        "stats": 128 * KiB,
-        # A plan: per scheduled request its (local, remote) block pairs, 8 bytes each (the
-        # engine refuses a plan over this, failing the requests it names).
-        "kv_plans": max(4 * MiB, config.max_num_seqs * KiB + 8 * (
-            config.max_num_batched_tokens + config.max_num_seqs * (max_model_len // 16 + 2))),
-        "kv_reports": max(1 * MiB, config.max_num_seqs * 2 * KiB),
-        "kv_ready": 64 * KiB,  # one KVReady, its error clipped to 8 KiB
-        STEPS_ROLE: max(16 * MiB, request + step),
-    }
+def ring_names(role: str) -> list[str]:
+    """Every ring (and the layer signal) an instance of ``role`` creates: StageSpec.rings' keys."""
+    _check_role(role)
+    return [r.name for r in RINGS if role in r.roles]
 
 
 def ring_roles(role: str) -> dict[str, tuple[str, str]]:
-    """The rings an instance of ``role`` (mixed | prefill | decode) creates."""
-    skip = {r for rs in PD_RINGS.values() for r in rs} - set(PD_RINGS[role])
-    return {k: v for k, v in RING_ROLES.items() if k not in skip}
+    """The single-producer/single-consumer rings of an instance of ``role`` (mixed | prefill |
+    decode): ring role -> (producer, consumer)."""
+    _check_role(role)
+    return {r.name: (r.producer, r.consumer) for r in RINGS if r.kind == "ring" and role in r.roles}
 
 
-def capacity(limit: int) -> int:
-    """The ring size whose messages may be ``limit`` bytes: twice it, in 64-byte units."""
-    return -(-2 * limit // 64) * 64
+def message_limits(config: EngineConfig, max_model_len: int) -> dict[str, int]:
+    """Ring role -> the largest message (bytes) its ring must carry. ``max_model_len`` may be
+    an upper bound of the model's (the gateway sizes the rings before the worker says)."""
+    sizes = Sizes.of(config, max_model_len)
+    return {r.name: r.limit(sizes) for r in RINGS if r.limit is not None}
 
 
 End = Literal["reader", "writer"]
-
-
-# Rings whose messages carry what a client sent, not yet checked by the tokenizer stage.
-UNTRUSTED_ROLES = frozenset({"submit"})
 
 
 def _trusted(decode: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -171,7 +148,7 @@ class Channel:
         self._encode = codec.encode
         # Past the submit ring a request's SamplingParams were checked (sampling_params.
         # TRUSTED_DECODE): only the gateway's messages are decoded with every check.
-        self._decode = codec.decode if role in UNTRUSTED_ROLES else _trusted(codec.decode)
+        self._decode = _trusted(codec.decode) if BY_NAME[role].trusted else codec.decode
 
     @property
     def max_message_bytes(self) -> int:

@@ -11,36 +11,30 @@ from __future__ import annotations
 import msgspec
 
 from pipeline.config import EngineConfig
+from pipeline.messages.kv_layout import KVLayout
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):
     """What the worker learnt at load time and the other stages need to be built.
 
-    The KV cache layout is what the cache messager needs to map and ship a layer: one
-    allocation ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`` of
-    ``kv_dtype``, in the shared-memory segment ``kv_segment`` on CPU (None on CUDA); on CUDA,
-    rank 0 of a prefill or decode instance exports it as ``kv_cuda_ipc`` (the msgpack
+    ``kv`` is its KV cache's layout (the engine's block count and size, what the cache
+    messager maps and ships, the handshake's model hash). The pool itself is in the
+    shared-memory segment ``kv_segment`` on CPU (None on CUDA); on CUDA, rank 0 of a prefill
+    or decode instance exports it as ``kv_cuda_ipc`` (the msgpack
     `pipeline.ipc.cuda_ipc.CudaIpcHandle` of all its bytes; b"" otherwise)."""
-    num_blocks: int
-    block_size: int
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
-    kv_cache_bytes: int = 0
-    num_layers: int = 0
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    kv_dtype: str = ""  # torch dtype name, e.g. "float32"
+    kv: KVLayout
     kv_segment: str | None = None
     kv_cuda_ipc: bytes = b""
-    model_hash: str = ""  # of the checkpoint's config.json: a KV peer must run the same model
 
 
 class StageSpec(msgspec.Struct, kw_only=True):
     name: str  # e.g. "worker0"; used in every error message about the stage
     kind: str  # key of runtime.process.STAGE_MODULES
     config: EngineConfig
-    rings: dict[str, str]  # role -> shared-memory name, see runtime.rings.RING_ROLES
+    rings: dict[str, str]  # role -> shared-memory name, see runtime.rings.RINGS
     rank: int = 0
     # Wait for the gateway's ("start", model) on the control pipe after importing the stage's
     # code: the gateway starts stages before the rings exist (runtime.process).

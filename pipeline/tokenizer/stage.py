@@ -134,7 +134,7 @@ class TokenizerLoop:
             if sp.structured_outputs is not None:  # a spec xgrammar refuses never reaches the engine
                 self.grammars().compile(sp.structured_outputs)
             check_kv_transfer(req.kv_transfer, self.role, num_prompt_tokens=len(ids), sp=sp,
-                              stream=req.stream, block_size=self.model.block_size)
+                              stream=req.stream, block_size=self.model.kv.block_size)
             token_bytes = ids_to_bytes(ids)
             reg = self.register.encode(OutputRegistration(
                 req_id=req.req_id, prompt_token_ids=token_bytes, sampling_params=sp,

@@ -24,7 +24,7 @@ import numpy as np
 
 from pipeline.messages.kv import KVTransferParams
 from pipeline.messages.requests import MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS
-from pipeline.runtime.rings import answer_bytes_bound
+from pipeline.runtime.ring_sizes import answer_bytes_bound
 from pipeline.sampling_params import SamplingParams
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")

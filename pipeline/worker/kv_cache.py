@@ -1,8 +1,9 @@
 """Worker stage: the paged KV cache memory of one worker (one TP rank).
 
-Owns the cache memory. Layout of the one allocation (CPU shared memory or one CUDA
-tensor): ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``, so
-each layer's K and V are contiguous and a layer can be shipped as two slabs. On CPU it is a
+Owns the cache memory, described by ``KVCache.layout`` (a `messages.kv_layout.KVLayout`,
+what the worker stage reports in ``ModelInfo.kv``). Layout of the one allocation (CPU shared
+memory or one CUDA tensor): ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads,
+head_dim]``, so each layer's K and V are contiguous and a layer can be shipped as two slabs. On CPU it is a
 POSIX shared-memory segment ``/pipeline.<instance_id>.kv`` (rank > 0 adds ``.<rank>``) that
 the cache messager maps by name (``pipeline.ipc.segment.attach_segment``); it is named
 through ``Instance.join(id)`` of ``pipeline.ipc.instance`` (a view of the gateway's instance
@@ -27,41 +28,20 @@ from __future__ import annotations
 
 import mmap
 import os
-from dataclasses import dataclass
 
 import torch
 
 from pipeline.ipc.instance import Instance
 from pipeline.ipc.segment import create_lazy_segment, unlink_segment
+from pipeline.messages.kv_layout import KVLayout
 
 
-@dataclass(slots=True, frozen=True)
-class KVCacheSpec:
-    """Everything another process needs to map and interpret the cache."""
-    shm_name: str | None  # None on CUDA
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # torch dtype name, e.g. "float32"
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block of one layer's K (or V)."""
-        elem = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return self.block_size * self.num_kv_heads * self.head_dim * elem
-
-    @property
-    def total_bytes(self) -> int:
-        return 2 * self.num_layers * self.num_blocks * self.block_bytes
-
-
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype) -> int:
-    """Bytes one block costs across all layers, K and V."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+def kv_layout(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+              head_dim: int, dtype: torch.dtype) -> KVLayout:
+    """The layout of a cache of ``dtype`` (its torch name is what the layout carries)."""
+    return KVLayout(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+                    num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    dtype=str(dtype).removeprefix("torch."))
 
 
 def _attach_lazy(name: str) -> mmap.mmap:
@@ -85,12 +65,14 @@ class KVCache:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         shape: tuple[int, ...] = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        nbytes = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) * num_blocks
         # The one segment of every rank (see the module docstring): rank 0 creates it.
         ranks = shared_ranks if shared_ranks > 1 and device.type == "cpu" else 1
         if ranks > 1:
             shape = (num_layers, ranks, 2, num_blocks, block_size, num_kv_heads, head_dim)
-            nbytes *= ranks
+        # What the cache messager sees: the whole segment, ranks interleaved per layer.
+        self.layout = kv_layout(num_layers * ranks, num_blocks, block_size, num_kv_heads,
+                                head_dim, dtype)
+        nbytes = self.layout.total_bytes
         self._segment: mmap.mmap | None = None
         self._attached = False
         self._instance: Instance | None = None
@@ -115,16 +97,13 @@ class KVCache:
                 self.buffer = self.buffer[:, rank]
         else:
             self.buffer = torch.zeros(shape, dtype=dtype, device=device)
-        # What the cache messager sees: the whole segment, ranks interleaved per layer.
-        self.spec = KVCacheSpec(self.shm_name, num_layers * ranks, num_blocks, block_size, num_kv_heads,
-                                head_dim, str(dtype).removeprefix("torch."))
         self.k_caches = [self.buffer[i, 0] for i in range(num_layers)]
         self.v_caches = [self.buffer[i, 1] for i in range(num_layers)]
         self.layers = list(zip(self.k_caches, self.v_caches))
 
     @property
     def num_blocks(self) -> int:
-        return self.spec.num_blocks
+        return self.layout.num_blocks
 
     def close(self) -> None:
         """Drop the tensors, unmap and unlink the segment. Idempotent."""

@@ -36,7 +36,7 @@ from pipeline.models.weights import weight_bytes
 from pipeline.worker.cuda_graphs import DecodeGraphs
 from pipeline.worker.device import proc_memory, resolve_dtype, weight_plan, worker_threads
 from pipeline.worker.input_batch import InputBatch
-from pipeline.worker.kv_cache import KVCache, bytes_per_block
+from pipeline.worker.kv_cache import KVCache, kv_layout
 from pipeline.worker.kv_sizing import decide_num_blocks, profile_gpu_blocks
 from pipeline.worker.prompt_logprobs import prompt_logprobs
 from pipeline.worker.sampler import Sampler, build_metadata
@@ -170,7 +170,7 @@ class ModelRunner:
         if shared and self.rank == 0:
             assert self.tp is not None
             self.tp.barrier()
-        self.kv_cache_bytes = self.kv_cache.spec.total_bytes
+        self.kv_cache_bytes = self.kv_cache.layout.total_bytes
         tokens = self.num_blocks * self.block_size
         print(f"kv cache: {self.num_blocks} blocks x {self.block_size} tokens "
               f"({self.kv_cache_bytes / 2**20:.1f} MiB): {tokens} tokens, {tokens / self.max_model_len:.2f}x "
@@ -187,7 +187,8 @@ class ModelRunner:
 
     def _block_bytes(self) -> int:
         mc = self.model_config
-        return bytes_per_block(mc.num_layers, self.block_size, self._kv_heads, mc.head_dim, self.dtype)
+        return kv_layout(mc.num_layers, 1, self.block_size, self._kv_heads, mc.head_dim,
+                         self.dtype).bytes_per_block
 
     def _decide_num_blocks(self) -> int:
         mc = self.model_config
@@ -206,7 +207,7 @@ class ModelRunner:
         None detaches). On CUDA the publication is stream-ordered on a side stream. The ranks
         of a shared KV segment publish their layer l as ``l * ranks + rank``."""
         assert self.kv_cache is not None, "load() first"
-        pool_layers = self.kv_cache.spec.num_layers
+        pool_layers = self.kv_cache.layout.num_layers
         if sig is not None and sig.num_layers < pool_layers:
             raise ValueError(f"layer signal has {sig.num_layers} layers, the KV pool {pool_layers}")
         self._signal_ranks = pool_layers // self.num_layers

@@ -32,7 +32,7 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
     runner = ModelRunner(cfg, spec.rank)
     runner.load()
     assert runner.kv_cache is not None
-    kv = runner.kv_cache.spec
+    kv = runner.kv_cache.layout
     log(spec, f"loaded in {time.perf_counter() - t0:.1f}s: {kv.num_blocks} KV blocks of "
               f"{kv.block_size} tokens ({kv.total_bytes / 2**20:.1f} MiB, "
               f"{kv.num_blocks * kv.block_size} tokens), max_model_len {runner.max_model_len}")
@@ -55,13 +55,10 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
                                 list(range(cfg.ranks_per_node, cfg.tensor_parallel_size)), TP_TIMEOUT_S)
         elif not local:
             receiver = PlanReceiver(cfg.master_addr, cfg.master_port, spec.rank)
-        info = ModelInfo(num_blocks=kv.num_blocks, block_size=kv.block_size,
-                         max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
-                         eos_token_ids=list(runner.eos_token_ids), kv_cache_bytes=kv.total_bytes,
-                         num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads,
-                         head_dim=kv.head_dim, kv_dtype=kv.dtype, kv_segment=kv.shm_name,
-                         kv_cuda_ipc=kv_cuda_ipc,
-                         model_hash=model_hash(cfg.model))
+        info = ModelInfo(max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
+                         eos_token_ids=list(runner.eos_token_ids),
+                         kv=msgspec.structs.replace(kv, model_hash=model_hash(cfg.model)),
+                         kv_segment=runner.kv_cache.shm_name, kv_cuda_ipc=kv_cuda_ipc)
         ready(msgspec.structs.asdict(info))
         while True:
             t_wait = time.perf_counter()

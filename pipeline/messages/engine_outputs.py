@@ -4,6 +4,8 @@ engine -> token processor: EngineOutputs (a batch of EngineOutput, one per compl
 got tokens, prompt logprobs or finished this step); engine -> gateway: EngineStats, a few
 times a second. A request with ``n > 1`` runs in the engine and the worker as n child
 requests named by ``child_id``; outputs carry the request's own id and the child's index.
+Not to be confused with ``pipeline.outputs`` (what ``LLM`` returns to its caller) or the
+``pipeline.output`` package (the token processor stage that reads these). Owns no state.
 """
 from __future__ import annotations
 
