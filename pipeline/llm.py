@@ -69,15 +69,15 @@ class _Prompt:
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, worker: Any = None,
                  skip_tokenizer_init: bool = False, **engine_args: Any) -> None:
-        unknown = set(engine_args) - set(EngineConfig.__struct_fields__)
+        unknown = set(engine_args) - EngineConfig.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}; valid: "
-                            f"{sorted(EngineConfig.__struct_fields__)}")
+                            f"{sorted(EngineConfig.field_names())}")
         from pipeline.ipc.instance import new_instance_id
 
         if engine_args.get("chat_template") is not None:  # a file, as --chat-template takes
             engine_args["chat_template"] = read_chat_template(engine_args["chat_template"])
-        self.config = EngineConfig(model=model, **engine_args)
+        self.config = EngineConfig.of(model=model, **engine_args)
         self.config.check()  # a bad value is named before anything loads
         # "<pid>-<hex>": unique across processes (the KV segment is named after it).
         self.config.instance_id = self.config.instance_id or new_instance_id()
@@ -93,7 +93,7 @@ class LLM:
                 from pipeline.worker.model_runner import ModelRunner
 
                 sweep_stale()  # segments of killed LLMs and servers: their owners are dead
-                if self.config.tensor_parallel_size > 1:  # rank 0 here, the others in processes
+                if self.config.parallel_config.tensor_parallel_size > 1:  # rank 0 here, the others in processes
                     from pipeline.llm_tp import LocalTPWorkers
                     worker = LocalTPWorkers(self.config)
                     self.worker = worker
@@ -117,7 +117,7 @@ class LLM:
         from pipeline.tokenizer.tokenizer import Tokenizer
 
         try:
-            self.tokenizer = Tokenizer(model_dir, chat_template=self.config.chat_template)
+            self.tokenizer = Tokenizer(model_dir, chat_template=self.config.model_config.chat_template)
         except FileNotFoundError as exc:
             raise ValueError(f"{exc}; pass skip_tokenizer_init=True and token-id prompts") from None
         self.processor = OutputProcessor(DetokenizerTable(self.tokenizer.tok))

@@ -16,8 +16,6 @@ from __future__ import annotations
 import multiprocessing as mp
 from typing import Any
 
-import msgspec
-
 from pipeline.config import EngineConfig
 from pipeline.ipc.broadcast import BroadcastRing
 from pipeline.ipc.instance import Instance, unlink_instance
@@ -40,24 +38,24 @@ from pipeline.worker.model_runner import TP_TIMEOUT_S, ModelRunner
 
 class LocalTPWorkers:
     def __init__(self, config: EngineConfig) -> None:
-        if config.nnodes != 1:
+        if config.parallel_config.nnodes != 1:
             raise ValueError("pipeline.LLM runs every rank on this host: --nnodes must be 1 "
                              "(serve node 0 with `pipeline serve` to span hosts)")
-        self.config = config = msgspec.structs.replace(config, master_port=config.master_port
+        self.config = config = config.replace(master_port=config.parallel_config.master_port
                                                        or free_tcp_port())
         self.instance = Instance(config.instance_id)
         self.ranks: list[Stage] = []
         self.runner: ModelRunner | None = None
         try:
-            limit = message_limits(config, config.max_model_len or 1 << 20)[STEPS_ROLE]
+            limit = message_limits(config, config.model_config.max_model_len or 1 << 20)[STEPS_ROLE]
             ring = BroadcastRing.create(self.instance, STEPS_ROLE, capacity(limit),
-                                        config.tensor_parallel_size, claim=True)
+                                        config.parallel_config.tensor_parallel_size, claim=True)
             self.steps = Channel(ring, STEPS_ROLE)
             self._mine = BroadcastRing.attach(ring.name, 0)
             ctx = mp.get_context("spawn")
             self.ranks = [spawn_stage(ctx, StageSpec(name=f"worker{r}", kind="worker", config=config,
                                                      rings={STEPS_ROLE: ring.name}, rank=r))
-                          for r in range(1, config.tensor_parallel_size)]
+                          for r in range(1, config.parallel_config.tensor_parallel_size)]
             self.runner = ModelRunner(config, 0)
             self.runner.load()  # joins the group with the ranks as they load
             wait_ready(self.ranks, TP_TIMEOUT_S)

@@ -51,7 +51,7 @@ def make_runner(model_dir: str, **cfg) -> ModelRunner:
     base = dict(model=model_dir, device="cpu", dtype="float32", block_size=16, num_blocks=96,
                 max_num_seqs=8, max_num_batched_tokens=256, instance_id=instance_id())
     base.update(cfg)
-    runner = ModelRunner(EngineConfig(**base))
+    runner = ModelRunner(EngineConfig.of(**base))
     runner.load()
     return runner
 

@@ -95,7 +95,7 @@ class Decode(Messager):
         self.kv = Pool(inst, tag, layout)
         self.ready = channel(inst, "kv_ready", tag, "reader")
         spec = StageSpec(name=f"messager-{tag}", kind="messager",
-                         config=EngineConfig(role="decode", kv_listen=listen),
+                         config=EngineConfig.of(role="decode", kv_listen=listen),
                          rings={"kv_ready": self.ready.ring.name}, model=model_info(layout, self.kv.name),
                          ring_timeout_s=0.2)
         super().__init__(inst, tag, spec, layout)
@@ -114,7 +114,7 @@ class Prefill(Messager):
         self.plans = channel(inst, "kv_plans", "p", "writer")
         self.reports = channel(inst, "kv_reports", "p", "reader")
         spec = StageSpec(name="messager-p", kind="messager",
-                         config=EngineConfig(role="prefill", kv_transfer=mode, kv_transfer_timeout=timeout_s),
+                         config=EngineConfig.of(role="prefill", kv_transfer=mode, kv_transfer_timeout=timeout_s),
                          rings={"kv_plans": self.plans.ring.name, "kv_reports": self.reports.ring.name,
                                 "layers": self.sig.name},
                          model=model_info(PREFILL, self.kv.name), ring_timeout_s=0.2)
@@ -397,7 +397,7 @@ def test_malformed_ring_messages_never_stop_the_prefill_messager(inst, procs):
 
 # ---- start-up ------------------------------------------------------------------------------
 def test_refuses_to_start_without_a_shared_memory_kv_pool(inst):
-    spec = StageSpec(name="m", kind="messager", config=EngineConfig(role="decode", kv_listen="tcp://127.0.0.1:0"),
+    spec = StageSpec(name="m", kind="messager", config=EngineConfig.of(role="decode", kv_listen="tcp://127.0.0.1:0"),
                      rings={}, model=model_info(DECODE, None))
     with pytest.raises(ValueError, match=r"exported no KV cache \(ModelInfo.kv_segment is None and "
                                          r"ModelInfo.kv_cuda_ipc is empty\)"):

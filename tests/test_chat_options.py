@@ -186,7 +186,7 @@ def test_llm_takes_the_template_file_and_a_request_dicts_chat_options(template_f
     worker = FakeWorker(num_blocks=64, block_size=4, max_model_len=256, vocab_size=2048,
                         eos_token_ids=[1])
     llm = LLM(DEFAULT_MODEL, worker=worker, chat_template=str(template_file))
-    assert llm.config.chat_template == TEMPLATE
+    assert llm.config.model_config.chat_template == TEMPLATE
     tok = Tokenizer(DEFAULT_MODEL, chat_template=TEMPLATE)
     greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     (chat,) = llm.chat(CONV, greedy, add_generation_prompt=False, continue_final_message=True,
@@ -209,10 +209,10 @@ def _config(*flags: str) -> EngineConfig:
 
 
 def test_chat_template_file_errors_name_the_flag(tmp_path):
-    assert _config().chat_template is None
+    assert _config().model_config.chat_template is None
     good = tmp_path / "good.jinja"
     good.write_text(TEMPLATE)
-    assert _config("--chat-template", str(good)).chat_template == TEMPLATE
+    assert _config("--chat-template", str(good)).model_config.chat_template == TEMPLATE
     big = tmp_path / "big.jinja"
     big.write_text("x" * (MAX_CHAT_TEMPLATE_BYTES + 1))
     latin1 = tmp_path / "latin1.jinja"
@@ -227,7 +227,7 @@ def test_chat_template_file_errors_name_the_flag(tmp_path):
         with pytest.raises(ValueError, match="^" + re.escape(f"--chat-template {path}: {error}")):
             _config("--chat-template", str(path))
     with pytest.raises(ValueError, match=f"--chat-template: {MAX_CHAT_TEMPLATE_BYTES + 1} bytes"):
-        EngineConfig(chat_template="x" * (MAX_CHAT_TEMPLATE_BYTES + 1)).check()
+        EngineConfig.of(chat_template="x" * (MAX_CHAT_TEMPLATE_BYTES + 1)).check()
 
 
 def test_pipeline_run_refuses_a_missing_template_file_before_starting(tmp_path):
@@ -241,12 +241,12 @@ def test_pipeline_run_refuses_a_missing_template_file_before_starting(tmp_path):
 def test_max_queued_requests_must_not_be_negative():
     with pytest.raises(ValueError, match="--max-queued-requests must be >= 0, got -1"):
         _config("--max-queued-requests", "-1")
-    assert _config("--max-queued-requests", "3").max_queued_requests == 3
+    assert _config("--max-queued-requests", "3").scheduler_config.max_queued_requests == 3
 
 
 def test_gateway_answers_queue_full_beyond_max_num_seqs_plus_the_queue(inst):
     answers: list = []
-    gw = Gateway(EngineConfig(max_num_seqs=2, max_queued_requests=1), answers.append)
+    gw = Gateway(EngineConfig.of(max_num_seqs=2, max_queued_requests=1), answers.append)
     ring = Ring.create(inst, "submit", capacity(MAX_REQUEST_BYTES), role="writer", claim=True)
     reader = Channel(Ring.attach(ring.name, "reader"), "submit")
     gw.rings = {"submit": Channel(ring, "submit")}

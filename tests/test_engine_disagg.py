@@ -53,7 +53,7 @@ class Clock:
 
 
 def make(role, num_blocks=48, bs=4, budget=64, seqs=8, caching=True, threshold=0, fallback="none"):
-    cfg = EngineConfig(role=role, kv_listen=LISTEN if role == "decode" else "", pd_fallback=fallback,
+    cfg = EngineConfig.of(role=role, kv_listen=LISTEN if role == "decode" else "", pd_fallback=fallback,
                        kv_transfer_timeout=TIMEOUT, max_num_seqs=seqs,
                        max_num_batched_tokens=budget, long_prefill_token_threshold=threshold,
                        enable_prefix_caching=caching)
@@ -659,12 +659,12 @@ def test_decode_side_fails_a_fallen_back_request_with_kv_fallback():
 
 
 def test_pd_fallback_flag_is_for_prefill_instances():
-    EngineConfig(role="prefill", pd_fallback="local").check()
+    EngineConfig.of(role="prefill", pd_fallback="local").check()
     for role in ("mixed", "decode"):
         with pytest.raises(ValueError, match="--pd-fallback is for --role prefill"):
-            EngineConfig(role=role, pd_fallback="local").check()
+            EngineConfig.of(role=role, pd_fallback="local").check()
     with pytest.raises(ValueError, match="--pd-fallback must be one of none, local"):
-        EngineConfig(role="prefill", pd_fallback="remote").check()
+        EngineConfig.of(role="prefill", pd_fallback="remote").check()
 
 
 def test_kv_transfer_requests_checked_against_the_role():
@@ -971,7 +971,7 @@ class StageRig:
         )
         from pipeline.runtime.spec import ModelInfo, StageSpec
 
-        cfg = EngineConfig(role=role, kv_listen=LISTEN if role == "decode" else "",
+        cfg = EngineConfig.of(role=role, kv_listen=LISTEN if role == "decode" else "",
                            kv_transfer_timeout=timeout, max_num_seqs=4,
                            max_num_batched_tokens=16, block_size=4)
         limits = message_limits(cfg, MAX_LEN)

@@ -72,7 +72,7 @@ class DictTier(KVConnector):
 def rig():
     worker = FakeWorker(BLOCKS, BS, MAX_LEN, VOCAB, [], check_kv=True)
     store: dict[bytes, list[int]] = {}
-    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+    cfg = EngineConfig.of(max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=True)
     sched = Scheduler(cfg, BLOCKS, BS, MAX_LEN, hash_key=b"t",
                       connector=lambda s: DictTier(s, worker, store))
     outs: list[EngineOutput] = []

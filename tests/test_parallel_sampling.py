@@ -38,7 +38,7 @@ EOS = 0
 
 
 def fake_engine(num_blocks=64, caching=True, budget=64):
-    cfg = EngineConfig(max_num_seqs=16, max_num_batched_tokens=budget, enable_prefix_caching=caching)
+    cfg = EngineConfig.of(max_num_seqs=16, max_num_batched_tokens=budget, enable_prefix_caching=caching)
     sched = Scheduler(cfg, num_blocks, BS, 128, hash_key=b"test")
     return sched, FakeWorker(num_blocks, BS, 128, 48, [EOS], check_kv=True)
 
@@ -203,7 +203,7 @@ def model_dir(tmp_path_factory):
 
 def real_run(model_dir, sp: SamplingParams, prompt: list[int]):
     from pipeline.worker.model_runner import ModelRunner
-    cfg = EngineConfig(model=model_dir, device="cpu", dtype="float32", block_size=16, num_blocks=96,
+    cfg = EngineConfig.of(model=model_dir, device="cpu", dtype="float32", block_size=16, num_blocks=96,
                        max_num_seqs=8, max_num_batched_tokens=256, instance_id=instance_id())
     runner = ModelRunner(cfg)
     runner.load()

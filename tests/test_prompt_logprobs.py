@@ -72,7 +72,7 @@ def test_worker_matches_transformers_over_prefill_chunks(hf_and_dir, budget):
 
 # -- the engine: once per token, no prefix-cache hit, bounded per step ------------------------
 def engine(num_blocks=64, budget=64, block_size=4):
-    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=budget)
+    cfg = EngineConfig.of(max_num_seqs=8, max_num_batched_tokens=budget)
     return (Scheduler(cfg, num_blocks, block_size, 128, hash_key=b"t"),
             FakeWorker(num_blocks, block_size, 128, 48, [0], check_kv=True))
 
@@ -129,7 +129,7 @@ def test_cached_prefix_is_not_used_for_a_request_that_asks():
 def test_real_engine_cached_prefix_still_gives_prompt_logprobs(hf_and_dir):
     from pipeline.worker.model_runner import ModelRunner
     hf, path = hf_and_dir
-    cfg = EngineConfig(model=path, device="cpu", dtype="float32", block_size=16, num_blocks=96,
+    cfg = EngineConfig.of(model=path, device="cpu", dtype="float32", block_size=16, num_blocks=96,
                        max_num_seqs=8, max_num_batched_tokens=20, instance_id=instance_id())
     runner = ModelRunner(cfg)
     runner.load()

@@ -25,7 +25,7 @@ class Engine:
 
     def __init__(self, num_blocks=64, block_size=4, max_model_len=128, max_num_seqs=8,
                  budget=64, threshold=0, policy="newest", caching=True, vocab=48) -> None:
-        cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+        cfg = EngineConfig.of(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                            long_prefill_token_threshold=threshold, preemption_policy=policy,
                            enable_prefix_caching=caching)
         self.sched = Scheduler(cfg, num_blocks, block_size, max_model_len, hash_key=b"test")

@@ -42,7 +42,7 @@ class Driver:
 
     def __init__(self, mode: str, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                  budget: int = 32, threshold: int = 0, caching: bool = True) -> None:
-        cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+        cfg = EngineConfig.of(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                            long_prefill_token_threshold=threshold, enable_prefix_caching=caching)
         self.mode = mode
         self.sched = Scheduler(cfg, num_blocks, block_size, MAX_LEN, hash_key=KEY,

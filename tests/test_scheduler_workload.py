@@ -65,7 +65,7 @@ def expected(worker: FakeWorker, prompt: list[int], sp: SamplingParams,
 def test_random_workload(specs, num_blocks, block_size, max_num_seqs, budget, threshold, policy,
                          caching, mode):
     pipelined = mode != "sync"
-    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+    cfg = EngineConfig.of(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                        long_prefill_token_threshold=threshold, preemption_policy=policy,
                        enable_prefix_caching=caching)
     sched = Scheduler(cfg, num_blocks, block_size, MAX_MODEL_LEN, hash_key=b"h",

@@ -99,10 +99,10 @@ def test_config_check_names_the_flag_and_limit():
                              ({"dtype": "float8"}, "--dtype must be one of auto, float32, bfloat16, "
                                                    "float16, got 'float8'")]:
         with pytest.raises(ValueError) as e:
-            EngineConfig(**fields).check()
+            EngineConfig.of(**fields).check()
         assert str(e.value) == expected
     for block_size in (0, 1, 16, 256):
-        EngineConfig(block_size=block_size).check()
+        EngineConfig.of(block_size=block_size).check()
     args = type("Args", (), {"max_num_seqs": -3})()
     with pytest.raises(ValueError, match="--max-num-seqs"):
         config_from_args(args)

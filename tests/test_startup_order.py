@@ -34,7 +34,7 @@ def model(tmp_path_factory):
 def config(model, **kw) -> EngineConfig:
     fields = dict(model=str(model), device="cpu", dtype="float32", max_num_seqs=32,
                   max_model_len=256, num_blocks=256, instance_id=f"t{uuid.uuid4().hex[:8]}")
-    return EngineConfig(**(fields | kw))
+    return EngineConfig.of(**(fields | kw))
 
 
 def _maps_torch(pid: int | None) -> bool:

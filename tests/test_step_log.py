@@ -40,4 +40,4 @@ def test_one_line_per_step_accounts_for_every_token(tmp_path):
 
 def test_missing_directory_is_refused(tmp_path):
     with pytest.raises(ValueError, match="--step-log .*: its directory does not exist"):
-        EngineConfig(step_log=str(tmp_path / "no" / "steps.jsonl")).check()
+        EngineConfig.of(step_log=str(tmp_path / "no" / "steps.jsonl")).check()

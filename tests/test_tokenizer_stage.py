@@ -43,7 +43,7 @@ class Stage:
     """A TokenizerLoop in a thread, with the test holding the other end of its four rings."""
 
     def __init__(self, inst, capacities: dict[str, int] | None = None) -> None:
-        cfg = EngineConfig(model=DEFAULT_MODEL, instance_id=inst.id)
+        cfg = EngineConfig.of(model=DEFAULT_MODEL, instance_id=inst.id)
         limits = message_limits(cfg, MAX_LEN)
         caps = {r: capacity(limits[r]) for r in ("submit", "rejects", "register", "requests")}
         caps |= capacities or {}

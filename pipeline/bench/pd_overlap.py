@@ -83,7 +83,7 @@ def forward_overlap(prompt_tokens: int = 512, steps: int = 6) -> dict:
     inst = Instance(f"bench-pd-overlap-{id(tmp):x}")
     bs = 16
     nb = -(-prompt_tokens // bs)
-    cfg = EngineConfig(model=str(model), device="cpu", dtype="float32", block_size=bs,
+    cfg = EngineConfig.of(model=str(model), device="cpu", dtype="float32", block_size=bs,
                        num_blocks=nb + 1, max_model_len=prompt_tokens + 16, max_num_seqs=1,
                        max_num_batched_tokens=prompt_tokens, instance_id=inst.id)
     runner = ModelRunner(cfg)

@@ -108,7 +108,7 @@ def bench_scheduler(n: int, a: argparse.Namespace) -> dict:
     bs = a.block_size
     max_len = a.prompt_len + a.steps + 64
     num_blocks = n * (-(-max_len // bs)) + 16
-    cfg = EngineConfig(max_num_seqs=n, max_num_batched_tokens=8192, enable_prefix_caching=True)
+    cfg = EngineConfig.of(max_num_seqs=n, max_num_batched_tokens=8192, enable_prefix_caching=True)
     sched = Scheduler(cfg, num_blocks, bs, max_len)
     worker = FakeWorker(num_blocks, bs, max_len, vocab_size=32000)
     for r in _requests(n, a.prompt_len, a.shared_prefix, max_len - a.prompt_len):
@@ -160,7 +160,7 @@ def bench_decode_step(n: int, a: argparse.Namespace) -> float | None:
         print(f"decode-step reference skipped: {exc}", file=sys.stderr)
         return None
     prompt_len, steps = 16, 5
-    cfg = EngineConfig(model=a.model, device=a.device, max_num_seqs=n, max_model_len=64,
+    cfg = EngineConfig.of(model=a.model, device=a.device, max_num_seqs=n, max_model_len=64,
                        max_num_batched_tokens=max(4096, n), block_size=a.block_size,
                        num_blocks=n * (-(-64 // a.block_size)) + 8, instance_id=f"benchsched{n}")
     runner = ModelRunner(cfg)

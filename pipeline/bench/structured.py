@@ -184,7 +184,7 @@ def bench_decode(model: str, batch: int, prompt_len: int, steps: int, windows: i
     from pipeline.worker.model_runner import ModelRunner
     so = StructuredOutputsParams(json=schema())
     seq_len = 16 * -(-(prompt_len + (windows + 1) * steps + finish + 1) // 16)  # whole blocks
-    cfg = EngineConfig(model=model, device="cpu", block_size=16, max_num_seqs=batch,
+    cfg = EngineConfig.of(model=model, device="cpu", block_size=16, max_num_seqs=batch,
                        max_model_len=seq_len, num_blocks=batch * seq_len // 16 + 8,
                        max_num_batched_tokens=max(batch * prompt_len, 256), worker_threads=threads)
     runners = {k: ModelRunner(cfg) for k in ("free", "json")}

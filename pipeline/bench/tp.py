@@ -116,7 +116,7 @@ def _rank_main(rank: int, spec: dict, cmds: Any, results: Any) -> None:
         from pipeline.worker.model_runner import ModelRunner
         max_b = max(spec["batches"])
         decode_blocks = max_b * -(-(PROMPT_LEN + spec["repeats"] * spec["decode_steps"] + 4) // 16)
-        runner = ModelRunner(EngineConfig(
+        runner = ModelRunner(EngineConfig.of(
             model=spec["model"], device="cpu", dtype="float32", block_size=16,
             max_num_seqs=max(max_b, N_PREFILL_SEQS), max_model_len=spec["max_len"],
             num_blocks=max(decode_blocks, N_PREFILL_SEQS * -(-(spec["plen"] + 2) // 16)) + 8,

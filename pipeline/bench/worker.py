@@ -103,7 +103,7 @@ def bench_formats(model_dir: str, formats: list[str], batches: list[int], steps:
     try:
         for fmt in formats:
             dtype, quantization = FORMAT_FLAGS[fmt]
-            runners[fmt] = ModelRunner(EngineConfig(
+            runners[fmt] = ModelRunner(EngineConfig.of(
                 model=model_dir, device=device, dtype=dtype, quantization=quantization,
                 block_size=16, max_num_seqs=max(max_b, 4),  # the prefill step admits 4
                 num_blocks=max(max_b * -(-(PROMPT_LEN + repeats * steps + 4) // 16),

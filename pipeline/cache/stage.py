@@ -79,19 +79,21 @@ def model_of(spec: StageSpec) -> ModelInfo:
 def need_rings(spec: StageSpec, *roles: str) -> None:
     missing = [r for r in roles if r not in spec.rings]
     if missing:
-        raise ValueError(f"cache messager ({spec.config.role}): spec.rings lacks {', '.join(missing)}")
+        raise ValueError(f"cache messager ({spec.config.kv_transfer_config.role}): spec.rings lacks "
+                         f"{', '.join(missing)}")
 
 
 class PrefillMessager:
     def __init__(self, spec: StageSpec) -> None:
         m = model_of(spec)
         cfg = spec.config
-        if cfg.kv_transfer not in MODES:
-            raise ValueError(f"cache messager: config.kv_transfer={cfg.kv_transfer!r} must be one of {MODES}")
+        if cfg.kv_transfer_config.kv_transfer not in MODES:
+            raise ValueError(f"cache messager: config.kv_transfer={cfg.kv_transfer_config.kv_transfer!r} "
+                             f"must be one of {MODES}")
         need_rings(spec, "kv_plans", "kv_reports", "layers")  # layers: the worker's LayerSignal
         self.spec, self.layout = spec, m.kv
-        self.timeout_s = cfg.kv_transfer_timeout
-        if m.kv_cuda_ipc and cfg.kv_transfer == "tcp":
+        self.timeout_s = cfg.kv_transfer_config.kv_transfer_timeout
+        if m.kv_cuda_ipc and cfg.kv_transfer_config.kv_transfer == "tcp":
             raise ValueError("cache messager: config.kv_transfer='tcp' with the KV cache on CUDA: "
                              "sending blocks from GPU memory over tcp is not built (use auto or ipc: "
                              "CUDA IPC to decode instances on CUDA on this host)")
@@ -116,7 +118,7 @@ class PrefillMessager:
             if self.seg is not None:
                 self.seg.close()
             raise
-        pool, layout, mode, local = self.pool, self.layout, cfg.kv_transfer, m.kv_segment or ""
+        pool, layout, mode, local = self.pool, self.layout, cfg.kv_transfer_config.kv_transfer, m.kv_segment or ""
         connect_s = min(CONNECT_TIMEOUT_S, self.timeout_s)
         self.links = LinkCache(lambda peer: KVLink(
             pool, layout, peer, mode, timeout_s=self.timeout_s, connect_timeout_s=connect_s,
@@ -253,7 +255,7 @@ class PrefillMessager:
 class DecodeMessager:
     def __init__(self, spec: StageSpec) -> None:
         m = model_of(spec)
-        if not spec.config.kv_listen:
+        if not spec.config.kv_transfer_config.kv_listen:
             raise ValueError("cache messager (decode): config.kv_listen is empty (the gateway "
                              "resolves it to the tcp:// or ipc:// endpoint to listen on)")
         need_rings(spec, "kv_ready")
@@ -263,7 +265,8 @@ class DecodeMessager:
         # On CUDA nothing is mapped here: peers copy into the pool by the handle we pass on.
         self.seg = attach_segment(m.kv_segment) if m.kv_segment is not None else None
         try:
-            self.rx = KVReceiver(self.seg, self.layout, spec.config.kv_listen, segment=m.kv_segment or "",
+            self.rx = KVReceiver(self.seg, self.layout, spec.config.kv_transfer_config.kv_listen,
+                                 segment=m.kv_segment or "",
                                  on_done=self._on_done, cuda_ipc=m.kv_cuda_ipc,
                                  max_token=m.vocab_size - 1 if m.vocab_size > 0 else MAX_TOKEN)
         except BaseException:
@@ -318,12 +321,12 @@ def _log_to_stderr(spec: StageSpec) -> None:
 
 
 def run(spec: StageSpec, ready: ReadyFn) -> None:
-    role = spec.config.role
+    role = spec.config.kv_transfer_config.role
     loop: PrefillMessager | DecodeMessager
     if role == "prefill":
         loop = PrefillMessager(spec)
         info: dict = {}
-        what = f"kv_transfer {spec.config.kv_transfer}"
+        what = f"kv_transfer {spec.config.kv_transfer_config.kv_transfer}"
     elif role == "decode":
         loop = DecodeMessager(spec)
         info = {"kv_endpoint": loop.endpoint}

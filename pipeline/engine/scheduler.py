@@ -67,27 +67,27 @@ class Scheduler:
         ``async_scheduling``: schedule requests in flight ahead (``engine.inflight``), in a
         mixed instance only (a connector's transfer follows its requests' confirmed state).
         ``connector``: makes the KV connector (default: the one of ``config.role``)."""
-        for name, v in (("max_num_seqs", config.max_num_seqs),
-                        ("max_num_batched_tokens", config.max_num_batched_tokens),
+        for name, v in (("max_num_seqs", config.scheduler_config.max_num_seqs),
+                        ("max_num_batched_tokens", config.scheduler_config.max_num_batched_tokens),
                         ("max_model_len", max_model_len)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        if config.long_prefill_token_threshold < 0:
+        if config.scheduler_config.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: automatic), got "
-                             f"{config.long_prefill_token_threshold}")
+                             f"{config.scheduler_config.long_prefill_token_threshold}")
         self.config = config
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
         # An explicit threshold always caps a prefill chunk; the default (0) caps it only when
         # the chunk shares the step with other requests, so a lone prompt still gets the whole
         # budget (TTFT) while a prefill never inflates a decode step by more than a quarter.
-        self.explicit_threshold = config.long_prefill_token_threshold > 0
-        self.long_prefill_token_threshold = (config.long_prefill_token_threshold
-                                             or max(1, config.max_num_batched_tokens // 4))
-        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, hash_key)
-        self.policy = make_policy(config.preemption_policy)
+        self.explicit_threshold = config.scheduler_config.long_prefill_token_threshold > 0
+        self.long_prefill_token_threshold = (config.scheduler_config.long_prefill_token_threshold
+                                             or max(1, config.scheduler_config.max_num_batched_tokens // 4))
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache_config.enable_prefix_caching, hash_key)
+        self.policy = make_policy(config.scheduler_config.preemption_policy)
         self.requests: dict[str, Request] = {}
         self.parents: dict[str, list[Request]] = {}  # client id -> children (n > 1)
         self.waiting = WaitingQueue()

@@ -67,7 +67,7 @@ class EngineLoop:
         m = spec.model
         assert m is not None, "the engine is built once the worker reported its KV cache"
         self.spec = spec
-        role = spec.config.role
+        role = spec.config.kv_transfer_config.role
         # Async scheduling in the mixed role only (the module docstring says why).
         self.async_scheduling = role == "mixed"
         self.sched = Scheduler(spec.config, m.kv.num_blocks, m.kv.block_size, m.max_model_len,
@@ -211,7 +211,7 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
     loop = EngineLoop(spec)
     m = loop.sched
     log(spec, f"scheduler ready: {m.kv.pool.num_blocks} KV blocks of {m.block_size} tokens, "
-              f"max_num_seqs {spec.config.max_num_seqs}, max_num_batched_tokens "
-              f"{spec.config.max_num_batched_tokens}, role {spec.config.role}")
+              f"max_num_seqs {spec.config.scheduler_config.max_num_seqs}, max_num_batched_tokens "
+              f"{spec.config.scheduler_config.max_num_batched_tokens}, role {spec.config.kv_transfer_config.role}")
     ready({})
     loop.run_forever()

@@ -121,12 +121,12 @@ class Gateway(GatewayStages):
                 code, refusal = "draining", "the server is draining: it accepts no new requests"
             if refusal is None and problem is not None:
                 code, refusal = "invalid_request", problem
-            queued = self.config.max_queued_requests
-            room = self.config.max_num_seqs + queued
+            queued = self.config.scheduler_config.max_queued_requests
+            room = self.config.scheduler_config.max_num_seqs + queued
             if refusal is None and queued and len(self.inflight) >= room:
                 code, refusal = "queue_full", (
                     f"the server is full: {len(self.inflight)} requests in flight, the limit is "
-                    f"{room} (--max-num-seqs {self.config.max_num_seqs} + --max-queued-requests "
+                    f"{room} (--max-num-seqs {self.config.scheduler_config.max_num_seqs} + --max-queued-requests "
                     f"{queued}); retry later")
             if req.req_id in self.inflight:
                 raise ValueError(f"request id {req.req_id!r} is already in flight")

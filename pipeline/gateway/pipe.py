@@ -102,7 +102,7 @@ def feed(gw: Gateway, writer: AnswerWriter, args, lines: Iterator[bytes | int],
                 decided = True
                 if is_batch_line(text):
                     assert gw.model is not None  # started
-                    batch = writer.batch = BatchLines(gw.config.model, gw.model, gw.model.max_model_len)
+                    batch = writer.batch = BatchLines(gw.config.model_config.model, gw.model, gw.model.max_model_len)
             if batch is not None:
                 line = batch.parse(index, text, defaults)
             elif is_batch_line(text):
@@ -187,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
     fed = threading.Event()
     reader = threading.Thread(target=read_stdin, name="pipe-reader", daemon=True,
                               args=(gw, writer, args, stop,
-                                    args.max_inflight or 4 * cfg.max_num_seqs, read_failed, fed))
+                                    args.max_inflight or 4 * cfg.scheduler_config.max_num_seqs, read_failed, fed))
     try:
         reader.start()
         while not fed.wait(0.2) and not stop.is_set():

@@ -164,8 +164,9 @@ class Server(ZmqServer):
     def health_detail(self) -> dict[str, Any]:
         c = self.gw.config
         return {"inflight": self.gw.num_inflight(), "client_requests": len(self.sessions),
-                "stages": self.gw.stats_stages(), "failure": self.gw.failure, "role": c.role,
-                "kv_listen": c.kv_listen or None, "http": None if self.http is None else self.http.detail()}
+                "stages": self.gw.stats_stages(), "failure": self.gw.failure,
+                "role": c.kv_transfer_config.role, "kv_listen": c.kv_transfer_config.kv_listen or None,
+                "http": None if self.http is None else self.http.detail()}
 
     def healthy(self) -> bool:
         return self.gw.failure is None and time.monotonic() - self.last_loop < 5.0
@@ -269,11 +270,11 @@ class Server(ZmqServer):
                 model = self.gw.start()
                 if self.http is not None:
                     self.notify.status("starting the HTTP front end")
-                    name = served_model_name(self.config.model, self.args.served_model_name)
+                    name = served_model_name(self.config.model_config.model, self.args.served_model_name)
                     self.http.start(dict(
-                        model_path=self.config.model, model=name,
+                        model_path=self.config.model_config.model, model=name,
                         max_model_len=model.max_model_len, fingerprint=fingerprint(model.kv.model_hash),
-                        chat_template=self.config.chat_template, api_key=self.args.api_key))
+                        chat_template=self.config.model_config.chat_template, api_key=self.args.api_key))
                     print(f"[gateway] OpenAI API on {self.http.url}/v1", file=sys.stderr, flush=True)
                 self.started = True
             except (StartupError, ValueError, OSError, RuntimeError, zmq.ZMQError) as exc:
@@ -322,7 +323,7 @@ def main(args: argparse.Namespace) -> int:
         code = cannot_start("serve", notify, exc)
         notify.close()
         return code
-    if config.node_rank > 0:  # only this host's worker ranks (tensor parallelism across hosts)
+    if config.parallel_config.node_rank > 0:  # only this host's worker ranks (tensor parallelism across hosts)
         notify.close()
         from pipeline.gateway import worker_node
         return worker_node.run(config)

@@ -71,14 +71,14 @@ class GatewayStages:
     def _start_stages(self, timeout_s: float) -> ModelInfo:
         """Bring the instance up; on any failure it is torn down (``close``) and re-raised."""
         # A bad path or an unsupported checkpoint fails here, before any process starts.
-        mc = load_model_config(self.config.model)
+        mc = load_model_config(self.config.model_config.model)
         # The worker's max_model_len is at most this (it refuses more than the checkpoint's).
-        limits = message_limits(self.config, self.config.max_model_len or mc.max_position_embeddings)
+        limits = message_limits(self.config, self.config.model_config.max_model_len or mc.max_position_embeddings)
         removed = sweep_stale()
         if removed:
             self.log(f"removed {len(removed)} stale shared-memory entries of dead instances")
         self.instance = Instance(self.config.instance_id)
-        if self.config.role == "decode" and not self.config.kv_listen:
+        if self.config.kv_transfer_config.role == "decode" and not self.config.kv_transfer_config.kv_listen:
             # Same host only: where prefill instances' cache messagers reach ours.
             run_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
             sweep_kv_sockets(run_dir)
@@ -90,11 +90,12 @@ class GatewayStages:
             # come up, then waits for ("start", model) (runtime.process): once the rings exist,
             # and for those built from the worker's ModelInfo (NEEDS_MODEL) once rank 0 sent it.
             self._names = self._ring_names()
-            kinds = ["engine", "tokenizer", "output"] + (["messager"] if self.config.role != "mixed" else [])
-            if self.config.tensor_parallel_size > 1 and not self.config.master_port:
+            pd = self.config.kv_transfer_config.role != "mixed"
+            kinds = ["engine", "tokenizer", "output"] + (["messager"] if pd else [])
+            if self.config.parallel_config.tensor_parallel_size > 1 and not self.config.parallel_config.master_port:
                 # One host: the ranks meet on loopback at a port free now.
-                self.config = msgspec.structs.replace(self.config, master_port=free_tcp_port())
-            for r in range(self.config.ranks_per_node):  # node 0's ranks; other nodes run theirs
+                self.config = self.config.replace(master_port=free_tcp_port())
+            for r in range(self.config.parallel_config.ranks_per_node):  # node 0's ranks; other nodes run theirs
                 self._spawn(f"worker{r}", "worker", r)
             for k in kinds:
                 self._spawn(k, k)
@@ -111,26 +112,26 @@ class GatewayStages:
     def _ring_names(self) -> dict[str, str]:
         """role -> shared-memory name of every ring (and the layer signal) of this instance."""
         assert self.instance is not None
-        return {r: self.instance.name(r) for r in ring_names(self.config.role)}
+        return {r: self.instance.name(r) for r in ring_names(self.config.kv_transfer_config.role)}
 
     def _create_rings(self, limits: dict[str, int], num_layers: int) -> None:
         assert self.instance is not None
         bells = {c: Doorbell.create(self.instance, f"bell.{c}") for c in SHARED_DOORBELLS}
         self.doorbells = list(bells.values())
-        for role, (producer, consumer) in ring_roles(self.config.role).items():
+        for role, (producer, consumer) in ring_roles(self.config.kv_transfer_config.role).items():
             mine = "gateway" in (producer, consumer)
             self.rings[role] = Channel(Ring.create(
                 self.instance, role, capacity(limits[role]), doorbell=bells.get(consumer),
                 role="writer" if producer == "gateway" else "reader", claim=mine), role)
         self.steps = BroadcastRing.create(self.instance, STEPS_ROLE, capacity(limits[STEPS_ROLE]),
-                                          self.config.ranks_per_node)
+                                          self.config.parallel_config.ranks_per_node)
         made = {r: ch.ring.name for r, ch in self.rings.items()} | {STEPS_ROLE: self.steps.name}
         if LAYERS_ROLE in self._names:
             # Worker rank 0 publishes each layer's "KV written" on it; the cache messager
             # blocks on it (the gateway owns it so it is unlinked with the instance).
             # Every rank's layers when the ranks share one KV segment (worker/kv_cache.py).
             self.layer_signal = LayerSignal.create(self.instance, LAYERS_ROLE,
-                                                   num_layers * self.config.tensor_parallel_size)
+                                                   num_layers * self.config.parallel_config.tensor_parallel_size)
             made[LAYERS_ROLE] = self.layer_signal.name
         assert made == self._names, (made, self._names)  # what the stages were told
 
@@ -186,8 +187,8 @@ class GatewayStages:
                          getattr(self, "layer_signal", None), *getattr(self, "doorbells", [])]:
                 if ring is not None:
                     ring.close()
-        if self.config.kv_listen.startswith("ipc://"):  # a killed messager leaves its socket
-            Path(self.config.kv_listen[len("ipc://"):]).unlink(missing_ok=True)
+        if self.config.kv_transfer_config.kv_listen.startswith("ipc://"):  # a killed messager leaves its socket
+            Path(self.config.kv_transfer_config.kv_listen[len("ipc://"):]).unlink(missing_ok=True)
         if self.instance is not None:
             self.instance.cleanup()
             # Segments a stage created itself (the worker's KV cache) and could not unlink

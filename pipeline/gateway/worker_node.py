@@ -33,16 +33,17 @@ def log(msg: str) -> None:
 def run(config: EngineConfig) -> int:
     sweep_stale()
     instance = Instance(config.instance_id)
-    n = config.ranks_per_node
-    first = config.node_rank * n
+    n = config.parallel_config.ranks_per_node
+    first = config.parallel_config.node_rank * n
     ctx = mp.get_context("spawn")
     ranks = [spawn_stage(ctx, StageSpec(name=f"worker{r}", kind="worker", config=config, rings={},
                                         rank=r)) for r in range(first, first + n)]
     stop = threading.Event()
     old = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        log(f"node {config.node_rank} of {config.nnodes}: ranks {first}..{first + n - 1} joining "
-            f"{config.master_addr}:{config.master_port}")
+        par = config.parallel_config
+        log(f"node {par.node_rank} of {par.nnodes}: ranks {first}..{first + n - 1} joining "
+            f"{par.master_addr}:{par.master_port}")
         try:
             wait_ready(ranks, TP_TIMEOUT_S + 600.0)
         except StartupError as exc:

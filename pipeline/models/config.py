@@ -1,4 +1,4 @@
-"""Models: parse a Hugging Face ``config.json`` into the one ModelConfig the model uses.
+"""Models: parse a Hugging Face ``config.json`` into the one ModelArch (the architecture) the model uses.
 
 Owns no state beyond the parsed struct. Every config field that would change the math and
 that we do not implement raises UnsupportedModelError naming the field, so a checkpoint
@@ -37,7 +37,7 @@ class RopeConfig:
 
 
 @dataclass(slots=True)
-class ModelConfig:
+class ModelArch:
     architecture: str
     family: str  # llama | mistral | qwen2 | qwen3
     vocab_size: int
@@ -137,7 +137,7 @@ def _sliding_window(cfg: dict, family: str, num_layers: int) -> int | None:
     return None
 
 
-def parse_model_config(cfg: dict, generation_config: dict | None = None) -> ModelConfig:
+def parse_model_config(cfg: dict, generation_config: dict | None = None) -> ModelArch:
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -183,7 +183,7 @@ def parse_model_config(cfg: dict, generation_config: dict | None = None) -> Mode
     eos = _as_id_list(gen.get("eos_token_id")) or _as_id_list(cfg.get("eos_token_id"))
     mpe = int(cfg.get("max_position_embeddings") or 2048)
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    return ModelConfig(
+    return ModelArch(
         architecture=arch, family=family, vocab_size=int(need("vocab_size")), hidden_size=hidden,
         intermediate_size=int(need("intermediate_size")), num_layers=layers, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -193,7 +193,7 @@ def parse_model_config(cfg: dict, generation_config: dict | None = None) -> Mode
         torch_dtype=str(dtype), eos_token_ids=eos, bos_token_id=cfg.get("bos_token_id"))
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
+def load_model_config(model_dir: str | Path) -> ModelArch:
     d = Path(model_dir)
     path = d / "config.json"
     if not path.is_file():

@@ -29,7 +29,7 @@ from pipeline.layers.fused_decoder import forward_fused
 from pipeline.layers.int4 import PACKED
 from pipeline.layers.norm import RMSNorm
 from pipeline.layers.rotary import RotaryEmbedding
-from pipeline.models.config import ModelConfig, rope_inv_freq
+from pipeline.models.config import ModelArch, rope_inv_freq
 from pipeline.models.parallel import TPGroup
 
 
@@ -51,7 +51,7 @@ PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelArch) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
@@ -103,7 +103,7 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """The whole decoder; ``forward`` returns final hidden states, ``compute_logits`` logits."""
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelArch, max_positions: int) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = _empty(config.vocab_size, config.hidden_size)

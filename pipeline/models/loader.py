@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from pipeline.models.config import ModelConfig
+from pipeline.models.config import ModelArch
 from pipeline.models.llama import CausalLM
 from pipeline.models.parallel import TPShard
 from pipeline.models.quantized import QUANT_SUFFIXES, Int4Loader, checkpoint_quantization
@@ -68,7 +68,7 @@ class Slot(NamedTuple):
     parts: int
 
 
-def route(config: ModelConfig, hf_name: str) -> Slot | None:
+def route(config: ModelArch, hf_name: str) -> Slot | None:
     """The slot of checkpoint tensor ``hf_name`` in a CausalLM of ``config`` (a rank's config
     under tensor parallelism), or None for a tensor that carries nothing we keep."""
     name = hf_name.removeprefix("model.")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pipeline.models.config import ModelConfig
+from pipeline.models.config import ModelArch
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,7 @@ class TPShard:
     vocab_size: int
 
     @classmethod
-    def of(cls, mc: ModelConfig, rank: int, size: int) -> TPShard:
+    def of(cls, mc: ModelArch, rank: int, size: int) -> TPShard:
         """The shard of rank ``rank``; ValueError naming the dimension that ``size`` does not
         divide."""
         if not 0 <= rank < size:
@@ -99,7 +99,7 @@ class TPShard:
         return min(self.vocab_start, self.vocab_size), min(self.vocab_start + self.vocab_per_rank,
                                                           self.vocab_size)
 
-    def model_config(self, mc: ModelConfig) -> ModelConfig:
+    def model_config(self, mc: ModelArch) -> ModelArch:
         """``mc`` with this rank's dimensions: the model built from it has this rank's
         parameter shapes (and ``vocab_size`` = rows of its embedding/LM-head shard)."""
         return replace(mc, num_heads=self.heads, num_kv_heads=self.kv_heads,

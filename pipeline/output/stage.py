@@ -27,7 +27,7 @@ from pipeline.runtime.spec import StageSpec
 class OutputLoop:
     def __init__(self, spec: StageSpec) -> None:
         self.spec = spec
-        self.proc = OutputProcessor(DetokenizerTable(Path(spec.config.model) / "tokenizer.json"))
+        self.proc = OutputProcessor(DetokenizerTable(Path(spec.config.model_config.model) / "tokenizer.json"))
         self.register = rings.attach(spec, "register")
         self.outputs = rings.attach(spec, "outputs")
         self.answers = rings.attach(spec, "answers", "writer")

@@ -77,8 +77,8 @@ class Sizes:
     @classmethod
     def of(cls, config: EngineConfig, max_model_len: int) -> Sizes:
         # At least 4 MiB: the engine also reports aborted waiting requests in one message.
-        step = max(4 * MiB, config.max_num_seqs * STEP_BYTES_PER_SEQ
-                   + config.max_num_batched_tokens * logprob_entry_bytes(MAX_LOGPROBS))
+        step = max(4 * MiB, config.scheduler_config.max_num_seqs * STEP_BYTES_PER_SEQ
+                   + config.scheduler_config.max_num_batched_tokens * logprob_entry_bytes(MAX_LOGPROBS))
         # Logprobs: the sampled ones of every completion, their copy in the top-level fields
         # (n > 1) and the prompt's, each capped at MAX_LOGPROBS_BYTES by SamplingParams.
         answer = min(MAX_ANSWER_BYTES, ANSWER_FIXED_BYTES + 3 * MAX_LOGPROBS_BYTES
@@ -89,8 +89,9 @@ class Sizes:
         """A transfer plan: per scheduled request its (local, remote) block pairs, 8 bytes
         each (the engine refuses a plan over this, failing the requests it names)."""
         c = self.config
-        return max(4 * MiB, c.max_num_seqs * KiB + 8 * (
-            c.max_num_batched_tokens + c.max_num_seqs * (self.max_model_len // 16 + 2)))
+        sc = c.scheduler_config
+        return max(4 * MiB, sc.max_num_seqs * KiB + 8 * (
+            sc.max_num_batched_tokens + sc.max_num_seqs * (self.max_model_len // 16 + 2)))
 
 
 def capacity(limit: int) -> int:

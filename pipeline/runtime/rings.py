@@ -82,7 +82,7 @@ RINGS: tuple[RingDecl, ...] = (
              {Tag.TRANSFER_PLAN: TransferPlan, Tag.KV_FINISH: KVFinish}, Sizes.kv_plan,
              roles=PREFILL),
     RingDecl("kv_reports", "messager", "engine", {Tag.TRANSFER_REPORT: TransferReport},
-             lambda s: max(1 * MiB, s.config.max_num_seqs * 2 * KiB), roles=PREFILL),
+             lambda s: max(1 * MiB, s.config.scheduler_config.max_num_seqs * 2 * KiB), roles=PREFILL),
     RingDecl("layers", "worker", "messager", {}, None, kind="layer_signal", roles=PREFILL),
     # Decode: one KVReady per request, its error clipped to 8 KiB.
     RingDecl("kv_ready", "messager", "engine", {Tag.KV_READY: KVReady}, lambda s: 64 * KiB,

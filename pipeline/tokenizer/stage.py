@@ -86,8 +86,8 @@ class TokenizerLoop:
         assert spec.model is not None
         self.spec = spec
         self.model = spec.model
-        self.role = spec.config.role
-        self.tokenizer = Tokenizer(spec.config.model, chat_template=spec.config.chat_template)
+        self.role = spec.config.kv_transfer_config.role
+        self.tokenizer = Tokenizer(spec.config.model_config.model, chat_template=spec.config.model_config.chat_template)
         self.token_text_bytes = max_token_text_bytes(self.tokenizer.tok)
         # The gateway sized the answers ring for a max_model_len at least this one's.
         self.answer_limit = rings.message_limits(spec.config, spec.model.max_model_len)["answers"]
@@ -157,7 +157,7 @@ class TokenizerLoop:
         """The compiler of structured outputs (its cache keyed by the spec), made once."""
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = Grammars(self.spec.config.model, self.model.vocab_size, self.eos)
+                self._grammars = Grammars(self.spec.config.model_config.model, self.model.vocab_size, self.eos)
             return self._grammars
 
     def _encode_plain(self, text: str) -> list[int]:

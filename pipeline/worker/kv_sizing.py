@@ -54,12 +54,12 @@ def decide_num_blocks(config: EngineConfig, per_block: int, block_size: int, max
     ``profile(per_block)`` on CUDA;
     ``weight_bytes``: what this rank's weights take (the CPU default follows it)."""
     blocks_per_seq = -(-max_model_len // block_size)
-    if config.num_blocks:
-        n = config.num_blocks
+    if config.cache_config.num_blocks:
+        n = config.cache_config.num_blocks
     elif device.type == "cpu":
-        budget = config.kv_cache_memory or default_cpu_kv_bytes(
-            per_block, blocks_per_seq, config.max_num_seqs, weight_bytes,
-            available_bytes(config.ranks_per_node))
+        budget = config.cache_config.kv_cache_memory or default_cpu_kv_bytes(
+            per_block, blocks_per_seq, config.scheduler_config.max_num_seqs, weight_bytes,
+            available_bytes(config.parallel_config.ranks_per_node))
         n = budget // per_block
     else:
         n = profile(per_block)
@@ -79,7 +79,7 @@ def profile_gpu_blocks(model: CausalLM | None, config: EngineConfig, block_size:
     assert model is not None
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    num_tokens = min(config.max_num_batched_tokens, max_model_len)
+    num_tokens = min(config.scheduler_config.max_num_batched_tokens, max_model_len)
     nb = -(-num_tokens // block_size)
     tmp = cache(nb)
     meta = AttentionMetadata(
@@ -89,7 +89,7 @@ def profile_gpu_blocks(model: CausalLM | None, config: EngineConfig, block_size:
         block_tables=torch.arange(nb, device=device, dtype=torch.int32)[None, :])
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     hidden = model(ids, torch.arange(num_tokens, device=device), meta, tmp.layers)
-    n_logits = min(config.max_num_seqs, num_tokens)
+    n_logits = min(config.scheduler_config.max_num_seqs, num_tokens)
     model.compute_logits(hidden[:n_logits]).softmax(-1)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
@@ -97,6 +97,6 @@ def profile_gpu_blocks(model: CausalLM | None, config: EngineConfig, block_size:
     tmp.close()
     free, total = torch.cuda.mem_get_info(device)
     others = total - free - torch.cuda.memory_reserved(device)  # context, other processes
-    budget = int(total * config.gpu_memory_utilization) - peak - max(others, 0)
+    budget = int(total * config.cache_config.gpu_memory_utilization) - peak - max(others, 0)
     torch.cuda.empty_cache()
     return max(budget // per_block, 0)

@@ -61,33 +61,33 @@ class ModelRunner:
             raise ValueError(f"--device cuda: this torch ({torch.__version__}) sees no CUDA device"
                              + ("" if torch.version.cuda else " (it is a CPU-only build)")
                              + "; use --device cpu or auto")
-        local_rank = rank % config.ranks_per_node
+        local_rank = rank % config.parallel_config.ranks_per_node
         if dev == "cuda" and local_rank >= torch.cuda.device_count():
-            raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} puts "
-                             f"{config.ranks_per_node} ranks on this host, which has "
+            raise ValueError(f"--tensor-parallel-size {config.parallel_config.tensor_parallel_size} puts "
+                             f"{config.parallel_config.ranks_per_node} ranks on this host, which has "
                              f"{torch.cuda.device_count()} CUDA device(s)")
         self.device = torch.device(f"cuda:{local_rank}") if dev == "cuda" else torch.device("cpu")
         # CPU: a fixed team (--worker-threads, PIPELINE_WORKER_THREADS) or one that adapts
         # to the cores actually free, starting with all of them (worker/threads.py).
         self.thread_governor: ThreadGovernor | None = None
         if self.device.type == "cpu":
-            fixed = worker_threads(config.worker_threads)
+            fixed = worker_threads(config.parallel_config.worker_threads)
             if fixed:
                 torch.set_num_threads(fixed)
             else:  # the ranks on this host share its cores
-                self.thread_governor = ThreadGovernor(max(1, usable_cores() // config.ranks_per_node))
+                self.thread_governor = ThreadGovernor(max(1, usable_cores() // config.parallel_config.ranks_per_node))
         else:  # one device per worker process: the ops launch on the current one
             torch.cuda.set_device(self.device)
-        self.model_config = mc = load_model_config(config.model)
-        size = config.tensor_parallel_size
+        self.model_config = mc = load_model_config(config.model_config.model)
+        size = config.parallel_config.tensor_parallel_size
         self.shard = TPShard.of(mc, rank, size) if size > 1 else None
         self.tp: TPGroup | None = None
-        self.dtype = resolve_dtype(config.dtype, mc.torch_dtype, self.device)
+        self.dtype = resolve_dtype(config.model_config.dtype, mc.torch_dtype, self.device)
         self.block_size = config.resolved_block_size()
         default_len = mc.max_position_embeddings
         if mc.sliding_window is not None:
             default_len = min(default_len, mc.sliding_window)
-        self.max_model_len = config.max_model_len or default_len
+        self.max_model_len = config.model_config.max_model_len or default_len
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the checkpoint's "
                              f"max_position_embeddings={mc.max_position_embeddings}")
@@ -101,10 +101,11 @@ class ModelRunner:
         self.model: CausalLM | None = None
         self.kv_cache: KVCache | None = None
         self.graphs: DecodeGraphs | None = None  # CUDA, one rank: captured decode steps
-        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)
-        self.sampler = Sampler(self.device, config.seed)
+        self.batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size)
+        self.sampler = Sampler(self.device, config.model_config.seed)
         # Rank 0 samples, so it alone keeps the grammars of structured outputs.
-        self.structured = StructuredBatch(config.model, self.vocab_size, self.eos_token_ids) if rank == 0 else None
+        self.structured = StructuredBatch(config.model_config.model, self.vocab_size,
+                                          self.eos_token_ids) if rank == 0 else None
         self._signal: LayerSignal | None = None
         self._signal_ranks = 1  # ranks sharing the KV segment (and the signal's layers)
         self._signal_stream = None
@@ -116,14 +117,15 @@ class ModelRunner:
         configuration (a node started with other flags is refused here, naming the field)."""
         assert self.shard is not None
         cfg = self.config
-        self.tp = TPGroup(self.shard, cfg.resolved_backend(),
-                          f"tcp://{cfg.master_addr}:{cfg.master_port}", TP_TIMEOUT_S, self.device)
+        par, mc = cfg.parallel_config, cfg.model_config
+        self.tp = TPGroup(self.shard, cfg.resolved_backend(), f"tcp://{par.master_addr}:{par.master_port}",
+                          TP_TIMEOUT_S, self.device)
         self.tp.check_same({
-            "model": model_hash(cfg.model), "tensor_parallel_size": str(cfg.tensor_parallel_size),
-            "nnodes": str(cfg.nnodes), "dtype": str(self.dtype), "quantization": cfg.quantization,
-            "quantization_group_size": str(cfg.quantization_group_size),
+            "model": model_hash(mc.model), "tensor_parallel_size": str(par.tensor_parallel_size),
+            "nnodes": str(par.nnodes), "dtype": str(self.dtype), "quantization": mc.quantization,
+            "quantization_group_size": str(mc.quantization_group_size),
             "block_size": str(self.block_size), "max_model_len": str(self.max_model_len),
-            "max_num_seqs": str(cfg.max_num_seqs), "device": self.device.type})
+            "max_num_seqs": str(cfg.scheduler_config.max_num_seqs), "device": self.device.type})
 
     def load(self) -> None:
         mc = self.model_config
@@ -132,13 +134,13 @@ class ModelRunner:
         if self.shard is not None:
             self._join_group()
         # CPU bf16/int8/int4: float32 activations, the projections packed as they load.
-        plan = weight_plan(self.config.model, self.dtype, self.config.quantization,
-                           self.config.quantization_group_size, self.device,
+        plan = weight_plan(self.config.model_config.model, self.dtype, self.config.model_config.quantization,
+                           self.config.model_config.quantization_group_size, self.device,
                            ops.backend(self.device) is not None)
         fmt = plan.fmt
         with torch.device("meta"):
             model = CausalLM(self.shard.model_config(mc) if self.shard else mc, self.max_model_len)
-        load_weights(model, self.config.model, plan, shard=self.shard)
+        load_weights(model, self.config.model_config.model, plan, shard=self.shard)
         model.tp = self.tp
         self.model = model.eval()
         nparams = sum(p.numel() for p in model.parameters()) + sum(
@@ -155,10 +157,11 @@ class ModelRunner:
             self.num_blocks = self.tp.min_int(self.num_blocks)
         # A prefill/decode instance's ranks share one KV segment, which its cache messager
         # ships as one pool (worker/kv_cache.py): rank 0 makes it before the others map it.
-        shared = self.tp.size if self.tp is not None and self.config.role != "mixed" else 0
+        shared = self.tp.size if self.tp is not None and self.config.kv_transfer_config.role != "mixed" else 0
         if shared and self.device.type != "cpu":
-            raise ValueError(f"--role {self.config.role} with --tensor-parallel-size {shared} runs on "
-                             f"CPU only (the ranks share one shared-memory KV segment); use --device cpu")
+            raise ValueError(f"--role {self.config.kv_transfer_config.role} with --tensor-parallel-size "
+                             f"{shared} runs on CPU only (the ranks share one shared-memory KV segment); "
+                             f"use --device cpu")
         if shared and self.rank != 0:
             assert self.tp is not None
             self.tp.barrier()
@@ -176,8 +179,8 @@ class ModelRunner:
               f"({self.kv_cache_bytes / 2**20:.1f} MiB): {tokens} tokens, {tokens / self.max_model_len:.2f}x "
               f"max_model_len={self.max_model_len}", file=sys.stderr, flush=True)
         # A prefill instance keeps its layer signal attached, which rules the graphs out.
-        if self.device.type == "cuda" and self.tp is None and self.config.role != "prefill":
-            self.graphs = DecodeGraphs(model, self.kv_cache.layers, self.config.max_num_seqs,
+        if self.device.type == "cuda" and self.tp is None and self.config.kv_transfer_config.role != "prefill":
+            self.graphs = DecodeGraphs(model, self.kv_cache.layers, self.config.scheduler_config.max_num_seqs,
                                        self.batch.max_blocks_per_req, self.device)
             self.graphs.capture()
 

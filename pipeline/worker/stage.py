@@ -27,7 +27,8 @@ from pipeline.worker.remote_plan import HEARTBEAT_S, PlanReceiver, PlanSender
 
 def run(spec: StageSpec, ready: ReadyFn) -> None:
     cfg = spec.config
-    log(spec, f"loading weights from {cfg.model} (device {cfg.device}, dtype {cfg.dtype})")
+    mc = cfg.model_config
+    log(spec, f"loading weights from {mc.model} (device {mc.device}, dtype {mc.dtype})")
     t0 = time.perf_counter()
     runner = ModelRunner(cfg, spec.rank)
     runner.load()
@@ -45,19 +46,20 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
     results = rings.attach(spec, "results", "writer") if spec.rank == 0 else None
     kv_cuda_ipc = b""
     buf = runner.kv_cache.buffer
-    if spec.rank == 0 and cfg.role != "mixed" and buf is not None and buf.is_cuda:
+    if spec.rank == 0 and cfg.kv_transfer_config.role != "mixed" and buf is not None and buf.is_cuda:
         from pipeline.ipc.cuda_ipc import export_pool
         kv_cuda_ipc = export_pool(buf)  # runner.kv_cache keeps buf alive until runner.close()
     sender = receiver = None
     try:
-        if spec.rank == 0 and cfg.nnodes > 1:
-            sender = PlanSender(cfg.master_addr, cfg.master_port,
-                                list(range(cfg.ranks_per_node, cfg.tensor_parallel_size)), TP_TIMEOUT_S)
+        if spec.rank == 0 and cfg.parallel_config.nnodes > 1:
+            par = cfg.parallel_config
+            sender = PlanSender(par.master_addr, par.master_port,
+                                list(range(par.ranks_per_node, par.tensor_parallel_size)), TP_TIMEOUT_S)
         elif not local:
-            receiver = PlanReceiver(cfg.master_addr, cfg.master_port, spec.rank)
+            receiver = PlanReceiver(cfg.parallel_config.master_addr, cfg.parallel_config.master_port, spec.rank)
         info = ModelInfo(max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
                          eos_token_ids=list(runner.eos_token_ids),
-                         kv=msgspec.structs.replace(kv, model_hash=model_hash(cfg.model)),
+                         kv=msgspec.structs.replace(kv, model_hash=model_hash(cfg.model_config.model)),
                          kv_segment=runner.kv_cache.shm_name, kv_cuda_ipc=kv_cuda_ipc)
         ready(msgspec.structs.asdict(info))
         while True:

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 def make_connector(sched: Scheduler) -> KVConnector | None:
     """The connector of ``sched.config.role``; None for a mixed instance."""
-    role = sched.config.role
+    role = sched.config.kv_transfer_config.role
     if role == "prefill":
         from pipeline.engine.kv_connector.prefill import PrefillConnector
         return PrefillConnector(sched)

@@ -36,8 +36,8 @@ class DecodeConnector(KVConnector):
     def __init__(self, sched: Scheduler) -> None:
         super().__init__(sched)
         cfg = sched.config
-        self.endpoint = cfg.kv_listen
-        self.reservations = Reservations(sched.kv, cfg.kv_transfer_timeout, sched.clock)
+        self.endpoint = cfg.kv_transfer_config.kv_listen
+        self.reservations = Reservations(sched.kv, cfg.kv_transfer_config.kv_transfer_timeout, sched.clock)
         self.received: set[str] = set()
         self._outputs: list[EngineOutput] = []  # reservations made in schedule()
         self.num_kv_transfers_failed = 0

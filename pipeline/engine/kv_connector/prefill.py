@@ -39,7 +39,7 @@ class PrefillConnector(KVConnector):
 
     def __init__(self, sched: Scheduler) -> None:
         super().__init__(sched)
-        self.fallback_local = sched.config.pd_fallback == "local"
+        self.fallback_local = sched.config.kv_transfer_config.pd_fallback == "local"
         self.sends: dict[str, SendState] = {}
         self.transfers = TransferLeases(sched.kv.pool, sched.block_size)
         self.send_deadlines: dict[str, float] = {}
