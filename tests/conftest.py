@@ -16,7 +16,7 @@ os.environ[DIE_WITH_ENV] = str(os.getpid())
 
 
 def pytest_addoption(parser):
-    # tests/test_models_parity.py on another device or dtype (tools/gpu_check.sh: cuda, both dtypes).
+    # tests/models/test_models_parity.py on another device or dtype (tools/gpu_check.sh: cuda, both dtypes).
     parser.addoption("--device", default="cpu", choices=("cpu", "cuda"),
                      help="device of the transformers parity tests, both sides (default cpu)")
     parser.addoption("--dtype", default="float32", choices=("float32", "bfloat16"),

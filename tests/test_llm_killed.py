@@ -64,7 +64,7 @@ def test_served_kv_cache_is_a_view_swept_with_its_owner():
     # Served: the gateway owns the instance; the worker's KV segment records no owner of its
     # own and goes when the gateway is dead, even while its creator still maps it.
     import torch
-    from test_ipc_procs import CTX, make_instance_and_wait
+    from ipc_procs import CTX, make_instance_and_wait
 
     from pipeline.worker.kv_cache import KVCache
 

@@ -75,9 +75,9 @@ if [[ -z ${GPU_CHECK_PATH_SET:-} ]]; then
   fi
 fi
 TOTAL=${GPU_CHECK_BUDGET:-460}
-PARITY_FILE=tests/test_models_parity.py
-GPU_TEST_FILES=(tests/test_cuda_build.py tests/test_cuda_gpu_review.py tests/test_cuda_ipc_gpu.py
-                tests/test_ipc_signal.py tests/test_cuda_graphs.py)
+PARITY_FILE=tests/models/test_models_parity.py
+GPU_TEST_FILES=(tests/layers/test_cuda_build.py tests/layers/test_cuda_gpu_review.py tests/cache/test_cuda_ipc_gpu.py
+                tests/ipc/test_ipc_signal.py tests/worker/test_cuda_graphs.py)
 BENCH_WORKER=(bench worker --device cuda --json --formats float32,bf16 --batch-sizes 1,8,32,256)
 BENCH_OFFLINE=(bench offline --device cuda --dtype bfloat16 --json)
 

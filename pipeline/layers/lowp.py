@@ -8,13 +8,13 @@ of a CPU model when the worker runs ``--dtype bfloat16`` or ``--quantization int
   [-127, 127]), packed in blocks of 16 channels (``pack_int8``) for the kernel. Per channel rather than per
   group of 32-128: the GEMV stays one int32 dot product per output (a group scale would cost
   a float conversion and FMA per group per output), and the perplexity tests
-  (tests/test_lowp_quality.py) show the per-channel loss is within the issue's bounds.
+  (tests/layers/test_lowp_quality.py) show the per-channel loss is within the issue's bounds.
 
 Both are packed in blocks of 16 output channels, in the VNNI layout of an AMX B tile: bf16
 ``[N/16][Kp/2][16][2]`` (``pack_bf16``; Kp = K rounded up to 32), int8 ``[N/16][K/4][16][4]``.
 Packing is one C pass over the float weight where the C ops are built (cpu_ops_pack.h, also
 in place over a loader's read buffer: ``reuse``), bit-identical to the torch path kept for
-other builds (tests/test_pack.py).
+other builds (tests/layers/test_pack.py).
 That one copy serves every product and the lookups: ``linear`` runs ``x @ W^T + b`` into
 float32, one row (batch-1 decode) in the C GEMVs of ``cpu_ops_gemv_lp.h`` /
 ``cpu_ops_gemv_i8.h``, which stream each 16-channel block once (int8 also quantises x per

@@ -12,12 +12,12 @@ from pipeline.ipc import PeerDied
 from pipeline.ipc.instance import Instance, list_entries
 from pipeline.ipc.ring import Doorbell, Ring, wait_any
 
-from test_ipc_procs import CTX, NO_RESCUE, payload
-from test_ipc_procs import ring_endless_writer as _endless_writer
-from test_ipc_procs import ring_exit_after_attach as _exit_after_attach
-from test_ipc_procs import ring_idle_reader as _idle_reader
-from test_ipc_procs import ring_multi_writer as _multi_writer
-from test_ipc_procs import ring_writer as _writer
+from ipc_procs import CTX, NO_RESCUE, payload
+from ipc_procs import ring_endless_writer as _endless_writer
+from ipc_procs import ring_exit_after_attach as _exit_after_attach
+from ipc_procs import ring_idle_reader as _idle_reader
+from ipc_procs import ring_multi_writer as _multi_writer
+from ipc_procs import ring_writer as _writer
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sizes=st.lists(st.integers(0, 2048), min_size=1, max_size=400),

@@ -9,7 +9,7 @@ from pipeline.ipc.ring import Ring
 
 # forkserver: children fork from a clean server, safe even if torch was imported by then.
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["test_ipc_procs"])
+CTX.set_forkserver_preload(["ipc_procs"])
 # A lost wake-up must show up as a timeout, not be papered over by the periodic liveness
 # wake-ups, so the integrity tests park in slices longer than their timeouts.
 NO_RESCUE = 60.0

@@ -15,7 +15,7 @@ from conftest import cuda_skip_reason
 
 from pipeline.layers import ops, ops_ref
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CU_SOURCES = sorted((ROOT / "cuda_ops").glob("*.cu"))
 
 

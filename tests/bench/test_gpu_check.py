@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
 STEPS = ["env", "wheels", "build", "probe", "gpu_tests", "parity", "run", "serve", "bench_worker",
          "bench_offline"]
@@ -140,7 +140,7 @@ def test_the_dry_run_passes_every_step_and_prints_its_command(tmp_path):
     log = {s: (logs / f"{s}.log").read_text() for s in STEPS}
     assert "setup.py build_ext --inplace" in log["build"]
     assert "pip install -q --no-index --no-deps" in log["wheels"] and "ok:" in log["wheels"]
-    assert "tests/test_cuda_gpu_review.py" in log["gpu_tests"] and "tests collected" in log["gpu_tests"]
+    assert "tests/layers/test_cuda_gpu_review.py" in log["gpu_tests"] and "tests collected" in log["gpu_tests"]
     for dt in ("float32", "bfloat16"):
         plog = (logs / f"parity_{dt}.log").read_text()
         assert "--collect-only" in plog and f"--device cuda --dtype {dt}" in plog, plog

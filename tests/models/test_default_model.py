@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from pipeline.config import DEFAULT_MODEL
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(DEFAULT_MODEL)
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
          "generation_config.json")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_ipc_procs import (CTX, NO_RESCUE, signal_c_publisher, signal_create_then_die,
+from ipc_procs import (CTX, NO_RESCUE, signal_c_publisher, signal_create_then_die,
                             signal_dies_after_attach, signal_publisher)
 
 from pipeline.ipc import PeerDied
@@ -21,7 +21,7 @@ from pipeline.ipc.instance import Instance, list_entries
 from pipeline.ipc.layer_signal import LayerSignal
 from pipeline.ipc.segment import unlink_segment
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_racing_publisher_and_waiter_never_lose_a_wakeup(inst):

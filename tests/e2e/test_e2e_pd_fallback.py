@@ -1,7 +1,7 @@
 """End to end, `pipeline serve --role prefill --pd-fallback none|local` on real processes: a
 decode instance D, prefill instances with and without the fallback, and one mixed daemon as
 the oracle. The test plays the router with a raw DEALER (the router's own side is in
-tests/test_router_pd.py): it reserves on D, then sends the prefill instance the prefill leg
+tests/router/test_router_pd.py): it reserves on D, then sends the prefill instance the prefill leg
 with the client's sampling params and a KV destination that cannot take the KV:
 - a tcp port nothing listens on (the prefill side cannot reach its decode peer at all);
 - D's real endpoint, with remote block ids beyond D's pool (the writes are refused).
@@ -202,7 +202,7 @@ def test_without_fallback_the_prefill_request_fails(cluster, vocab):
     """A long prompt (six steps) whose KV cannot be written. Which comes first on P, the
     messager's report of the failed write or the last chunk's first token, is up to the two
     processes' speed, and both orders are specified (each is tested deterministically in
-    tests/test_engine_disagg.py): the failure first fails P's request (no token,
+    tests/engine/test_engine_disagg.py): the failure first fails P's request (no token,
     kv_transfer_failed); the first token first ends it normally (one token, "length"), and
     the later failure only reaches D. Either way D fails its half with kv_transfer_failed,
     which through the router is the client's final (after P's first token, if it went out),

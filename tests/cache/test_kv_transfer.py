@@ -15,7 +15,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_ipc_procs import CTX
+from ipc_procs import CTX
 
 from pipeline.cache.messager import Messager
 from pipeline.cache.tcp import (
@@ -43,7 +43,7 @@ REMOTE = KVLayout(**{**{f: getattr(LAYOUT, f) for f in LAYOUT.__struct_fields__}
 WAIT = 60  # seconds a test waits on a child before calling it hung
 
 
-# ---- child processes (forkserver: started clean, see test_ipc_procs) --------------------------
+# ---- child processes (forkserver: started clean, see ipc_procs) --------------------------
 def _pool_of(kv) -> np.ndarray:
     import torch
     return kv.buffer.view(-1).view(torch.uint8).numpy()

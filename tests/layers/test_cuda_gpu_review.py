@@ -1,5 +1,5 @@
 """Worker CUDA ops on a GPU, against pipeline.layers.ops_ref: the cases a first GPU run must
-cover beyond tests/test_cuda_build.py (forced context splits including empty ones, decode,
+cover beyond tests/layers/test_cuda_build.py (forced context splits including empty ones, decode,
 chunked prefill with context, empty sequences and padding rows, q/k/v sliced from a fused qkv
 projection, every head_dim bucket up to 256, block_size 1, work on a non-default stream,
 zero-sized launches, error codes, out-of-range ids skipped, cache offsets past 2^31 elements,

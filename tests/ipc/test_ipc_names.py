@@ -15,7 +15,7 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
-from test_ipc_procs import CTX, make_instance_and_wait, view_segment_and_wait
+from ipc_procs import CTX, make_instance_and_wait, view_segment_and_wait
 
 from pipeline.ipc import ShmSpaceError
 from pipeline.ipc.instance import Instance, list_entries, read_owner, unlink_instance
@@ -23,7 +23,7 @@ from pipeline.ipc.ring import Ring
 from pipeline.ipc.segment import create_segment, shm_free_bytes, unlink_segment
 from pipeline.ipc.sweep import sweep_stale
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _spawn_instance(leak: bool):

@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from test_ipc_procs import CTX
+from ipc_procs import CTX
 
 from pipeline.cache.link import KVLink, LinkCache
 from pipeline.cache.stage import run as stage_run

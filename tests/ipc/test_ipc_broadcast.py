@@ -6,7 +6,7 @@ import os
 import signal
 
 import pytest
-from test_ipc_procs import CTX, NO_RESCUE, bcast_reader, bcast_slow_reader_then_die, payload
+from ipc_procs import CTX, NO_RESCUE, bcast_reader, bcast_slow_reader_then_die, payload
 
 from pipeline.ipc import PeerDied
 from pipeline.ipc.broadcast import BroadcastRing
