@@ -31,7 +31,7 @@ class RequestStatus(enum.IntEnum):
     PREEMPTED = 2
     WAITING_FOR_KV = 3  # decode role: queued for a reservation, or reserved and receiving
     # Prefill role, --pd-fallback local: its first token is out, its transfers are not all
-    # reported yet; out of the batch, holding its blocks, until they are (Scheduler.parked).
+    # reported yet; out of the batch, holding its blocks, until they are (PrefillConnector.parked).
     PARKED = 4
     # Every finished status is above the others (the waiting queue drops them by comparison).
     FINISHED_STOPPED = 5
