@@ -17,7 +17,8 @@ from e2e_helpers import make_tiny_model, run_pipe
 from pipeline import CompletionOutput, Logprob, RequestOutput
 from pipeline.config import DEFAULT_MODEL
 from pipeline.engine.fake_worker import FakeWorker
-from pipeline.llm import LLM, _RawOutputs
+from pipeline.llm import LLM
+from pipeline.llm_raw import RawOutputs
 from pipeline.messages import EngineOutput, RequestResult, Timings, TokenLogprobs, Usage
 from pipeline.messages.answers import Completion
 from pipeline.sampling_params import SamplingParams
@@ -160,7 +161,7 @@ def test_n_completions_without_a_tokenizer_from_the_engine():
 def test_raw_outputs_collect_children_logprobs_and_prompt_logprobs():
     # Without a tokenizer the LLM assembles answers itself: completions arrive interleaved,
     # each with its own finish; the answer comes once all n are done.
-    raw, got = _RawOutputs(), []
+    raw, got = RawOutputs(), []
     sp = SamplingParams(n=2, max_tokens=3, logprobs=0, prompt_logprobs=0)
     raw.add("r", sp, 100.0, 3)
     lp = lambda t, x: TokenLogprobs(t, x, [], [])  # noqa: E731

@@ -119,9 +119,9 @@ class _TimedExecutor:
 def run_worker_alone(args, prompts: list[list[int]]) -> dict:
     """The same requests through an in-process Scheduler + ModelRunner, synchronously; only
     the ModelRunner's execute() is timed."""
-    from pipeline.config import add_engine_args, config_from_args
     from pipeline.engine.core import EngineCore
     from pipeline.engine.scheduler import Scheduler
+    from pipeline.engine_args import add_engine_args, config_from_args
     from pipeline.messages import EngineRequest, ids_to_bytes
     from pipeline.sampling_params import SamplingParams
     from pipeline.worker.model_runner import ModelRunner

@@ -22,7 +22,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from pipeline.config import add_engine_args, config_from_args
+from pipeline.engine_args import add_engine_args, config_from_args
 from pipeline.gateway.batch import MIXED, BatchLines, Refused, is_batch_line, output_line
 from pipeline.gateway.gateway import Gateway
 from pipeline.gateway.pipe_input import RequestError, RunIds, line_text, parse_line, read_lines

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
-from pipeline.config import EngineConfig, config_from_args
+from pipeline.config import EngineConfig
+from pipeline.engine_args import config_from_args
 from pipeline.frontend import protocol as P
 from pipeline.frontend.args import cannot_start, is_loopback
 from pipeline.frontend.zmq_server import DISCONNECT_SETTLE_S, ZmqServer

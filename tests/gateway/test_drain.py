@@ -15,7 +15,7 @@ import time
 import pytest
 from e2e_helpers import make_tiny_model, shm_entries
 
-from pipeline.config import config_from_args
+from pipeline.engine_args import config_from_args
 from pipeline.frontend import protocol as P
 from pipeline.gateway import serve
 from pipeline.gateway.serve_args import check_args

@@ -15,7 +15,8 @@ import time
 import pytest
 from e2e_helpers import ENGINE_FLAGS, PIPELINE, ROOT, Daemon, env, free_port, make_tiny_model, shm_entries
 
-from pipeline.config import EngineConfig, config_from_args
+from pipeline.config import EngineConfig
+from pipeline.engine_args import config_from_args
 
 
 @pytest.fixture(scope="module")

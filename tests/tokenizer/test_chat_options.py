@@ -18,13 +18,8 @@ import msgspec
 import pytest
 from e2e_helpers import ENGINE_FLAGS, PIPELINE, ROOT, env, make_tiny_model, run_pipe
 
-from pipeline.config import (
-    DEFAULT_MODEL,
-    MAX_CHAT_TEMPLATE_BYTES,
-    EngineConfig,
-    add_engine_args,
-    config_from_args,
-)
+from pipeline.config import DEFAULT_MODEL, MAX_CHAT_TEMPLATE_BYTES, EngineConfig
+from pipeline.engine_args import add_engine_args, config_from_args
 from pipeline.engine.fake_worker import FakeWorker
 from pipeline.frontend import protocol as P
 from pipeline.gateway.gateway import Gateway, size_problem
