@@ -211,7 +211,7 @@ class Scheduler:
         if self.connector is not None:
             self.connector.on_preempt(req)
         self.num_preemptions += 1
-        self.admission = Admission(self)
+        self.admission.preempted()
         self.waiting.add_front(req)
 
     # -- what a connector hands back ----------------------------------------------------

@@ -207,6 +207,24 @@ def test_preemption_by_recompute_gives_identical_outputs():
     assert small.tokens == big.tokens and small.finish == big.finish
 
 
+def test_admission_order_keeps_growing_across_preemptions():
+    """The "newest admitted" victim needs one admission order for the engine's life: a
+    preemption resets the reserve, never the order (a reset made a re-admitted request look
+    oldest and the same pair preempt each other forever)."""
+    e = Engine(num_blocks=14, budget=32, max_num_seqs=16)
+    for i in range(12):
+        e.add(f"r{i}", [i + 1, 2, 3, 4, 5], max_tokens=24, ignore_eos=True)
+    seen = 0
+    while e.sched.has_unfinished_requests():
+        e.step()
+        running = e.sched.running
+        assert [r.admit_seq for r in running] == sorted(r.admit_seq for r in running)
+        assert e.sched.admission.seq >= seen
+        seen = e.sched.admission.seq
+        assert e.steps < 2000, "engine did not converge"
+    assert e.sched.num_preemptions > 0 and seen > 12  # re-admissions counted on
+
+
 def test_lowest_priority_policy_preempts_the_least_important():
     e = Engine(num_blocks=6, budget=32, policy="lowest_priority")
     e.add("vip", [1, 2, 3, 4], priority=0, max_tokens=12, ignore_eos=True)
