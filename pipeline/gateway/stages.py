@@ -82,8 +82,8 @@ class GatewayStages:
             # Same host only: where prefill instances' cache messagers reach ours.
             run_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
             sweep_kv_sockets(run_dir)
-            self.config = msgspec.structs.replace(
-                self.config, kv_listen=f"ipc://{run_dir}/pipeline-{self.config.instance_id}.kv")
+            self.config = self.config.replace(
+                kv_listen=f"ipc://{run_dir}/pipeline-{self.config.instance_id}.kv")
         try:
             # Every stage at once, the workers first, before the rings exist: each imports its
             # code (the workers: torch and the model) while the rings are made and the others
