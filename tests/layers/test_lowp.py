@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_ops import make_batch
 
@@ -50,6 +50,7 @@ def _int8_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None)
 @settings(max_examples=40, deadline=None)
 @given(m=st.integers(1, 40), n=st.integers(1, 70), k_mult=st.integers(1, 6),
        k_tail=st.sampled_from([0, 0, 8, 16, 3]), bias=st.booleans(), seed=st.integers(0, 2**16))
+@example(m=1, n=1, k_mult=5, k_tail=0, bias=False, seed=1)  # cancellation: a CI failure
 def test_gemv_kernels_match_references_on_every_isa(m, n, k_mult, k_tail, bias, seed):
     g = torch.Generator().manual_seed(seed)
     k = 64 * k_mult + k_tail
@@ -64,14 +65,19 @@ def test_gemv_kernels_match_references_on_every_isa(m, n, k_mult, k_tail, bias, 
         used = cpu_ops.lp_isa("bf16", k)
         # AVX-512 BF16 rounds x to bf16 once (VDPBF16PS); the others multiply float32 x.
         xr = x.bfloat16().double() if used == "avx512" else x.double()
-        ref_b = xr @ wb.dense(torch.float32).double().t() + (0 if b is None else b.double())
+        wd = wb.dense(torch.float32).double()
+        ref_b = xr @ wd.t() + (0 if b is None else b.double())
         y = _gemv("bf16", x, wb, b).double()  # the packed blocks serve any number of rows
-        scale = ref_b.abs().max() + 1e-6
+        # A float32 sum's error is bounded relative to the sum of its terms' magnitudes, not
+        # to the result (terms that cancel leave a tiny result: m = n = 1, k = 320 did).
+        bias_mag = 0 if b is None else b.double().abs()
+        scale = ((xr.abs() @ wd.abs().t()) + bias_mag).max() + 1e-6
         assert ((y - ref_b).abs().max() / scale) < 1e-5, (isa, used)
         yq = _gemv("int8", x, wq, b)
         # 5e-3: x * (127 / absmax) within a float ulp of a rounding tie may land on either
         # side (the kernel's float product, the reference's double quotient): one step of x
-        assert ((yq.double() - ref_q).abs().max() / (ref_q.abs().max() + 1e-6)) < 5e-3, isa
+        scale_q = ((x.abs().double() @ w.abs().double().t()) + bias_mag).max() + 1e-6
+        assert ((yq.double() - ref_q).abs().max() / scale_q) < 5e-3, isa
         int8_results[cpu_ops.lp_isa("int8", k)] = yq
     # Every int8 path computes the same int32 sums and the same scaling: identical floats.
     first = next(iter(int8_results.values()))
