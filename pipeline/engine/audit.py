@@ -13,11 +13,19 @@ prefill-role requests PARKED until their transfers are reported, --pd-fallback l
 """
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
+from pipeline.engine import inflight
 from pipeline.engine.block_pool import BlockPool
 from pipeline.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pipeline.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 
 def _running(req: Request) -> bool:
@@ -63,4 +71,20 @@ def audit_block_table(pool: BlockPool, requests: Iterable[Request], num_running:
             errs.append(f"block {b.block_id} leaked: ref_cnt {b.ref_cnt}, no owner")
     if n_running != num_running:
         errs.append(f"{num_running} in the running list, {n_running} RUNNING")
+    return errs
+
+
+def audit_scheduler(sched: Scheduler) -> list[str]:
+    """``Scheduler.check_invariants``: the block table with what the KV connector holds, the
+    connector's own state, and every request's steps in flight; violations logged."""
+    conn = sched.connector
+    errs = audit_block_table(sched.kv.pool, sched.requests.values(), len(sched.running),
+                             conn.held_block_ids() if conn else None,
+                             conn.may_hold_blocks if conn else None)
+    if conn is not None:
+        errs += conn.check()
+    for r in sched.requests.values():
+        errs += inflight.check(r, sched.block_size)
+    for e in errs:
+        logger.error("KV block table invariant violated: %s", e)
     return errs

@@ -12,11 +12,9 @@ request never caches blocks it no longer owns (seed 001) and a token computed ah
 is never streamed.
 
 A request of ``n > 1`` completions (parallel sampling) is n child Requests under one client
-id (``parents``). Only the first child is queued at first; its siblings are queued at its
-place once its prompt's KV is computed, so they take the prompt's full blocks from the
-prefix cache instead of computing them again (each recomputes at most its last, partial
-block, for its own first token's logits). Aborting the client id aborts every child; a stop
-string ends one child (the token processor names it by ``child_id``).
+id (``engine.families``: the siblings wait for the first's prompt KV). Aborting the client id
+aborts every child; a stop string ends one child (the token processor names it by
+``child_id``).
 
 KV that this instance's steps do not compute (prefill/decode disaggregation; later a second
 KV tier) is the ``connector``'s (``engine.kv_connector``), called at fixed points: admission,
@@ -36,7 +34,8 @@ from collections.abc import Callable
 from pipeline.config import EngineConfig
 from pipeline.engine import inflight
 from pipeline.engine.admission import Admission, StepBudget
-from pipeline.engine.audit import audit_block_table
+from pipeline.engine.audit import audit_scheduler
+from pipeline.engine.families import Families
 from pipeline.engine.kv_cache_manager import KVCacheManager
 from pipeline.engine.kv_connector import make_connector
 from pipeline.engine.kv_connector.base import KVConnector
@@ -45,7 +44,8 @@ from pipeline.engine.preemption import make_policy
 from pipeline.engine.request import ABORT_STATUS, Request, RequestStatus
 from pipeline.engine.request_queue import WaitingQueue
 from pipeline.engine.stats import scheduler_stats
-from pipeline.engine.step_outputs import final_output, new_prompt_logprobs, token_output
+from pipeline.engine.step_outputs import final_output
+from pipeline.engine.step_results import StepResults
 from pipeline.messages import (
     CachedRequestData,
     EngineOutput,
@@ -89,17 +89,15 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, block_size, config.cache_config.enable_prefix_caching, hash_key)
         self.policy = make_policy(config.scheduler_config.preemption_policy)
         self.requests: dict[str, Request] = {}
-        self.parents: dict[str, list[Request]] = {}  # client id -> children (n > 1)
         self.waiting = WaitingQueue()
+        self.families = Families(self.waiting, self.kv.enable_caching)  # n > 1
         self.running: list[Request] = []  # admission order
         self.step_id = 0
         self._finished_ids: list[str] = []  # the worker must drop them at the next step
         self.admission = Admission(self)
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
-        self.num_computed_tokens = 0  # prompt, recomputed and decode tokens run by the worker
-        self.num_generated_tokens = 0
-        self.num_stale_results = 0  # results for requests preempted/aborted while in flight
+        self.results = StepResults(self)
         self.clock = clock
         self.connector = connector(self) if connector is not None else make_connector(self)
         if self.connector is not None and self.connector.saves_evicted:
@@ -120,7 +118,7 @@ class Scheduler:
 
     def _add_request(self, er: EngineRequest) -> None:
         # The ids of children and parents: a child id may not take a client id, nor the reverse.
-        taken = self.requests.keys() | self.parents.keys()
+        taken = self.requests.keys() | self.families.parents.keys()
         conn = self.connector
         children = make_requests(er, taken, self.block_size, self.kv.pool.num_blocks, conn)
         first = children[0]
@@ -133,17 +131,7 @@ class Scheduler:
             return  # held by the connector until its KV is in (n == 1: no siblings)
         first.order = self.waiting.add(first)
         if len(children) > 1:
-            self.parents[er.req_id] = children
-            first.held = children[1:]
-            if not self.kv.enable_caching:
-                self._release_siblings(first)  # nothing to share: no reason to wait
-
-    def _release_siblings(self, first: Request) -> None:
-        """Queue the held siblings of ``first`` at its place in the queue."""
-        held, first.held = first.held, []
-        for c in held:
-            if c.status == RequestStatus.WAITING:
-                self.waiting.add(c, first.order)
+            self.families.add(er.req_id, children)
 
     def abort_requests(self, req_ids, reason: str = "abort", message: str = "") -> list[EngineOutput]:
         """End requests (a client id ends all its children, a child id that child alone).
@@ -158,7 +146,7 @@ class Scheduler:
             why = "aborted by the client" if reason == "abort" else f"aborted: {reason}"
         outs = []
         for rid in req_ids:
-            children = self.parents.get(rid)
+            children = self.families.children(rid)
             for req in children if children is not None else [self.requests.get(rid)]:
                 if req is None or req.req_id not in self.requests:
                     continue  # unknown or already finished: its final output went out already
@@ -195,11 +183,7 @@ class Scheduler:
         del self.requests[req.req_id]
         if req.sent_to_worker:
             self._finished_ids.append(req.req_id)
-        if req.held:  # never computed its prompt: the siblings compute it themselves
-            self._release_siblings(req)
-        children = self.parents.get(req.out_id)
-        if children is not None and all(c.req_id not in self.requests for c in children):
-            del self.parents[req.out_id]
+        self.families.finished(req, self.requests)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -224,20 +208,6 @@ class Scheduler:
         """``req``, held with its blocks, decodes on."""
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-
-    def append_token(self, req: Request, tok: int) -> bool:
-        """The one rule for a sampled token: append it, hash a block it filled, and check
-        whether it ended the request (status set); True if it did."""
-        toks = req.all_token_ids
-        toks.append(tok)
-        self.num_generated_tokens += 1
-        n_toks = len(toks)
-        if n_toks % self.block_size == 0 and self.kv.enable_caching:
-            self.kv.hash_new_blocks(req)
-        max_len = self.max_model_len
-        # Inline pre-check: most tokens can end nothing, skip the full stop rules.
-        return (tok in req.stop_ids or n_toks >= req.max_num_tokens
-                or n_toks >= max_len) and req.check_stop(max_len)
 
     def has_unfinished_requests(self) -> bool:
         """Whether a step has work (or may have, once blocks free up). Requests the
@@ -330,51 +300,8 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput,
                            out: ModelRunnerOutput) -> list[EngineOutput]:
-        sampled = dict(zip(out.req_ids, out.sampled_token_ids))
-        logprobs = dict(zip(out.req_ids, out.logprobs)) if out.logprobs else None
-        prompt_lps = {p.req_id: p for p in out.prompt_logprobs} if out.prompt_logprobs else None
-        outputs: list[EngineOutput] = []
-        any_finished = False
-        kv, step, bs = self.kv, sched.step_id, self.block_size
-        caching = kv.enable_caching
-        requests, conn = self.requests, self.connector
-        for rid, n in sched.num_scheduled_tokens.items():
-            req = requests.get(rid)
-            # Stale: aborted, finished, preempted (maybe re-admitted) since it was scheduled.
-            if req is None or not inflight.take_result(req, step, n):
-                self.num_stale_results += 1
-                continue
-            computed = req.num_computed_tokens
-            self.num_computed_tokens += n
-            if caching and computed // bs > req.num_cached_blocks:
-                kv.cache_computed_blocks(req)
-            if req.held and computed >= req.num_prompt_tokens:
-                self._release_siblings(req)  # the prompt's blocks are cached now
-            plp = new_prompt_logprobs(req, prompt_lps.get(rid)) if prompt_lps else None
-            toks = req.all_token_ids
-            tok = sampled.get(rid)
-            if tok is None:
-                if computed == len(toks):
-                    raise RuntimeError(f"worker sampled no token for {rid!r} after computing all "
-                                       f"{computed} known tokens")
-                if plp:
-                    outputs.append(final_output(req, [], None, prompt_logprobs=plp))
-                continue
-            if computed != len(toks):
-                raise RuntimeError(f"worker sampled a token for {rid!r} mid-prefill "
-                                   f"({computed}/{len(toks)} computed)")
-            req.num_placeholders -= 1
-            done = self.append_token(req, tok)
-            if conn is not None and (ended := conn.on_token(req, tok, done)) is not None:
-                done = ended
-                any_finished = True  # ended or held: out of the running list either way
-            outputs.append(token_output(req, tok, done, logprobs.get(rid) if logprobs else None, plp))
-            if done:
-                any_finished = True
-                self.finish(req)
-        if any_finished:
-            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
-        return outputs
+        """Step ``sched``'s results (``engine.step_results``): the outputs to emit."""
+        return self.results.apply(sched, out)
 
     # -- observability ------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -382,14 +309,4 @@ class Scheduler:
 
     def check_invariants(self) -> list[str]:
         """O(blocks) audit of the block table; logs and returns violations (empty: sound)."""
-        conn = self.connector
-        errs = audit_block_table(self.kv.pool, self.requests.values(), len(self.running),
-                                 conn.held_block_ids() if conn else None,
-                                 conn.may_hold_blocks if conn else None)
-        if conn is not None:
-            errs += conn.check()
-        for r in self.requests.values():
-            errs += inflight.check(r, self.block_size)
-        for e in errs:
-            logger.error("KV block table invariant violated: %s", e)
-        return errs
+        return audit_scheduler(self)

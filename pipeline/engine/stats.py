@@ -26,7 +26,7 @@ def scheduler_stats(sched: Scheduler) -> EngineStats:
         prefix_cache_queried_tokens=kv.num_queried_tokens,
         prefix_cache_hit_tokens=kv.num_hit_tokens,
         num_preemptions=sched.num_preemptions, num_evictions=pool.num_evictions,
-        prompt_tokens=sched.num_prompt_tokens, computed_tokens=sched.num_computed_tokens,
-        generation_tokens=sched.num_generated_tokens,
-        stale_results_dropped=sched.num_stale_results,
+        prompt_tokens=sched.num_prompt_tokens, computed_tokens=sched.results.num_computed_tokens,
+        generation_tokens=sched.results.num_generated_tokens,
+        stale_results_dropped=sched.results.num_stale_results,
         reserve_blocks_per_running=sched.admission.reserve_per_running, **(conn.stats() if conn else {}))

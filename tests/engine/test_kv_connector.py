@@ -113,12 +113,12 @@ def test_evicted_blocks_are_saved_and_loaded_back_while_the_batch_runs():
     add(core, "b", [40] * 9, max_tokens=8)
     core.step()  # b runs
     add(core, "a2", a)
-    computed_before = sched.num_computed_tokens
+    computed_before = sched.results.num_computed_tokens
     core.step()
     a2 = sched.requests["a2"]
     assert a2.status == RequestStatus.WAITING_FOR_KV and a2.num_cached_tokens == 16
     assert sched.running == [sched.requests["b"]]  # the load delays nothing running
-    assert sched.num_computed_tokens == computed_before + 1  # b's decode token alone
+    assert sched.results.num_computed_tokens == computed_before + 1  # b's decode token alone
     assert sched.has_unfinished_requests()  # b still runs
     conn.land()
     core.run_until_done()

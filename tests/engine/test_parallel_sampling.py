@@ -83,7 +83,7 @@ def test_children_share_the_prompt_prefill_and_each_ends_once():
     assert s.prompt_tokens == len(prompt)
     assert s.computed_tokens == len(prompt) + 3 * 1 + 4 * 5
     assert s.prefix_cache_hit_tokens == 3 * 4 * BS
-    assert sched.parents == {} and s.kv_blocks_used == 0
+    assert sched.families.parents == {} and s.kv_blocks_used == 0
 
 
 def test_without_prefix_caching_siblings_start_at_once():
@@ -105,7 +105,7 @@ def test_abort_by_request_id_ends_every_child_held_or_running():
     assert sorted(o.index for o in outs) == [0, 1, 2]
     assert all(o.req_id == "p" and o.finish_reason == "abort" and o.error == "aborted by the client"
                for o in outs)
-    assert not sched.has_unfinished_requests() and sched.parents == {}
+    assert not sched.has_unfinished_requests() and sched.families.parents == {}
     assert len(sched.waiting) == 0 and sched.check_invariants() == []
     assert sched.stats().kv_blocks_used == 0
     assert sched.abort_requests(["p"]) == []  # already over: nothing more

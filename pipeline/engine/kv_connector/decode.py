@@ -138,7 +138,7 @@ class DecodeConnector(KVConnector):
         req.num_computed_tokens = req.num_prompt_tokens
         self.received.add(req.req_id)
         sched.kv.cache_computed_blocks(req)  # the decode side's prefix cache has the prompt now
-        done = sched.append_token(req, msg.token)
+        done = sched.results.append_token(req, msg.token)
         out = EngineOutput(req.out_id, [msg.token], req.finish_reason if done else None,
                            req.stop_reason, None, req.num_prompt_tokens, req.num_cached_tokens,
                            req.first_scheduled_time, None, req.index)

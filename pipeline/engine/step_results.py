@@ -1,0 +1,92 @@
+"""Engine stage: a step's results applied to the requests (the second half of a step).
+
+Owns / State: the counters of what the worker ran (``num_computed_tokens``: prompt,
+recomputed and decode tokens), sampled (``num_generated_tokens``) and what came back stale
+(``num_stale_results``: results for requests preempted, aborted or finished while in flight:
+dropped, so such a request never caches blocks it no longer owns, seed 001). Changes the
+Scheduler's requests through it (``sched``): their computed tokens, their newly full blocks
+cached, the sampled token appended (``append_token``: the one rule, the decode connector's
+first token too), a request ended by it finished.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pipeline.engine import inflight
+from pipeline.engine.request import Request, RequestStatus
+from pipeline.engine.step_outputs import final_output, new_prompt_logprobs, token_output
+from pipeline.messages import EngineOutput, ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pipeline.engine.scheduler import Scheduler
+
+
+class StepResults:
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.num_computed_tokens = 0
+        self.num_generated_tokens = 0
+        self.num_stale_results = 0
+
+    def apply(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineOutput]:
+        """Step ``sched``'s results; the outputs to emit."""
+        s = self.sched
+        sampled = dict(zip(out.req_ids, out.sampled_token_ids))
+        logprobs = dict(zip(out.req_ids, out.logprobs)) if out.logprobs else None
+        prompt_lps = {p.req_id: p for p in out.prompt_logprobs} if out.prompt_logprobs else None
+        outputs: list[EngineOutput] = []
+        any_finished = False
+        kv, step, bs = s.kv, sched.step_id, s.block_size
+        caching = kv.enable_caching
+        requests, conn = s.requests, s.connector
+        for rid, n in sched.num_scheduled_tokens.items():
+            req = requests.get(rid)
+            # Stale: aborted, finished, preempted (maybe re-admitted) since it was scheduled.
+            if req is None or not inflight.take_result(req, step, n):
+                self.num_stale_results += 1
+                continue
+            computed = req.num_computed_tokens
+            self.num_computed_tokens += n
+            if caching and computed // bs > req.num_cached_blocks:
+                kv.cache_computed_blocks(req)
+            if req.held and computed >= req.num_prompt_tokens:
+                s.families.release(req)  # the prompt's blocks are cached now
+            plp = new_prompt_logprobs(req, prompt_lps.get(rid)) if prompt_lps else None
+            toks = req.all_token_ids
+            tok = sampled.get(rid)
+            if tok is None:
+                if computed == len(toks):
+                    raise RuntimeError(f"worker sampled no token for {rid!r} after computing all "
+                                       f"{computed} known tokens")
+                if plp:
+                    outputs.append(final_output(req, [], None, prompt_logprobs=plp))
+                continue
+            if computed != len(toks):
+                raise RuntimeError(f"worker sampled a token for {rid!r} mid-prefill "
+                                   f"({computed}/{len(toks)} computed)")
+            req.num_placeholders -= 1
+            done = self.append_token(req, tok)
+            if conn is not None and (ended := conn.on_token(req, tok, done)) is not None:
+                done = ended
+                any_finished = True  # ended or held: out of the running list either way
+            outputs.append(token_output(req, tok, done, logprobs.get(rid) if logprobs else None, plp))
+            if done:
+                any_finished = True
+                s.finish(req)
+        if any_finished:
+            s.running = [r for r in s.running if r.status == RequestStatus.RUNNING]
+        return outputs
+
+    def append_token(self, req: Request, tok: int) -> bool:
+        """The one rule for a sampled token: append it, hash a block it filled, and check
+        whether it ended the request (status set); True if it did."""
+        toks = req.all_token_ids
+        toks.append(tok)
+        self.num_generated_tokens += 1
+        n_toks = len(toks)
+        if n_toks % self.sched.block_size == 0 and self.sched.kv.enable_caching:
+            self.sched.kv.hash_new_blocks(req)
+        max_len = self.sched.max_model_len
+        # Inline pre-check: most tokens can end nothing, skip the full stop rules.
+        return (tok in req.stop_ids or n_toks >= req.max_num_tokens
+                or n_toks >= max_len) and req.check_stop(max_len)
