@@ -1,16 +1,18 @@
 """What the in-process ``LLM`` returns, in vLLM's shapes: ``RequestOutput`` holding one
 ``CompletionOutput`` per completion, and ``Logprob`` per candidate token.
 
-Plain data built by ``LLM`` from the token processor's ``RequestResult``; owns no state.
+Plain data, built from the token processor's ``RequestResult`` by ``request_output``; owns no state.
 The module keeps vLLM's path (``vllm.outputs``): code written against vLLM finds these classes
 where it looks. Not the engine's per-step ``messages.engine_outputs`` (a ring message), nor the
 ``pipeline.output`` package (the token processor stage).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipeline.messages import ErrorInfo, Timings
+from pipeline.messages import ErrorInfo, RequestResult, Timings, TokenLogprobs
+from pipeline.messages.answers import Completion
 
 
 @dataclass(slots=True)
@@ -49,3 +51,29 @@ class RequestOutput:
     metrics: Timings | None = None
     num_cached_tokens: int | None = None
     error: ErrorInfo | None = None
+
+
+def request_output(r: RequestResult, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                   decode1: Callable[[int], str | None]) -> RequestOutput:
+    """The token processor's answer in vLLM's shape (``decode1``: one token's text, or None)."""
+    completions = r.outputs or [Completion(
+        index=0, text=r.text, token_ids=r.token_ids, finish_reason=r.finish_reason,
+        stop_reason=r.stop_reason, logprobs=r.logprobs, cumulative_logprob=r.cumulative_logprob)]
+    outputs = [CompletionOutput(c.index, c.text, c.token_ids, c.cumulative_logprob,
+                                None if c.logprobs is None else [_position(x, decode1) for x in c.logprobs],
+                                c.finish_reason, c.stop_reason) for c in completions]
+    prompt_logprobs = None if r.prompt_logprobs is None else \
+        [None if x is None else _position(x, decode1) for x in r.prompt_logprobs]
+    return RequestOutput(request_id, prompt, prompt_token_ids, prompt_logprobs, outputs,
+                         True, r.timings, r.usage.cached_tokens, r.error)
+
+
+def _position(lp: TokenLogprobs, decode1: Callable[[int], str | None]) -> dict[int, Logprob]:
+    """One position's logprobs as vLLM shows them: the sampled token first, then the top-N
+    by rank (a token in both appears once, with its rank)."""
+    ranks = {t: i for i, t in enumerate(lp.top_ids, 1)}
+    out = {lp.token_id: Logprob(lp.logprob, ranks.get(lp.token_id), decode1(lp.token_id))}
+    for t, x in zip(lp.top_ids, lp.top_logprobs):
+        if t not in out:
+            out[t] = Logprob(x, ranks[t], decode1(t))
+    return out

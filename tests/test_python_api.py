@@ -21,6 +21,7 @@ from pipeline.llm import LLM
 from pipeline.llm_raw import RawOutputs
 from pipeline.messages import EngineOutput, RequestResult, Timings, TokenLogprobs, Usage
 from pipeline.messages.answers import Completion
+from pipeline.outputs import request_output
 from pipeline.sampling_params import SamplingParams
 
 VOCAB = 2048  # the default model's tokenizer
@@ -189,8 +190,8 @@ def test_logprobs_in_vllms_shape():
     r = RequestResult(id="llm-0", text="a", token_ids=[9, 9], finish_reason="length", usage=Usage(2, 3, 0),
                       timings=Timings(), logprobs=[inside, outside], outputs=comps, cumulative_logprob=-4.5,
                       prompt_logprobs=[None, outside])
-    pr = llm._make("p", [5, 6], "prompt", SamplingParams(), 0, None, None)
-    out = llm._output(r, pr)
+    pr = llm.prompts.make("p", [5, 6], "prompt", SamplingParams(), 0, None, None)
+    out = request_output(r, pr.request_id, pr.text, pr.token_ids, llm._decode1)
     first, second = out.outputs
     assert list(first.logprobs[0]) == [9, 12] and list(first.logprobs[1]) == [9, 12]  # sampled first
     assert first.logprobs[0][9] == Logprob(-0.5, 2, tok.decode([9], skip_special_tokens=False))
