@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.sampling_params import StructuredOutputsParams
+from pipeline.sampling_params.structured import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar

@@ -14,7 +14,8 @@ from pipeline.frontend import protocol as P
 from pipeline.messages import EngineOutput, EngineOutputs, RequestResult
 from pipeline.output.detokenizer import DetokenizerTable
 from pipeline.output.processor import OutputProcessor
-from pipeline.sampling_params import MAX_LOGPROBS_BYTES, SamplingParams
+from pipeline.sampling_params import SamplingParams
+from pipeline.sampling_params.limits import MAX_LOGPROBS_BYTES
 
 
 def _tok() -> Tokenizer:

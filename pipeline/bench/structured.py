@@ -35,7 +35,8 @@ import numpy as np
 from pipeline.bench.report import Report
 from pipeline.config import DEFAULT_MODEL, EngineConfig
 from pipeline.messages import CachedRequestData, NewRequestData, SchedulerOutput, ids_to_bytes
-from pipeline.sampling_params import SamplingParams, StructuredOutputsParams
+from pipeline.sampling_params import SamplingParams
+from pipeline.sampling_params.structured import StructuredOutputsParams
 
 _clock = time.perf_counter
 

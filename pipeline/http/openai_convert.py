@@ -18,7 +18,8 @@ from pipeline.frontend import protocol as P
 from pipeline.http.openai_api import ChatCompletionRequest, ChatMessageParam, CompletionRequest, SamplingBody
 from pipeline.messages import Completion, ErrorInfo, RequestResult
 from pipeline.messages.step import TokenLogprobs
-from pipeline.sampling_params import SAMPLING_FIELDS, StructuredOutputsParams
+from pipeline.sampling_params import SAMPLING_FIELDS
+from pipeline.sampling_params.structured import StructuredOutputsParams
 from pipeline.tokenizer.tokenizer import Tokenizer
 
 # error.code of an answer -> HTTP status; anything else is the server's fault (500).

@@ -14,12 +14,8 @@ from dataclasses import dataclass
 
 from pipeline.config import EngineConfig
 from pipeline.messages.requests import MAX_PROMPT_TOKENS, MAX_REQUEST_BYTES
-from pipeline.sampling_params import (
-    MAX_LOGPROBS,
-    MAX_LOGPROBS_BYTES,
-    SamplingParams,
-    logprob_entry_bytes,
-)
+from pipeline.sampling_params import SamplingParams
+from pipeline.sampling_params.limits import MAX_LOGPROBS, MAX_LOGPROBS_BYTES, logprob_entry_bytes
 
 KiB, MiB = 1 << 10, 1 << 20
 # What the tokenizer stage adds to a request besides its prompt as int32 token ids: the

@@ -37,7 +37,7 @@ from pipeline.messages.step import ModelRunnerOutput, SchedulerOutput
 from pipeline.messages.tags import Tag
 from pipeline.runtime.ring_sizes import KiB, MiB, Sizes
 from pipeline.runtime.spec import StageSpec
-from pipeline.sampling_params import TRUSTED_DECODE
+from pipeline.sampling_params.limits import TRUSTED_DECODE
 
 ROLES = frozenset({"mixed", "prefill", "decode"})  # EngineConfig.role
 PREFILL, DECODE = frozenset({"prefill"}), frozenset({"decode"})

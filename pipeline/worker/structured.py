@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pipeline.sampling_params import StructuredOutputsParams
+from pipeline.sampling_params.structured import StructuredOutputsParams
 from pipeline.structured_outputs import Grammars
 
 if TYPE_CHECKING:

@@ -37,7 +37,8 @@ from pipeline.runtime.ring_sizes import (
     request_bytes,
 )
 from pipeline.runtime.rings import RING_MESSAGES, Channel, message_limits
-from pipeline.sampling_params import (
+from pipeline.sampling_params import SamplingParams
+from pipeline.sampling_params.limits import (
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
@@ -45,7 +46,6 @@ from pipeline.sampling_params import (
     MAX_STOP_STRING_BYTES,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
-    SamplingParams,
 )
 
 WIDE = "\U0010FFFF"  # 4 bytes of UTF-8, the most one character takes

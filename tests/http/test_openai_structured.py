@@ -22,7 +22,7 @@ import pytest
 from e2e_helpers import Daemon, shm_entries
 
 from pipeline.config import DEFAULT_MODEL
-from pipeline.sampling_params import MAX_STRUCTURED_BYTES
+from pipeline.sampling_params.structured import MAX_STRUCTURED_BYTES
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20},

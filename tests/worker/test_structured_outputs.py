@@ -16,7 +16,8 @@ import pytest
 from e2e_helpers import run_pipe
 
 from pipeline.config import DEFAULT_MODEL
-from pipeline.sampling_params import SamplingParams, StructuredOutputsParams
+from pipeline.sampling_params import SamplingParams
+from pipeline.sampling_params.structured import StructuredOutputsParams
 
 MODEL = DEFAULT_MODEL
 PROMPTS = ["The for statement", "Name:", "In Python, a list", "{", "Answer:"]
@@ -212,7 +213,7 @@ def test_grammar_specs_are_canonical_and_choices_escaped():
 
 
 def test_a_schema_nested_past_the_limit_is_refused_before_it_compiles():
-    from pipeline.sampling_params import MAX_SCHEMA_DEPTH
+    from pipeline.sampling_params.structured import MAX_SCHEMA_DEPTH
 
     def nested(n: int) -> dict:
         s: dict = {"type": "string"}
