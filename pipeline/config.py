@@ -191,7 +191,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             g = FIELD_GROUP.get(name)
             if g is not None:
                 groups[g][name] = v
-            elif name in ("step_log", "instance_id"):
+            elif name in TOP_FIELDS:
                 top[name] = v
             else:
                 raise TypeError(f"unknown engine argument {name!r}")
@@ -200,7 +200,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     @staticmethod
     def field_names() -> frozenset[str]:
         """Every flat name ``of`` takes."""
-        return frozenset(FIELD_GROUP) | {"step_log", "instance_id"}
+        return frozenset(FIELD_GROUP) | frozenset(TOP_FIELDS)
 
     def replace(self, **fields: object) -> EngineConfig:
         """A copy with flat-named fields changed."""
@@ -242,3 +242,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.cache_config.block_size:
             return self.cache_config.block_size
         return 64 if self.resolved_device() == "cuda" else 16
+
+
+# The fields outside the groups (flat names too).
+TOP_FIELDS = tuple(f for f in EngineConfig.__struct_fields__ if f not in GROUPS)

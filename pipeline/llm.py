@@ -73,10 +73,8 @@ class LLM:
                 if self.config.parallel_config.tensor_parallel_size > 1:  # rank 0 here, the others in processes
                     from pipeline.llm_tp import LocalTPWorkers
                     worker = LocalTPWorkers(self.config)
-                    self.worker = worker
                 else:
-                    worker = ModelRunner(self.config)
-                    self.worker = worker
+                    worker = self.worker = ModelRunner(self.config)  # close() releases it if load fails
                     worker.load()
             self.worker = worker
             self.scheduler = Scheduler(self.config, worker.num_blocks, worker.block_size,

@@ -96,19 +96,14 @@ def run_pipeline(args, prompts: list[list[int]]) -> tuple[dict, dict]:
     return row, stats
 
 
-class _TimedExecutor:
-    """A ModelRunner in process, its execute() alone timed (steps that ran tokens counted)."""
+class _TimedRunner:
+    """A ModelRunner whose execute() alone is timed (steps that ran tokens counted)."""
 
     def __init__(self, runner) -> None:
         self.runner = runner
-        self.pending: list = []
         self.steps, self.execute_s = 0, 0.0
 
-    def submit(self, so) -> None:
-        self.pending.append(so)
-
-    def result(self):
-        so = self.pending.pop(0)
+    def execute(self, so):
         t0 = time.perf_counter()
         out = self.runner.execute(so)
         self.execute_s += time.perf_counter() - t0
@@ -119,7 +114,7 @@ class _TimedExecutor:
 def run_worker_alone(args, prompts: list[list[int]]) -> dict:
     """The same requests through an in-process Scheduler + ModelRunner, synchronously; only
     the ModelRunner's execute() is timed."""
-    from pipeline.engine.core import EngineCore
+    from pipeline.engine.core import EngineCore, LocalExecutor
     from pipeline.engine.scheduler import Scheduler
     from pipeline.engine_args import add_engine_args, config_from_args
     from pipeline.messages import EngineRequest, ids_to_bytes
@@ -139,14 +134,14 @@ def run_worker_alone(args, prompts: list[list[int]]) -> dict:
         now = time.time()
         for i, p in enumerate(prompts):
             sched.add_request(EngineRequest(str(i), ids_to_bytes(p), sp, now, runner.eos_token_ids))
-        timed = _TimedExecutor(runner)
+        timed = _TimedRunner(runner)
         tokens = 0
 
         def count(outs: list) -> None:
             nonlocal tokens
             tokens += sum(len(o.new_token_ids) for o in outs)
 
-        EngineCore(sched, timed, count).run_until_done()
+        EngineCore(sched, LocalExecutor(timed), count).run_until_done()
         steps, execute_s = timed.steps, timed.execute_s
     finally:
         runner.close()

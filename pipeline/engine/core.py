@@ -17,6 +17,7 @@ so the engine's time, and a slow consumer's, hide behind the worker's.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -41,13 +42,13 @@ class LocalExecutor:
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
-        self.pending: list[SchedulerOutput] = []
+        self.pending: deque[SchedulerOutput] = deque()
 
     def submit(self, sched: SchedulerOutput) -> None:
         self.pending.append(sched)
 
     def result(self) -> ModelRunnerOutput:
-        out: ModelRunnerOutput = self.worker.execute(self.pending.pop(0))
+        out: ModelRunnerOutput = self.worker.execute(self.pending.popleft())
         return out
 
 

@@ -143,9 +143,8 @@ class EngineLoop:
         log(self.spec, why)
         return why
 
-    def _emit(self, outs: list[EngineOutput]) -> None:
-        if outs:
-            self.outputs.send(EngineOutputs(outputs=outs, timestamp=time.time()))
+    def _emit(self, outs: list[EngineOutput]) -> None:  # never empty (EngineCore.emit)
+        self.outputs.send(EngineOutputs(outputs=outs, timestamp=time.time()))
 
     def step(self) -> bool:
         return self.core.step()
