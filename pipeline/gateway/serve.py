@@ -32,7 +32,7 @@ from pipeline.gateway.serve_args import ServeArgs, add_args, check_args
 from pipeline.gateway.serve_front import DaemonFront
 from pipeline.gateway.systemd import Notifier
 from pipeline.http.launcher import HttpFront
-from pipeline.http.openai_convert import fingerprint, served_model_name
+from pipeline.http.openai_response import fingerprint, served_model_name
 from pipeline.runtime.lifecycle import StartupError
 
 if TYPE_CHECKING:
