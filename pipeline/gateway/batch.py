@@ -25,7 +25,8 @@ from typing import Any
 import msgspec
 from pydantic import ValidationError
 
-from pipeline.frontend.protocol import MAX_ID_LEN, ProtocolError, gateway_request, request_from_json
+from pipeline.frontend.protocol import MAX_ID_LEN, ProtocolError
+from pipeline.frontend.request_parser import gateway_request, request_from_json
 from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest
 from pipeline.http.openai_convert import ApiError, body_error, chat_fields, completion_fields, invalid
 from pipeline.http.openai_response import (

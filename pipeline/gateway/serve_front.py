@@ -19,12 +19,11 @@ import msgspec
 
 from pipeline.config import EngineConfig
 from pipeline.frontend import protocol as P
+from pipeline.frontend.request_parser import gateway_request, sampling_params
 from pipeline.frontend.zmq_server import ZmqServer
 from pipeline.gateway.gateway import Answer, Gateway
 from pipeline.gateway.metrics import Metrics
 from pipeline.messages import RequestResult, error_result
-
-__all__ = ["DaemonFront"]
 
 
 class DaemonFront(ZmqServer):
@@ -74,7 +73,7 @@ class DaemonFront(ZmqServer):
 
     def _accept(self, identity: bytes, msg: P.Generate, client_id: str, internal: str) -> None:
         try:
-            req = P.gateway_request(msg, P.sampling_params(msg), internal)
+            req = gateway_request(msg, sampling_params(msg), internal)
         except P.ProtocolError as exc:
             self.sessions.finish(internal)
             self._final(identity, error_result(client_id, exc.error.code, exc.error.message))

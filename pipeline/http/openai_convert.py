@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from pipeline.frontend import protocol as P
+from pipeline.frontend.request_parser import sampling_params
 from pipeline.http.openai_api import ChatCompletionRequest, ChatMessageParam, CompletionRequest, SamplingBody
 from pipeline.messages import ErrorInfo
 from pipeline.sampling_params import SAMPLING_FIELDS, StructuredOutputsParams
@@ -172,7 +173,7 @@ def _checked(fields: dict[str, Any]) -> dict[str, Any]:
     """The fields as the daemon will check them (types, SamplingParams' limits): ApiError
     now rather than after part of a multi-prompt body ran."""
     try:
-        P.sampling_params(P.Generate(**{k: v for k, v in fields.items() if k in SAMPLING_FIELDS}))
+        sampling_params(P.Generate(**{k: v for k, v in fields.items() if k in SAMPLING_FIELDS}))
     except P.ProtocolError as exc:
         raise invalid(exc.error.message) from None
     except TypeError as exc:
