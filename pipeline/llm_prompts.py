@@ -61,7 +61,7 @@ class PromptReader:
 
     def _from_dict(self, p: dict, sp: SamplingParams, priority: int, salt: str | None) -> Prompt:
         """vLLM's prompt dicts and pipe mode's / ZMQ's request dicts, by the protocol's parser."""
-        from pipeline.frontend.protocol import request_from_json
+        from pipeline.frontend.request_parser import request_from_json
 
         for key in MULTI_MODAL_FIELDS:
             if key in p:

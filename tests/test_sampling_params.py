@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pipeline.frontend import protocol as P
+from pipeline.frontend.request_parser import sampling_params
 from pipeline.messages import EngineOutput, EngineOutputs, RequestResult
 from pipeline.output.detokenizer import DetokenizerTable
 from pipeline.output.processor import OutputProcessor
@@ -95,7 +96,7 @@ def test_construction_and_decoding_name_the_field_and_limit(kw, needle):
 def test_wire_protocol_names_the_field(kw, needle):
     field, _, rest = needle.partition(" ")
     with pytest.raises(P.ProtocolError) as exc:
-        P.sampling_params(msgspec.convert({"op": "generate", "id": "x", "prompt": "p", **kw}, P.Generate))
+        sampling_params(msgspec.convert({"op": "generate", "id": "x", "prompt": "p", **kw}, P.Generate))
     assert exc.value.error.message.startswith(f"field `{field}`: {rest}")
     assert exc.value.error.code == "invalid_request" and exc.value.req_id == "x"
 
@@ -104,7 +105,7 @@ def test_wire_protocol_takes_every_new_field():
     gen = msgspec.json.decode(b'{"id": "a", "prompt": "p", "n": 3, "stop": "x", "bad_words": "cat",'
                               b' "logit_bias": {"5": -2.5}, "allowed_token_ids": [1, 2],'
                               b' "prompt_logprobs": 2, "truncate_prompt_tokens": 8}', type=P.Generate)
-    sp = P.sampling_params(gen)
+    sp = sampling_params(gen)
     assert (sp.n, sp.stop, sp.bad_words, sp.logit_bias, sp.allowed_token_ids, sp.prompt_logprobs,
             sp.truncate_prompt_tokens) == (3, ["x"], ["cat"], {5: -2.5}, [1, 2], 2, 8)
 

@@ -2,7 +2,8 @@
 and `pipeline router` (``router.server``) serve it, ``pipeline.client`` and the HTTP front end
 speak it.
 
-- protocol: the wire protocol (ZMQ frames) and the request parser pipe mode shares
+- protocol: the wire protocol (ZMQ frames: the messages, their decoding, the errors)
+- request_parser: a ``Generate`` or a pipe mode JSON line -> the tokenizer stage's input
 - sessions: which client owns which request in flight
 - zmq_server: the one ZMQ server base (the front ROUTER socket, frames in, answers out,
   clients gone), which the daemon and the router build on

@@ -1,7 +1,8 @@
-"""Gateway (daemon) <-> client wire protocol over ZMQ, and the one request parser that pipe
-mode (JSON lines) and ZMQ share. Owns no state; ``sessions.ClientSessions`` tracks clients.
-The parser checks types and transport bounds only; the limits that need the model are
-checked once, by the tokenizer stage (``tokenizer.validate``).
+"""Gateway (daemon) <-> client wire protocol over ZMQ: its messages, their strict decoding
+and the errors it answers with. Owns no state; ``sessions.ClientSessions`` tracks clients,
+``request_parser`` makes a ``Generate`` (or pipe mode's JSON line) an engine request. The
+decoding checks types and transport bounds only; the limits that need the model are checked
+once, by the tokenizer stage (``tokenizer.validate``).
 
 Transport: the daemon binds a ROUTER socket (``ROUTER_MANDATORY`` on), each client connects
 one DEALER socket and multiplexes all its requests over it. Every message is ONE frame of
@@ -61,21 +62,14 @@ names the field, its size and the limit in bytes.
 from __future__ import annotations
 
 import re
-import time
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from pipeline.messages import (
-    MAX_PROMPT_TOKENS,
-    ErrorInfo,
-    GatewayRequest,
-    RequestDelta,
-    RequestResult,
-)
+from pipeline.messages import MAX_PROMPT_TOKENS, ErrorInfo, RequestDelta, RequestResult
 from pipeline.messages.kv import KVTransferParams
-from pipeline.sampling_params import SAMPLING_FIELDS, SamplingParams
+from pipeline.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
 HEARTBEAT_INTERVAL_S = 1.0
@@ -283,52 +277,3 @@ def decode_client(frame: bytes, max_frame_bytes: int = MAX_FRAME_BYTES) -> Clien
 
 def decode_reply(frame: bytes) -> ReplyMsg:
     return _reply_decoder.decode(frame)
-
-
-def sampling_params(req: Generate, defaults: dict[str, Any] | None = None) -> SamplingParams:
-    """Build a request's SamplingParams (fields the request leaves unset come from
-    ``defaults``). SamplingParams checks every limit that needs no model; those that need
-    it (vocab size, max_model_len) are checked once, by ``tokenizer.validate``."""
-    rid = None if req.id is None else str(req.id)
-    fields = dict(defaults or {})
-    for name in SAMPLING_FIELDS:
-        value = getattr(req, name)
-        if value is not UNSET:
-            fields[name] = value
-    try:
-        return msgspec.convert(fields, SamplingParams)
-    except msgspec.ValidationError as exc:
-        # SamplingParams says "<field> must be <limit>, got <value>".
-        name, _, rest = str(exc).partition(" ")
-        error = (invalid(f"field `{name}`: {rest}")
-                 if name.split(".")[0] in SAMPLING_FIELDS and rest.startswith("must")
-                 else error_from_validation(exc))
-        raise ProtocolError(error, rid, "generate") from None
-
-
-def request_from_json(data: bytes | str | dict[str, Any],
-                      defaults: dict[str, Any] | None = None) -> tuple[Generate, SamplingParams]:
-    """Pipe mode's parser (a JSON line or an already-decoded object), same rules as ZMQ."""
-    try:
-        if isinstance(data, dict):
-            req = msgspec.convert(data, Generate)
-        else:
-            req = msgspec.json.decode(data, type=Generate)
-    except msgspec.ValidationError as exc:
-        rid = data.get("id") if isinstance(data, dict) else None
-        raise ProtocolError(error_from_validation(exc), rid if isinstance(rid, str) else None) from None
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(invalid(f"line is not valid JSON: {exc}")) from None
-    return req, sampling_params(req, defaults)
-
-
-def gateway_request(gen: Generate, sp: SamplingParams, req_id: str) -> GatewayRequest:
-    """From a decoded Generate (pipe mode or ZMQ) to the tokenizer stage's input."""
-    return GatewayRequest(
-        req_id=req_id, sampling_params=sp, prompt=gen.prompt,
-        prompt_token_ids=gen.prompt_token_ids, stream=gen.stream, arrival_time=time.time(),
-        messages=None if gen.messages is None else [msgspec.to_builtins(m) for m in gen.messages],
-        add_generation_prompt=gen.add_generation_prompt,
-        continue_final_message=gen.continue_final_message,
-        chat_template_kwargs=gen.chat_template_kwargs,
-        priority=gen.priority, cache_salt=gen.cache_salt, kv_transfer=gen.kv_transfer)

@@ -1,7 +1,7 @@
 """The one ZMQ server of the daemon's protocol (``protocol``): `pipeline serve`
-(``gateway.serve.Server``) and `pipeline router` (``router.server.Router``) are subclasses
-that differ only in where an accepted generate goes (the daemon's tokenizer ring, the
-router's instances), how an abort and a client gone reach it, and what health, stats and
+(``gateway.serve_front.DaemonFront``) and `pipeline router` (``router.server.Router``) are
+subclasses that differ only in where an accepted generate goes (the daemon's tokenizer ring,
+the router's instances), how an abort and a client gone reach it, and what health, stats and
 metrics say.
 
 Owns the front ROUTER socket (ROUTER_MANDATORY, keepalive, no high-water marks, a frame cap

@@ -1,8 +1,9 @@
 """Pipe mode's OpenAI batch files: reads a batch input line (``custom_id``, ``method``,
 ``url``, ``body``) into the engine requests it stands for, and builds its batch output line
 (``id``, ``custom_id``, ``response`` {``status_code``, ``request_id``, ``body``}, ``error``)
-once they have all finished. Bodies are validated by ``http.api`` and mapped by
-``http.convert``, the HTTP front end's own code, so a body gets the same answer either way.
+once they have all finished. Bodies are validated by ``http.openai_api`` and mapped by
+``http.openai_convert`` and ``http.openai_response``, the HTTP front end's own code, so a
+body gets the same answer either way.
 
 Owns / State (``BatchLines``, one per run in batch mode): the custom_ids seen so far (the
 reader thread's), and the lines in flight: line index -> the results of its engine requests
@@ -24,18 +25,15 @@ from typing import Any
 import msgspec
 from pydantic import ValidationError
 
-from pipeline.frontend.protocol import MAX_ID_LEN, ProtocolError, gateway_request, request_from_json
+from pipeline.frontend.protocol import MAX_ID_LEN, ProtocolError
+from pipeline.frontend.request_parser import gateway_request, request_from_json
 from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest
-from pipeline.http.openai_convert import (
-    ApiError,
-    body_error,
+from pipeline.http.openai_convert import ApiError, body_error, chat_fields, completion_fields, invalid
+from pipeline.http.openai_response import (
     chat_body,
-    chat_fields,
     completion_body,
-    completion_fields,
     failure,
     fingerprint,
-    invalid,
     served_model_name,
     token_texts,
 )

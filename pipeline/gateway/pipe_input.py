@@ -28,7 +28,8 @@ from typing import BinaryIO
 
 import msgspec
 
-from pipeline.frontend.protocol import Generate, ProtocolError, gateway_request, request_from_json, sampling_params
+from pipeline.frontend.protocol import Generate, ProtocolError
+from pipeline.frontend.request_parser import gateway_request, request_from_json, sampling_params
 from pipeline.messages import GatewayRequest
 from pipeline.messages.requests import MAX_PROMPT_BYTES
 

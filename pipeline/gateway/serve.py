@@ -1,10 +1,9 @@
-"""`pipeline serve`: the daemon's ZMQ front (``frontend.zmq_server``, protocol
-``frontend.protocol``), whose accepted generates go to the ``Gateway``.
+"""`pipeline serve`: the daemon, a ZMQ front (``serve_front.DaemonFront``, on
+``frontend.zmq_server``) whose accepted generates go to the ``Gateway``.
 
-Owns, beyond the base's socket and sessions, the metrics (and their HTTP server), the HTTP
-front end's launcher (``--http``), the CURVE authenticator and the answers queue: answers
-produced by the gateway's threads reach this module's loop (the one thread that touches the
-socket) through it plus a wake-up pipe the poller watches. Start-up checks every flag
+Owns, beyond the front's gateway, metrics and answers queue: the daemon's life (start-up,
+the serve loop, the drain, the close), the metrics' HTTP server, the HTTP front end's
+launcher (``--http``) and the CURVE authenticator. Start-up checks every flag
 (``serve_args``) and binds ``--listen`` and ``--metrics-port`` before the model loads, so a
 bad value or a busy port costs no load time and leaves nothing behind (a client that
 connects meanwhile is answered once the stages are up). systemd Type=notify: READY=1 once
@@ -16,28 +15,24 @@ from __future__ import annotations
 
 import math
 import os
-import queue
 import signal
 import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import zmq
 
 from pipeline.config import EngineConfig
 from pipeline.engine_args import config_from_args
 from pipeline.frontend import protocol as P
 from pipeline.frontend.args import cannot_start, is_loopback
-from pipeline.frontend.zmq_server import DISCONNECT_SETTLE_S, ZmqServer
-from pipeline.gateway.gateway import Answer, Gateway
-from pipeline.gateway.metrics import Metrics
+from pipeline.frontend.zmq_server import DISCONNECT_SETTLE_S
 from pipeline.gateway.serve_args import ServeArgs, add_args, check_args
+from pipeline.gateway.serve_front import DaemonFront
 from pipeline.gateway.systemd import Notifier
 from pipeline.http.launcher import HttpFront
-from pipeline.http.openai_convert import fingerprint, served_model_name
-from pipeline.messages import RequestResult, error_result
+from pipeline.http.openai_response import fingerprint, served_model_name
 from pipeline.runtime.lifecycle import StartupError
 
 if TYPE_CHECKING:
@@ -52,101 +47,18 @@ class _StoppedDuringStartup(Exception):
     """SIGTERM/SIGINT while the stages start: unwinds Gateway.start, which cleans up."""
 
 
-class Server(ZmqServer):
-    """The daemon's ZMQ front: an accepted generate goes to the gateway (its tokenizer ring)."""
-    what = "daemon"
-    log_prefix = "[gateway]"
+class Server(DaemonFront):
+    """The daemon: its front started, served until stopped or failed, drained and closed."""
 
     def __init__(self, args: ServeArgs, config: EngineConfig, notify: Notifier) -> None:
-        super().__init__(args.max_frame_bytes)
+        super().__init__(args.max_frame_bytes, config)
         self.args = args
-        self.config = config
         self.notify = notify
-        self.answers: queue.SimpleQueue[Answer] = queue.SimpleQueue()
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_r, False)
-        os.set_blocking(self.wake_w, False)
-        self.gw = Gateway(config, self._on_output)
-        self.metrics = Metrics(engine_state=lambda: self.gw.engine_stats, inflight=self.gw.num_inflight)
-        self.last_loop = time.monotonic()  # the watchdog pings only while the loop turns
         self.stop = threading.Event()
         self.started = False  # the stages are up: a signal drains instead of unwinding start-up
         self.draining: threading.Thread | None = None
         self.auth: ThreadAuthenticator | None = None  # the CURVE authenticator thread, when --curve-keys
         self.http = HttpFront(args.http, config.instance_id) if args.http else None
-
-    # Called from the gateway's threads.
-    def _on_output(self, out: Answer) -> None:
-        self.answers.put(out)
-        try:
-            os.write(self.wake_w, b"\0")
-        except BlockingIOError:
-            pass  # the pipe is full, so the loop is awake anyway
-
-    def _final(self, identity: bytes, res: RequestResult) -> None:
-        self.metrics.observe_result(res)
-        super()._final(identity, res)
-
-    def _count_malformed(self) -> None:
-        self.metrics.malformed_frames.inc()
-
-    def _count_generate(self) -> None:
-        self.metrics.requests_received.inc()
-
-    def _count_rejected(self, code: str) -> None:
-        self.metrics.reject(code)
-
-    def _client_gone(self, identity: bytes, internals: list[str], why: str) -> None:
-        if internals:
-            self.metrics.clients_dropped.inc()
-            self.gw.abort(internals, message=f"aborted by the server: the client {why}")
-
-    def _abort_request(self, internal: str) -> None:
-        self.gw.abort([internal])
-
-    def _accept(self, identity: bytes, msg: P.Generate, client_id: str, internal: str) -> None:
-        try:
-            req = P.gateway_request(msg, P.sampling_params(msg), internal)
-        except P.ProtocolError as exc:
-            self.sessions.finish(internal)
-            self._final(identity, error_result(client_id, exc.error.code, exc.error.message))
-            return
-        # A refusal (draining, too large, stage died) comes back as an error answer.
-        self.gw.submit(req)
-
-    def _stats(self, identity: bytes, op_id: str) -> None:
-        self._reply(identity, P.StatsReply(id=op_id, stats=self.stats()))
-
-    def _metrics(self, identity: bytes, op_id: str) -> None:
-        self._reply(identity, P.MetricsReply(id=op_id, text=self.metrics.render().decode()))
-
-    def _route_answers(self) -> None:
-        try:
-            while os.read(self.wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        while True:
-            try:
-                out = self.answers.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                self._route(out)
-            except Exception:  # noqa: BLE001 -- one answer must not stop the others
-                self._log_internal(f"routing the answer of {out.id}")
-
-    def _route(self, out: Answer) -> None:
-        if isinstance(out, RequestResult):
-            self.metrics.observe_result(out)
-            owner = self.sessions.finish(out.id)
-        else:
-            owner = self.sessions.owner(out.id)
-        if owner is None:
-            return  # its client is gone; the engine was told to abort it
-        identity, client_id = owner
-        out = msgspec.structs.replace(out, id=client_id)
-        self._reply(identity, P.Final(result=out) if isinstance(out, RequestResult) else P.Delta(delta=out))
 
     def _check_http(self) -> None:
         if self.http is None or self.stop.is_set():
@@ -171,11 +83,6 @@ class Server(ZmqServer):
 
     def healthy(self) -> bool:
         return self.gw.failure is None and time.monotonic() - self.last_loop < 5.0
-
-    def stats(self) -> dict[str, Any]:
-        """Engine counters and gauges (scheduler, KV blocks, step timing), and the metrics
-        (the daemon's counters, TTFT/ITL/e2e histograms) as Prometheus sees them."""
-        return {**self.metrics.snapshot(), **self.gw.engine_stats.as_dict()}
 
     # ---- lifecycle ----
     def request_stop(self) -> None:

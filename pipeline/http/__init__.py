@@ -7,9 +7,9 @@ pipe mode's OpenAI batch files; and the daemon's side that starts it.
 - stream: server-sent events
 - limit: the body-size middleware (413)
 - process: the entry (``python -m pipeline.http.process``)
-- openai_api, openai_convert: the OpenAI API's request models and the conversions to and from
-  the wire protocol (``frontend.protocol``), shared with pipe mode's batch files
-  (``gateway.batch``)
+- openai_api, openai_convert, openai_response: the OpenAI API's request models, the
+  conversion of bodies to the wire protocol (``frontend.protocol``) and of answers back to
+  bodies, shared with pipe mode's batch files (``gateway.batch``)
 - launcher: the daemon's side of ``--http``: the port, the private ipc endpoint, the
   front-end process (imported by ``gateway.serve``; the app itself never is)
 """

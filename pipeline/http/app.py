@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException
 from pipeline.client import AsyncClient
 from pipeline.client.base import RequestError
 from pipeline.http import openai_convert as C
+from pipeline.http import openai_response as R
 from pipeline.http.limit import BodyLimit
 from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pipeline.http.stream import disconnected, sse_response
@@ -90,7 +91,7 @@ def build_app(state: HttpState) -> FastAPI:
             raise C.ApiError(404, f"the model `{name}` does not exist; this server serves `{state.model}`",
                              "model", "model_not_found")
 
-    token_text = C.token_texts(lambda: state.tokenizer)
+    token_text = R.token_texts(lambda: state.tokenizer)
 
     async def until_done(request: Request, work: Awaitable[T]) -> T:
         """``work``, cancelled (so its engine requests are aborted) if the client goes away."""
@@ -140,7 +141,7 @@ def build_app(state: HttpState) -> FastAPI:
             return await sse_response(request, state, reqs, body, rid, created, token_text)
         results = await until_done(request, asyncio.gather(
             *(state.client.generate(timeout=None, **f) for f in reqs)))
-        if (err := C.failure(results)) is not None:
+        if (err := R.failure(results)) is not None:
             raise err
         return _json(build(rid, created, results))
 
@@ -148,14 +149,14 @@ def build_app(state: HttpState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         return await answer(request, body, C.completion_fields(body, state.max_model_len), "cmpl",
-                            lambda rid, created, results: C.completion_body(
+                            lambda rid, created, results: R.completion_body(
                                 rid, created, state.model, state.fingerprint, body.n, results, token_text))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         return await answer(request, body, [C.chat_fields(body, state.max_model_len)], "chatcmpl",
-                            lambda rid, created, results: C.chat_body(
+                            lambda rid, created, results: R.chat_body(
                                 rid, created, state.model, state.fingerprint, results[0], token_text))
 
     @app.post("/tokenize", dependencies=[Depends(auth)])

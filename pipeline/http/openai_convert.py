@@ -1,32 +1,28 @@
-"""Between the OpenAI API and the daemon's protocol, for the HTTP front end and for pipe
-mode's OpenAI batch lines: request bodies (``api``) -> the ``Generate`` fields of each
-engine request; final answers and deltas -> OpenAI's response bodies and stream chunks;
-error answers -> OpenAI's error object with its HTTP status. Owns no state.
+"""From the OpenAI API to the daemon's protocol, for the HTTP front end and for pipe mode's
+OpenAI batch lines: request bodies (``openai_api``) -> the ``Generate`` fields of each engine
+request, checked as the daemon will check them; a refused body or an error answer ->
+OpenAI's error object with its HTTP status (``ApiError``). The way back, answers -> response
+bodies, is ``openai_response``. Owns no state.
 
 Each prompt of a completion body is one engine request (``n`` completions each, one
-prefill); choice ``i * n + j`` is completion ``j`` of prompt ``i``, as vLLM numbers them.
+prefill).
 """
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Callable
-from functools import lru_cache
 from typing import Any
 
 from pipeline.frontend import protocol as P
+from pipeline.frontend.request_parser import sampling_params
 from pipeline.http.openai_api import ChatCompletionRequest, ChatMessageParam, CompletionRequest, SamplingBody
-from pipeline.messages import Completion, ErrorInfo, RequestResult
-from pipeline.messages.step import TokenLogprobs
+from pipeline.messages import ErrorInfo
 from pipeline.sampling_params import SAMPLING_FIELDS
 from pipeline.sampling_params.structured import StructuredOutputsParams
-from pipeline.tokenizer.tokenizer import Tokenizer
 
 # error.code of an answer -> HTTP status; anything else is the server's fault (500).
 STATUS = {"invalid_request": 400, "duplicate_id": 400, "unsupported_version": 400,
           "answer_too_large": 400, "draining": 503, "queue_full": 503, "unavailable": 503,
           "unreachable": 503, "connection_lost": 503, "aborted": 499}
-MIN_LOGPROB = -9999.0  # what OpenAI reports for an impossible token (JSON has no -inf)
 # The body's fields that go to the wire as they are: its sampling fields (the one
 # declaration's, ``SAMPLING_FIELDS``) but those converted below, and cache_salt.
 _CONVERTED = {"logit_bias", "structured_outputs"}
@@ -35,7 +31,6 @@ _PASS = (*(f for f in SAMPLING_FIELDS if f in SamplingBody.model_fields and f no
 # The field an error message names: "field `x`: ...", or the tokenizer stage's verdict on a
 # structured outputs spec ("structured_outputs.regex: not a valid regex: ...").
 _FIELD = re.compile(r"field `([^`]+)`|^(structured_outputs(?:\.\w+)?):")
-TokenText = Callable[[int], str]
 
 
 class ApiError(Exception):
@@ -179,7 +174,7 @@ def _checked(fields: dict[str, Any]) -> dict[str, Any]:
     """The fields as the daemon will check them (types, SamplingParams' limits): ApiError
     now rather than after part of a multi-prompt body ran."""
     try:
-        P.sampling_params(P.Generate(**{k: v for k, v in fields.items() if k in SAMPLING_FIELDS}))
+        sampling_params(P.Generate(**{k: v for k, v in fields.items() if k in SAMPLING_FIELDS}))
     except P.ProtocolError as exc:
         raise invalid(exc.error.message) from None
     except TypeError as exc:
@@ -228,105 +223,3 @@ def chat_fields(req: ChatCompletionRequest, max_model_len: int) -> dict[str, Any
     if req.chat_template_kwargs:
         fields["chat_template_kwargs"] = req.chat_template_kwargs
     return fields
-
-
-# ---- responses ---------------------------------------------------------------------------
-def completions_of(res: RequestResult) -> list[Completion]:
-    return res.outputs or [Completion(index=0, text=res.text, token_ids=res.token_ids,
-                                      finish_reason=res.finish_reason, stop_reason=res.stop_reason,
-                                      logprobs=res.logprobs)]
-
-
-def usage(results: list[RequestResult]) -> dict[str, Any]:
-    prompt = sum(r.usage.prompt_tokens for r in results)
-    completion = sum(r.usage.completion_tokens for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.usage.cached_tokens for r in results)}}
-
-
-def token_texts(tokenizer: Callable[[], Tokenizer]) -> TokenText:
-    """Token id -> its own text, for logprobs: a cached decode (``tokenizer`` is called on
-    the first use, so a path that never asks for logprobs never loads it)."""
-    @lru_cache(maxsize=1 << 16)
-    def text(token_id: int) -> str:
-        return tokenizer().decode([token_id], skip_special_tokens=False)
-    return text
-
-
-def _lp(x: float) -> float:
-    return x if x > MIN_LOGPROB else MIN_LOGPROB
-
-
-def completion_logprobs(lps: list[TokenLogprobs] | None, text: TokenText,
-                        offset: int = 0) -> dict[str, Any] | None:
-    """The legacy shape: tokens, token_logprobs, top_logprobs ({token: logprob}, the sampled
-    token among them, as vLLM does), text_offset (from ``offset``)."""
-    if lps is None:
-        return None
-    tokens, offsets, tops = [], [], []
-    for t in lps:
-        s = text(t.token_id)
-        tokens.append(s)
-        offsets.append(offset)
-        offset += len(s)
-        top = {text(i): _lp(lp) for i, lp in zip(t.top_ids, t.top_logprobs)}
-        top.setdefault(s, _lp(t.logprob))
-        tops.append(top)
-    return {"tokens": tokens, "token_logprobs": [_lp(t.logprob) for t in lps], "top_logprobs": tops,
-            "text_offset": offsets}
-
-
-def _entry(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode())}
-
-
-def chat_logprobs(lps: list[TokenLogprobs] | None, text: TokenText) -> dict[str, Any] | None:
-    if lps is None:
-        return None
-    return {"content": [_entry(text(t.token_id), t.logprob)
-                        | {"top_logprobs": [_entry(text(i), lp) for i, lp in zip(t.top_ids, t.top_logprobs)]}
-                        for t in lps]}
-
-
-def finish_reason(c: Completion) -> str:
-    return "abort" if c.finish_reason == "error" else c.finish_reason
-
-
-def completion_body(rid: str, created: int, model: str, fingerprint: str, n: int,
-                    results: list[RequestResult], text: TokenText) -> dict[str, Any]:
-    choices = [{"index": i * n + c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs, text),
-                "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
-               for i, res in enumerate(results) for c in completions_of(res)]
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": fingerprint, "choices": choices, "usage": usage(results)}
-
-
-def chat_body(rid: str, created: int, model: str, fingerprint: str, res: RequestResult,
-              text: TokenText) -> dict[str, Any]:
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c.logprobs, text), "finish_reason": finish_reason(c),
-                "stop_reason": c.stop_reason} for c in completions_of(res)]
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "system_fingerprint": fingerprint, "choices": choices, "usage": usage([res])}
-
-
-def failure(results: list[RequestResult]) -> ApiError | None:
-    """The error a non-streamed answer is replaced by: the first failed request's."""
-    for r in results:
-        if r.error is not None and r.finish_reason == "error":
-            return from_error(r.error)
-    return None
-
-
-def served_model_name(model: str, override: str | None = None) -> str:
-    """What ``model`` must name (``--served-model-name``, else the ``--model`` path as given,
-    as vLLM does; the embedded default model is "default")."""
-    from pipeline.config import DEFAULT_MODEL
-    if override:
-        return override
-    return "default" if os.path.realpath(model) == os.path.realpath(DEFAULT_MODEL) else model
-
-
-def fingerprint(model_hash: str) -> str:
-    """``system_fingerprint``: this build and this checkpoint's config."""
-    return f"pipeline-{model_hash[:12]}" if model_hash else "pipeline"

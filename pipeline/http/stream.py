@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from pipeline.http import openai_convert as C
+from pipeline.http import openai_response as R
 from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest
 from pipeline.messages import RequestDelta, RequestResult
 
@@ -38,7 +39,7 @@ class _Chunks:
     """Builds the chunks of one response (chat or text completion)."""
 
     def __init__(self, body: CompletionRequest | ChatCompletionRequest, rid: str, created: int,
-                 state: HttpState, text: C.TokenText) -> None:
+                 state: HttpState, text: R.TokenText) -> None:
         self.chat = isinstance(body, ChatCompletionRequest)
         self.n = body.n
         self.text = text
@@ -64,15 +65,15 @@ class _Chunks:
         index = prompt * self.n + d.index
         if self.chat:
             return self.chunk([{"index": index, "delta": {"content": d.text},
-                                "logprobs": C.chat_logprobs(d.logprobs, self.text), "finish_reason": None}])
+                                "logprobs": R.chat_logprobs(d.logprobs, self.text), "finish_reason": None}])
         return self.chunk([{"index": index, "text": d.text,
-                            "logprobs": C.completion_logprobs(d.logprobs, self.text), "finish_reason": None}])
+                            "logprobs": R.completion_logprobs(d.logprobs, self.text), "finish_reason": None}])
 
     def finish(self, prompt: int, res: RequestResult) -> bytes:
         choices = []
-        for c in C.completions_of(res):
+        for c in R.completions_of(res):
             choice: dict[str, Any] = {"index": prompt * self.n + c.index, "logprobs": None,
-                                      "finish_reason": C.finish_reason(c), "stop_reason": c.stop_reason}
+                                      "finish_reason": R.finish_reason(c), "stop_reason": c.stop_reason}
             if self.chat:
                 choice["delta"] = {}
             else:
@@ -81,7 +82,7 @@ class _Chunks:
         return self.chunk(choices)
 
     def usage_chunk(self, results: list[RequestResult]) -> bytes:
-        return _event(self.head | {"choices": [], "usage": C.usage(results)})
+        return _event(self.head | {"choices": [], "usage": R.usage(results)})
 
 
 async def disconnected(request: Request) -> None:
@@ -171,7 +172,7 @@ async def _events(streams: _Streams, early: list[tuple[int, Any]], chunks: _Chun
 
 async def sse_response(request: Request, state: HttpState, reqs: list[dict[str, Any]],
                        body: CompletionRequest | ChatCompletionRequest, rid: str, created: int,
-                       text: C.TokenText) -> StreamingResponse:
+                       text: R.TokenText) -> StreamingResponse:
     """The stream, once every engine request has answered once: a refused one makes the
     whole response its error status (the status line has not gone out yet)."""
     streams = _Streams(request, state, reqs)

@@ -209,5 +209,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 # The one declaration of the sampling fields (SamplingParams's): the wire's ``Generate``
 # (``frontend.protocol``), the OpenAI bodies (``http.openai_api``) and their conversion
-# (``http.openai_convert``) derive theirs from it; pipe mode's JSON lines are ``Generate``s.
+# (``http.openai_convert``, ``http.openai_response``) derive theirs from it; pipe mode's JSON
+# lines are ``Generate``s.
 SAMPLING_FIELDS: tuple[str, ...] = SamplingParams.__struct_fields__

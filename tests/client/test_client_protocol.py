@@ -22,6 +22,7 @@ from pipeline.client.async_client import AsyncClient
 from pipeline.client.base import Inflight
 from pipeline.frontend import protocol as P
 from pipeline.frontend.curve import generate_keys, server_socket_setup
+from pipeline.frontend.request_parser import sampling_params
 from pipeline.frontend.sessions import ClientSessions, DuplicateRequestId
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, Timings, Usage
 from pipeline.tokenizer.validate import InvalidRequest, check_sampling, one_prompt_field
@@ -105,7 +106,7 @@ class EchoServer(threading.Thread):
                 # Like the daemon's tokenizer stage, with the model's limits out of the way.
                 one_prompt_field(prompt=msg.prompt, prompt_token_ids=msg.prompt_token_ids,
                                  messages=msg.messages)
-                check_sampling(P.sampling_params(msg), vocab_size=1 << 20, max_model_len=10**7)
+                check_sampling(sampling_params(msg), vocab_size=1 << 20, max_model_len=10**7)
                 internal = self.sessions.start(identity, str(msg.id))
                 mt = msg.max_tokens if isinstance(msg.max_tokens, int) else 16
                 self.running[internal] = Running(identity, str(msg.id), msg.prompt or "", mt, msg.stream)

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.frontend import protocol as P
+from pipeline.frontend.request_parser import request_from_json, sampling_params
 from pipeline.frontend.sessions import ClientSessions, DuplicateRequestId
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, Timings, Usage
 from pipeline.sampling_params import SamplingParams
@@ -23,7 +24,7 @@ def reject(obj_or_frame, max_frame_bytes: int = P.MAX_FRAME_BYTES) -> P.Protocol
     with pytest.raises(P.ProtocolError) as exc:
         msg = P.decode_client(data, max_frame_bytes)
         if isinstance(msg, P.Generate):
-            P.sampling_params(msg)
+            sampling_params(msg)
     return exc.value
 
 
@@ -81,17 +82,17 @@ def test_random_bytes_never_crash(data):
 
 
 def test_request_from_json_is_the_same_path():
-    req, sp = P.request_from_json(b'{"id": 7, "prompt": "hi", "temperature": 0, "stop": "END"}',
+    req, sp = request_from_json(b'{"id": 7, "prompt": "hi", "temperature": 0, "stop": "END"}',
                                   {"max_tokens": 9})
     assert (req.id, req.prompt, sp.temperature, sp.max_tokens, sp.stop) == (7, "hi", 0.0, 9, ["END"])
-    _, sp2 = P.request_from_json({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    _, sp2 = request_from_json({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
     assert sp2.max_tokens == 2
     with pytest.raises(P.ProtocolError, match="field `top_p`"):
-        P.request_from_json({"id": "q", "prompt": "x", "top_p": "high"})
+        request_from_json({"id": "q", "prompt": "x", "top_p": "high"})
     with pytest.raises(P.ProtocolError, match="not valid JSON"):
-        P.request_from_json(b"{nope")
+        request_from_json(b"{nope")
     with pytest.raises(P.ProtocolError, match="unknown field `promt`") as exc:
-        P.request_from_json({"id": "q", "promt": "x"})
+        request_from_json({"id": "q", "promt": "x"})
     assert exc.value.req_id == "q"
 
 

@@ -22,6 +22,7 @@ from pipeline.config import DEFAULT_MODEL, MAX_CHAT_TEMPLATE_BYTES, EngineConfig
 from pipeline.engine_args import add_engine_args, config_from_args
 from pipeline.engine.fake_worker import FakeWorker
 from pipeline.frontend import protocol as P
+from pipeline.frontend.request_parser import gateway_request, request_from_json
 from pipeline.gateway.gateway import Gateway, size_problem
 from pipeline.ipc.ring import Ring
 from pipeline.llm import LLM
@@ -61,16 +62,16 @@ def test_generate_carries_the_chat_options_and_text_parts_to_the_tokenizer_stage
               "chat_template_kwargs": {"tag": "!", "n": [1, {"x": None}]}}
     frame = msgspec.msgpack.encode({"op": "generate", "v": P.PROTOCOL_VERSION, "id": "r", **fields})
     zmq_msg = P.decode_client(frame)
-    pipe_msg, sp = P.request_from_json(json.dumps(fields))
+    pipe_msg, sp = request_from_json(json.dumps(fields))
     for gen in (zmq_msg, pipe_msg):
         assert isinstance(gen, P.Generate)
-        req = P.gateway_request(gen, sp, "r")
+        req = gateway_request(gen, sp, "r")
         assert req.messages == CONV
         assert (req.add_generation_prompt, req.continue_final_message) == (False, True)
         assert req.chat_template_kwargs == fields["chat_template_kwargs"]
         # As the submit ring carries it.
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=GatewayRequest) == req
-    plain = P.gateway_request(*P.request_from_json('{"messages": [{"role": "user", "content": "hi"}]}'), "p")
+    plain = gateway_request(*request_from_json('{"messages": [{"role": "user", "content": "hi"}]}'), "p")
     assert (plain.add_generation_prompt, plain.continue_final_message, plain.chat_template_kwargs) \
         == (True, False, None)
 
@@ -91,7 +92,7 @@ def test_generate_carries_the_chat_options_and_text_parts_to_the_tokenizer_stage
 ])
 def test_bad_chat_fields_are_refused_when_decoded_naming_the_field(fields, error):
     with pytest.raises(P.ProtocolError, match=error):
-        P.request_from_json(json.dumps(fields))
+        request_from_json(json.dumps(fields))
 
 
 def test_the_size_check_counts_text_parts_and_template_kwargs():
@@ -268,9 +269,9 @@ def test_gateway_answers_queue_full_beyond_max_num_seqs_plus_the_queue(inst):
 
 
 def test_null_content_passes_the_wire_and_is_refused_by_the_tokenizer_naming_the_message():
-    gen, sp = P.request_from_json('{"messages": [{"role": "user", "content": "hi"}, '
+    gen, sp = request_from_json('{"messages": [{"role": "user", "content": "hi"}, '
                                   '{"role": "user", "content": null}]}')
-    req = P.gateway_request(gen, sp, "n")
+    req = gateway_request(gen, sp, "n")
     with pytest.raises(ValueError, match=r"field `messages\[1\]\.content`: must be a string or a list "
                                          r"of text parts, got NoneType"):
         Tokenizer(DEFAULT_MODEL).apply_chat_template(req.messages or [])
