@@ -33,7 +33,8 @@ from pipeline.runtime.lifecycle import (
 from pipeline.runtime.ring_sizes import capacity
 from pipeline.runtime.rings import STEPS_ROLE, Channel, message_limits
 from pipeline.runtime.spec import StageSpec
-from pipeline.worker.model_runner import TP_TIMEOUT_S, ModelRunner
+from pipeline.worker.model_runner import ModelRunner
+from pipeline.worker.rank_model import TP_TIMEOUT_S
 
 
 class LocalTPWorkers:

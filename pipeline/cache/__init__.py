@@ -9,5 +9,9 @@
 - link: `KVLink` (one decode peer: ipc or tcp data, ZMQ control) and `LinkCache` (bounded LRU)
 - messager: `Messager.run_peers` / `run_step`, the layer loop blocking on the worker's
   `ipc.layer_signal`
-- stage: the stage process, `run(spec, ready)`: `PrefillMessager` / `DecodeMessager`
+- stage_spec: what a messager needs of its StageSpec (the worker's exported pool, its rings)
+- prefill: `PrefillMessager`, plans shipped layer by layer to the decode peers, KVFinish
+  as done messages
+- decode: `DecodeMessager`, the receiver's done messages as KVReady for the engine
+- stage: the stage process, `run(spec, ready)`: the prefill or decode loop, by role
 """

@@ -22,7 +22,7 @@ from pipeline.ipc.instance import Instance, unlink_instance
 from pipeline.ipc.sweep import sweep_stale
 from pipeline.runtime.lifecycle import StartupError, describe_exit, last_words, spawn_stage, stop_stages, wait_ready
 from pipeline.runtime.spec import StageSpec
-from pipeline.worker.model_runner import TP_TIMEOUT_S
+from pipeline.worker.rank_model import TP_TIMEOUT_S
 
 
 def log(msg: str) -> None:

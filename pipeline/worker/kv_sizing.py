@@ -4,7 +4,7 @@
 model (``default_cpu_kv_bytes``); on CUDA, what is left of ``--gpu-memory-utilization``
 after the largest step the engine may send has run (``profile_gpu_blocks``). Too few for one
 sequence of max_model_len is an error naming the flags to change. Under tensor parallelism
-each rank decides, then they take the smallest (model_runner). Owns no state.
+each rank decides, then they take the smallest (rank_model). Owns no state.
 """
 from __future__ import annotations
 

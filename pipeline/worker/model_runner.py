@@ -1,105 +1,44 @@
-"""Worker stage: the model runner of one rank. Loads the weights, sizes and owns the paged KV
-cache, keeps the persistent batch, and runs one step per SchedulerOutput: apply the diff, one
-forward over the flattened varlen batch (prefill chunks with cached context and decodes
-mixed), sample for the requests whose known tokens are all computed, and compute the prompt
-logprobs of the prefill chunks of requests that ask for them.
+"""Worker stage: the model runner of one rank. On the rank's loaded model and KV cache
+(`RankModel`, rank_model.py) it keeps the persistent batch and runs one step per
+SchedulerOutput: apply the diff, one forward over the flattened varlen batch (prefill chunks
+with cached context and decodes mixed), sample for the requests whose known tokens are all
+computed, and compute the prompt logprobs of the prefill chunks of requests that ask for them.
+A prefill instance's runner publishes each layer's KV write on a LayerSignal for its cache
+messager.
 
-Under tensor parallelism (``--tensor-parallel-size N``) there is one runner per rank, each
-holding its shard of the weights (``models.parallel``) and a KV cache of its KV heads; every
-rank runs every step the same way, and rank 0 samples (the others take its tokens by
-broadcast when sampling is random; greedy argmax over the gathered logits is the same
-everywhere).
+Under tensor parallelism every rank runs every step the same way, and rank 0 samples (the
+others take its tokens by broadcast when sampling is random; greedy argmax over the gathered
+logits is the same everywhere).
 
-Owns: the model weights, the KV cache memory (KVCache), the InputBatch, the Sampler, on
-CUDA the captured decode graphs (DecodeGraphs) and, under tensor parallelism, this rank's
-TPGroup.
+Owns (besides what RankModel owns): the InputBatch, the Sampler, rank 0's StructuredBatch, on
+CUDA the captured decode graphs (DecodeGraphs).
+State: the attached layer signal (and its CUDA side stream), the current step id.
 """
 from __future__ import annotations
 
-import os
-import sys
-import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from pipeline.config import EngineConfig
 from pipeline.layers import ops
-from pipeline.layers.int4 import PACKED
 from pipeline.layers.ops_fused import argmax
 from pipeline.messages import ModelRunnerOutput, SchedulerOutput
-from pipeline.models.config import load_model_config, model_hash
-from pipeline.models.llama import CausalLM
-from pipeline.models.loader import load_weights
-from pipeline.models.parallel import TPGroup, TPShard
-from pipeline.models.weights import weight_bytes
 from pipeline.worker.cuda_graphs import DecodeGraphs
-from pipeline.worker.device import proc_memory, resolve_dtype, weight_plan, worker_threads
 from pipeline.worker.input_batch import InputBatch
-from pipeline.worker.kv_cache import KVCache, kv_layout
-from pipeline.worker.kv_sizing import decide_num_blocks, profile_gpu_blocks
 from pipeline.worker.prompt_logprobs import prompt_logprobs
+from pipeline.worker.rank_model import RankModel
 from pipeline.worker.sampler import Sampler, build_metadata
 from pipeline.worker.step_inputs import StepInputs, prepare_inputs
 from pipeline.worker.structured import StructuredBatch
-from pipeline.worker.threads import ThreadGovernor, usable_cores
 
 if TYPE_CHECKING:
     from pipeline.ipc.layer_signal import LayerSignal
 
-# How long a rank waits for the others to join the group (or, in a collective, for a peer
-# that is alive but stuck): a dead peer's closed connection fails a collective at once.
-TP_TIMEOUT_S = float(os.environ.get("PIPELINE_TP_TIMEOUT_S", "120"))
 
-
-class ModelRunner:
+class ModelRunner(RankModel):
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
-        self.config = config
-        self.rank = rank
-        dev = config.resolved_device()
-        if dev == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device cuda: this torch ({torch.__version__}) sees no CUDA device"
-                             + ("" if torch.version.cuda else " (it is a CPU-only build)")
-                             + "; use --device cpu or auto")
-        local_rank = rank % config.parallel_config.ranks_per_node
-        if dev == "cuda" and local_rank >= torch.cuda.device_count():
-            raise ValueError(f"--tensor-parallel-size {config.parallel_config.tensor_parallel_size} puts "
-                             f"{config.parallel_config.ranks_per_node} ranks on this host, which has "
-                             f"{torch.cuda.device_count()} CUDA device(s)")
-        self.device = torch.device(f"cuda:{local_rank}") if dev == "cuda" else torch.device("cpu")
-        # CPU: a fixed team (--worker-threads, PIPELINE_WORKER_THREADS) or one that adapts
-        # to the cores actually free, starting with all of them (worker/threads.py).
-        self.thread_governor: ThreadGovernor | None = None
-        if self.device.type == "cpu":
-            fixed = worker_threads(config.parallel_config.worker_threads)
-            if fixed:
-                torch.set_num_threads(fixed)
-            else:  # the ranks on this host share its cores
-                self.thread_governor = ThreadGovernor(max(1, usable_cores() // config.parallel_config.ranks_per_node))
-        else:  # one device per worker process: the ops launch on the current one
-            torch.cuda.set_device(self.device)
-        self.model_config = mc = load_model_config(config.model_config.model)
-        size = config.parallel_config.tensor_parallel_size
-        self.shard = TPShard.of(mc, rank, size) if size > 1 else None
-        self.tp: TPGroup | None = None
-        self.dtype = resolve_dtype(config.model_config.dtype, mc.torch_dtype, self.device)
-        self.block_size = config.resolved_block_size()
-        default_len = mc.max_position_embeddings
-        if mc.sliding_window is not None:
-            default_len = min(default_len, mc.sliding_window)
-        self.max_model_len = config.model_config.max_model_len or default_len
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the checkpoint's "
-                             f"max_position_embeddings={mc.max_position_embeddings}")
-        mc.check_max_model_len(self.max_model_len)
-        self.vocab_size = mc.vocab_size
-        self.eos_token_ids: list[int] = list(mc.eos_token_ids)
-        self.num_layers = mc.num_layers
-        self.num_blocks = 0
-        self.kv_cache_bytes = 0
-        self.weight_bytes = 0
-        self.model: CausalLM | None = None
-        self.kv_cache: KVCache | None = None
+        super().__init__(config, rank)
         self.graphs: DecodeGraphs | None = None  # CUDA, one rank: captured decode steps
         self.batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size)
         self.sampler = Sampler(self.device, config.model_config.seed)
@@ -111,99 +50,15 @@ class ModelRunner:
         self._signal_stream = None
         self._step_id = 0
 
-    # ---- loading ----------------------------------------------------------------------------
-    def _join_group(self) -> None:
-        """Join the torch.distributed group of the ranks and check they all run the same
-        configuration (a node started with other flags is refused here, naming the field)."""
-        assert self.shard is not None
-        cfg = self.config
-        par, mc = cfg.parallel_config, cfg.model_config
-        self.tp = TPGroup(self.shard, cfg.resolved_backend(), f"tcp://{par.master_addr}:{par.master_port}",
-                          TP_TIMEOUT_S, self.device)
-        self.tp.check_same({
-            "model": model_hash(mc.model), "tensor_parallel_size": str(par.tensor_parallel_size),
-            "nnodes": str(par.nnodes), "dtype": str(self.dtype), "quantization": mc.quantization,
-            "quantization_group_size": str(mc.quantization_group_size),
-            "block_size": str(self.block_size), "max_model_len": str(self.max_model_len),
-            "max_num_seqs": str(cfg.scheduler_config.max_num_seqs), "device": self.device.type})
-
     def load(self) -> None:
-        mc = self.model_config
-        t0 = time.perf_counter()
-        rss0 = proc_memory("VmRSS")
-        if self.shard is not None:
-            self._join_group()
-        # CPU bf16/int8/int4: float32 activations, the projections packed as they load.
-        plan = weight_plan(self.config.model_config.model, self.dtype, self.config.model_config.quantization,
-                           self.config.model_config.quantization_group_size, self.device,
-                           ops.backend(self.device) is not None)
-        fmt = plan.fmt
-        with torch.device("meta"):
-            model = CausalLM(self.shard.model_config(mc) if self.shard else mc, self.max_model_len)
-        load_weights(model, self.config.model_config.model, plan, shard=self.shard)
-        model.tp = self.tp
-        self.model = model.eval()
-        nparams = sum(p.numel() for p in model.parameters()) + sum(
-            m.out_features * m.in_features for m in model.modules() if isinstance(m, PACKED))
-        self.weight_bytes = weight_bytes(model)
-        weights = f"{fmt} weights, float32 activations" if fmt else str(self.dtype)
-        part = f" (rank {self.rank} of {self.shard.size})" if self.shard else ""
-        print(f"model: {mc.architecture} {nparams / 1e6:.1f}M params{part}, {weights}, {self.device}, "
-              f"{self.weight_bytes / 2**20:.1f} MiB, loaded in {time.perf_counter() - t0:.2f}s, "
-              f"peak RSS {proc_memory() / 2**20:.0f} MiB ({rss0 / 2**20:.0f} MiB before loading)",
-              file=sys.stderr, flush=True)
-        self.num_blocks = self._decide_num_blocks()
-        if self.tp is not None:  # one block table for every rank: the smallest pool
-            self.num_blocks = self.tp.min_int(self.num_blocks)
-        # A prefill/decode instance's ranks share one KV segment, which its cache messager
-        # ships as one pool (worker/kv_cache.py): rank 0 makes it before the others map it.
-        shared = self.tp.size if self.tp is not None and self.config.kv_transfer_config.role != "mixed" else 0
-        if shared and self.device.type != "cpu":
-            raise ValueError(f"--role {self.config.kv_transfer_config.role} with --tensor-parallel-size "
-                             f"{shared} runs on CPU only (the ranks share one shared-memory KV segment); "
-                             f"use --device cpu")
-        if shared and self.rank != 0:
-            assert self.tp is not None
-            self.tp.barrier()
-        self.kv_cache = KVCache(mc.num_layers, self.num_blocks, self.block_size, self._kv_heads,
-                                mc.head_dim, self.dtype, self.device,
-                                # "<pid>-<hex>" is the id form sweep_stale ties to a live pid.
-                                self.config.instance_id or f"{os.getpid()}-{id(self):x}", self.rank,
-                                shared_ranks=shared)
-        if shared and self.rank == 0:
-            assert self.tp is not None
-            self.tp.barrier()
-        self.kv_cache_bytes = self.kv_cache.layout.total_bytes
-        tokens = self.num_blocks * self.block_size
-        print(f"kv cache: {self.num_blocks} blocks x {self.block_size} tokens "
-              f"({self.kv_cache_bytes / 2**20:.1f} MiB): {tokens} tokens, {tokens / self.max_model_len:.2f}x "
-              f"max_model_len={self.max_model_len}", file=sys.stderr, flush=True)
+        super().load()
         # A prefill instance keeps its layer signal attached, which rules the graphs out.
         if self.device.type == "cuda" and self.tp is None and self.config.kv_transfer_config.role != "prefill":
-            self.graphs = DecodeGraphs(model, self.kv_cache.layers, self.config.scheduler_config.max_num_seqs,
+            assert self.model is not None and self.kv_cache is not None  # loaded just now
+            self.graphs = DecodeGraphs(self.model, self.kv_cache.layers,
+                                       self.config.scheduler_config.max_num_seqs,
                                        self.batch.max_blocks_per_req, self.device)
             self.graphs.capture()
-
-    @property
-    def _kv_heads(self) -> int:
-        return self.shard.kv_heads if self.shard else self.model_config.num_kv_heads
-
-    def _block_bytes(self) -> int:
-        mc = self.model_config
-        return kv_layout(mc.num_layers, 1, self.block_size, self._kv_heads, mc.head_dim,
-                         self.dtype).bytes_per_block
-
-    def _decide_num_blocks(self) -> int:
-        mc = self.model_config
-        assert self.model is not None
-
-        def cache(nb: int) -> KVCache:  # a throw-away cache for the GPU profiling step
-            return KVCache(mc.num_layers, nb, self.block_size, self._kv_heads, mc.head_dim,
-                           self.dtype, self.device)
-        return decide_num_blocks(self.config, self._block_bytes(), self.block_size, self.max_model_len,
-                                 self.device, lambda per_block: profile_gpu_blocks(
-                                     self.model, self.config, self.block_size, self.max_model_len,
-                                     self.device, cache, per_block), self.weight_bytes)
 
     def attach_layer_signal(self, sig) -> None:
         """After each layer's K/V write, publish (step_id, layer) on ``sig`` (a LayerSignal;
@@ -327,10 +182,4 @@ class ModelRunner:
         self.graphs = None  # its graphs hold the KV cache's addresses
         if self.structured is not None:
             self.structured.close()
-        if self.kv_cache is not None:
-            self.kv_cache.close()
-            self.kv_cache = None
-        self.model = None
-        if self.tp is not None:
-            self.tp.close()
-            self.tp = None
+        super().close()

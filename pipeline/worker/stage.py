@@ -21,7 +21,8 @@ from pipeline.models.config import model_hash
 from pipeline.runtime import rings
 from pipeline.runtime.process import ReadyFn, log
 from pipeline.runtime.spec import ModelInfo, StageSpec
-from pipeline.worker.model_runner import TP_TIMEOUT_S, ModelRunner
+from pipeline.worker.model_runner import ModelRunner
+from pipeline.worker.rank_model import TP_TIMEOUT_S
 from pipeline.worker.remote_plan import HEARTBEAT_S, PlanReceiver, PlanSender
 
 
