@@ -184,9 +184,9 @@ def test_abort_frees_both_sides(pair, vocab):
 
     async def run():
         async with AsyncClient(router.address, timeout=120) as c:
-            started: asyncio.Queue = asyncio.Queue()
-            tasks = [asyncio.create_task(_stream_started(c, p, started)) for p in ids]
-            await started.get()  # one is decoding; the others are anywhere in the flow
+            decoding = asyncio.Event()
+            tasks = [asyncio.create_task(_stream(c, p, decoding)) for p in ids]
+            await decoding.wait()  # one is decoding; the others are anywhere in the flow
             for t in tasks:
                 t.cancel()  # the client aborts each on its way out
             return await asyncio.gather(*tasks, return_exceptions=True)
@@ -257,27 +257,48 @@ def test_a_mixed_instance_refuses_kv_transfer(mixed):
 
 # ---- failures on real processes (last: they kill instances) ----
 
-async def _stream_started(c: AsyncClient, p: list[int], started: asyncio.Queue):
-    """A long request; reports once its first token arrived; returns (final, when)."""
-    first = True
+async def _stream(c: AsyncClient, p: list[int], decoding: asyncio.Event | None = None):
+    """A long request; sets `decoding` once two tokens arrived (the second is the decode
+    instance's: its KV is there); returns (final, when)."""
+    n = 0
     async for out in c.stream(prompt_token_ids=p, max_tokens=200, ignore_eos=True, temperature=0.0):
-        if first:
-            first = False
-            await started.put(None)
         if isinstance(out, RequestResult):
             return out, time.monotonic()
+        n += len(out.token_ids)
+        if decoding is not None and n >= 2:
+            decoding.set()
     raise AssertionError("stream ended without a final")
 
 
-def _kill_under_load(router: Router, kill, ids: list[list[int]]):
+def _inflight(router: Router, address: str) -> int:
+    with Client(router.address, timeout=5) as c:
+        return c.health().detail["instances"][address]["inflight"]
+
+
+def _kill_under_load(router: Router, pre: Daemon, kill, ids: list[list[int]]):
+    """Kill (``kill``) with every stage of the flow busy, whichever process the machine
+    favours: ``ids[0]`` decoding on D, the rest routed to P and held there mid-flow by
+    stopping P's engine (SIGSTOP) until the kill has landed. Returns ([(final, when)], killed)."""
+    engine = pre.stage_pids()["engine"]
+
     async def run():
         async with AsyncClient(router.address, timeout=120) as c:
-            started: asyncio.Queue = asyncio.Queue()
-            tasks = [asyncio.create_task(_stream_started(c, p, started)) for p in ids]
-            await started.get()  # at least one is decoding
-            kill()
-            killed = time.monotonic()
-            return await asyncio.wait_for(asyncio.gather(*tasks), 60), killed
+            decoding = asyncio.Event()
+            first = asyncio.create_task(_stream(c, ids[0], decoding))
+            await decoding.wait()
+            os.kill(engine, signal.SIGSTOP)
+            try:
+                rest = [asyncio.create_task(_stream(c, p)) for p in ids[1:]]
+                await asyncio.to_thread(wait_for, lambda: _inflight(router, pre.address) == len(rest),
+                                        "the held requests routed to the prefill instance")
+                kill()
+                killed = time.monotonic()
+            finally:
+                try:
+                    os.kill(engine, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass  # killed with its instance
+            return await asyncio.wait_for(asyncio.gather(first, *rest), 60), killed
     return asyncio.run(run())
 
 
@@ -285,20 +306,22 @@ def _kill_under_load(router: Router, kill, ids: list[list[int]]):
 def test_sigkill_under_load_answers_everything_and_frees_the_survivor(model, vocab, victim):
     pre, dec, router = start_pair(model, "ipc")
     try:
-        # Long prompts only: most are still being prefilled (7 chunks each, one at a time)
-        # when the first one decodes, so the kill lands on every stage of the flow.
         rng = random.Random(3)
         ids = [[rng.randrange(3, vocab) for _ in range(rng.randrange(180, 220))] for _ in range(10)]
         if victim == "messager":  # the prefill instance's cache messager process alone
             dead, survivor = pre, dec
             pid = pre.stage_pids()["messager"]
-            results, killed = _kill_under_load(router, lambda: os.kill(pid, signal.SIGKILL), ids)
+            results, killed = _kill_under_load(router, pre, lambda: os.kill(pid, signal.SIGKILL), ids)
         else:
             dead, survivor = (dec, pre) if victim == "decode" else (pre, dec)
             results, killed = _kill_under_load(
-                router, lambda: os.killpg(dead.proc.pid, signal.SIGKILL), ids)
+                router, pre, lambda: os.killpg(dead.proc.pid, signal.SIGKILL), ids)
+        # The held ones fail in every case (D lost, P lost, or P's messager lost before P
+        # could ship their KV); the decoding one may have finished first. None waits on a
+        # time-out.
+        assert [r.error is not None for r, _ in results[1:]] == [True] * (len(ids) - 1), \
+            [r.error for r, _ in results]
         failed = [(r, t) for r, t in results if r.error is not None]
-        assert failed, "killing mid-load failed no request"
         for r, t in failed:
             assert r.error.code in ("instance_failed", "stage_died", "kv_transfer_failed"), r.error
             assert t - killed < 5.0, (r.error, t - killed)
