@@ -52,13 +52,16 @@ class Clock:
         return self.t
 
 
-def make(role, num_blocks=48, bs=4, budget=64, seqs=8, caching=True, threshold=0, fallback="none"):
+def make(role, num_blocks=48, bs=4, budget=64, seqs=8, caching=True, threshold=0, fallback="none",
+         proven=True):
     cfg = EngineConfig.of(role=role, kv_listen=LISTEN if role == "decode" else "", pd_fallback=fallback,
                        kv_transfer_timeout=TIMEOUT, max_num_seqs=seqs,
                        max_num_batched_tokens=budget, long_prefill_token_threshold=threshold,
                        enable_prefix_caching=caching)
     clock = Clock()
     sched = Scheduler(cfg, num_blocks, bs, MAX_LEN, hash_key=role.encode(), clock=clock)
+    if role == "prefill" and proven:  # a transfer to LISTEN was reported ok before
+        sched.connector.proven[LISTEN] = None
     return sched, FakeWorker(num_blocks, bs, MAX_LEN, VOCAB, [EOS], check_kv=True), clock
 
 
@@ -1100,12 +1103,28 @@ def test_stage_wakes_for_the_reservation_and_quarantine_deadlines(rig):
 
 @pytest.mark.parametrize("rig", [("prefill", TIMEOUT)], indirect=True)
 def test_stage_prefill_sends_plan_then_finish_and_releases_on_report(rig):
+    # The first request to a peer no transfer reached yet: its first token waits for the
+    # report (a peer that refuses every transfer fails it here, naming why).
     prompt = list(range(1, 15))
+    first = reference(rig.worker, prompt, 1)[0]
     rig.send("requests", prefill_req("r", prompt, [7, 8, 9, 10]))
     rig.loop.run_once()
-    plan, fin = rig.drain("kv_plans")
+    (plan,) = rig.drain("kv_plans")
     assert isinstance(plan, TransferPlan) and [r for _, r in plan_pairs(plan, "r")] == [7, 8, 9, 10]
-    assert fin == KVFinish("r", LISTEN, "r", reference(rig.worker, prompt, 1)[0])
+    (o,) = rig.outputs()
+    assert o.new_token_ids == [first] and o.finish_reason is None  # parked
+    assert rig.loop.sched.stats().kv_transfer_leased_blocks == 4
+    rig.send("kv_reports", TransferReport(plan.step_id, {}))
+    rig.loop.run_once()
+    assert rig.drain("kv_plans") == [KVFinish("r", LISTEN, "r", first)]
+    (o,) = rig.outputs()
+    assert o.finish_reason == "length"
+    assert rig.loop.sched.stats().kv_transfer_leased_blocks == 0 and all_free(rig.loop.sched)
+    # The peer is proven now: the next request's first token and KVFinish go at once.
+    rig.send("requests", prefill_req("s", prompt, [11, 12, 13, 14]))
+    rig.loop.run_once()
+    plan, fin = rig.drain("kv_plans")
+    assert isinstance(plan, TransferPlan) and fin == KVFinish("s", LISTEN, "s", first)
     (o,) = rig.outputs()
     assert o.finish_reason == "length"
     assert rig.loop.sched.stats().kv_transfer_leased_blocks == 4
@@ -1114,6 +1133,25 @@ def test_stage_prefill_sends_plan_then_finish_and_releases_on_report(rig):
     rig.loop.run_once()
     assert rig.loop.sched.stats().kv_transfer_leased_blocks == 0 and all_free(rig.loop.sched)
     assert rig.loop.sched.check_invariants() == []
+
+
+@pytest.mark.parametrize("rig", [("prefill", TIMEOUT)], indirect=True)
+def test_stage_prefill_a_peer_that_refuses_fails_each_request_naming_why(rig):
+    prompt = list(range(1, 15))
+    for rid in ("r", "s"):  # the failure un-proves nothing it had: each waits for its report
+        rig.send("requests", prefill_req(rid, prompt, [7, 8, 9, 10]))
+        rig.loop.run_once()
+        (plan,) = rig.drain("kv_plans")
+        (o,) = rig.outputs()
+        assert o.finish_reason is None and len(o.new_token_ids) == 1
+        rig.send("kv_reports", TransferReport(plan.step_id, {rid: "KV layout mismatch: num_layers"}))
+        rig.loop.run_once()
+        (fin,) = rig.drain("kv_plans")
+        assert fin.req_id == rid and fin.token == -1 and "num_layers" in fin.error
+        (o,) = rig.outputs()
+        assert o.finish_reason == "error" and o.error_code == "kv_transfer_failed"
+        assert "num_layers" in o.error
+        assert all_free(rig.loop.sched) and rig.loop.sched.check_invariants() == []
 
 
 @pytest.mark.parametrize("rig", [("prefill", TIMEOUT)], indirect=True)

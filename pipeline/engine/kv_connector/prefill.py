@@ -2,22 +2,25 @@
 
 Owns / State: each PD request's ``SendState`` (``sends``, by request id), the
 ``TransferLeases`` (per step: the plan's blocks until its report, the KVFinish messages
-owed), when each request's decode-side reservation ends (``send_deadlines``: its sends must
-stop), the requests ``parked`` after their first token (--pd-fallback local) and this
-step's plan until the engine core takes it.
+owed), the decode peers a transfer reached (``proven``, bounded), when each request's
+decode-side reservation ends (``send_deadlines``: its sends must stop), the requests
+``parked`` after their first token and this step's plan until the engine core takes it.
 
 Each step that computes a PD request's prompt has a TransferPlan (``take_plan``) whose blocks
 stay leased until ``on_message(TransferReport)``; the KVFinish of each PD request goes out via
 ``take_kv_finishes``. A PD request ends after its first token (``on_token``), whatever its
-max_tokens: the decode instance decodes it. With ``--pd-fallback local`` it ends only once
-every step that carried its sends is reported: parked until then, then ended
+max_tokens: the decode instance decodes it. With ``--pd-fallback local``, or while its decode
+peer is not ``proven`` (no transfer to it reported ok yet, or the last one failed), it ends
+only once every step that carried its sends is reported: parked until then, then ended
 (``_settle_parked``), or, on any failed transfer, decoded here (``_failed``: its KVFinish says
-FALLBACK_ERROR); without it a failed transfer fails the request.
+FALLBACK_ERROR) or failed. So a peer that refuses every transfer (another KV layout) fails
+each request here, naming why, whichever of the messager and the sampler is faster; a proven
+peer costs the first token no wait.
 """
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +36,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+MAX_PROVEN = 1024  # decode peers remembered as reached (least recently proven forgotten)
+
 
 class PrefillConnector(KVConnector):
     role = "prefill"
@@ -44,6 +49,7 @@ class PrefillConnector(KVConnector):
         self.transfers = TransferLeases(sched.kv.pool, sched.block_size)
         self.send_deadlines: dict[str, float] = {}
         self.parked: dict[str, Request] = {}
+        self.proven: OrderedDict[str, None] = OrderedDict()  # peer endpoint, oldest first
         self._plan: TransferPlan | None = None
         self.num_kv_transfers_failed = 0
         self.num_kv_fallbacks = 0  # requests decoded here after their transfer failed
@@ -88,14 +94,14 @@ class PrefillConnector(KVConnector):
 
     def on_token(self, req: Request, token: int, done: bool) -> bool | None:
         """Its first ``token``: the request ends there (the prefill rule: "length" unless
-        ``done`` says otherwise), its KVFinish carrying the token, unless it may fall back and
-        some transfer of it is not reported yet: then it is parked (False) until
-        ``_settle_parked`` or ``_failed`` decides."""
+        ``done`` says otherwise), its KVFinish carrying the token, unless some transfer of it
+        is not reported yet and it may fall back or its peer is not proven: then it is parked
+        (False) until ``_settle_parked`` or ``_failed`` decides."""
         st = self.sends.get(req.req_id)
         if st is None or st.finished:
             return None
         self.send_deadlines.pop(req.req_id, None)  # nothing more is sent for it
-        if st.fallback and st.pending:
+        if st.pending and (st.fallback or st.params.peer not in self.proven):
             st.end = req.status if done else None
             st.first_token = token
             req.status = RequestStatus.PARKED
@@ -179,6 +185,7 @@ class PrefillConnector(KVConnector):
         if carried is None:
             self.transfers.num_unknown_reports += 1
             logger.warning("TransferReport for step %d, which has no lease: ignored", rep.step_id)
+        self._prove(carried or [], rep.failed)
         outs: list[EngineOutput] = []
         for rid, why in rep.failed.items():
             self.num_kv_transfers_failed += 1
@@ -186,6 +193,20 @@ class PrefillConnector(KVConnector):
             if st is not None and not st.finished:
                 outs += self._failed(st, f"KV transfer to the decode instance failed: {why}")
         return outs + self._settle_parked(carried or [])
+
+    def _prove(self, carried: list[SendState], failed: dict[str, str]) -> None:
+        """A report's verdict on the peers of the sends it carried: reached (proven) or not."""
+        proven = self.proven
+        bad = {st.params.peer for st in carried if st.req.req_id in failed}
+        for st in carried:
+            peer = st.params.peer
+            if peer in bad:
+                proven.pop(peer, None)
+                continue
+            proven[peer] = None
+            proven.move_to_end(peer)
+            if len(proven) > MAX_PROVEN:
+                proven.popitem(last=False)
 
     def _failed(self, st: SendState, why: str) -> list[EngineOutput]:
         """A transfer of live ``st.req`` failed (``why``): with --pd-fallback local
