@@ -180,6 +180,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_transfer_config: KVTransferConfig = msgspec.field(default_factory=KVTransferConfig)
     step_log: str = ""  # a file the engine appends one JSON line per step to (engine/step_log.py)
     instance_id: str = ""
+    # ZMQ CURVE keys (frontend/curve.py's layout) securing every channel this instance opens or
+    # accepts: clients, the router, KV transfer, tensor-parallel step plans (docs/security.md).
+    curve_keys: str = ""
+    # Bind beyond loopback without curve_keys all the same (else refused: frontend.args.check_bind).
+    allow_insecure_network: bool = False
 
     @classmethod
     def of(cls, **fields: object) -> EngineConfig:
@@ -220,6 +225,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             getattr(self, g).check()
         if self.step_log and not Path(self.step_log).resolve().parent.is_dir():
             raise ValueError(f"--step-log {self.step_log}: its directory does not exist")
+        if self.curve_keys:
+            missing = [f for f in CURVE_FILES if not (Path(self.curve_keys) / f).is_file()]
+            if missing:
+                raise ValueError(f"--curve-keys {self.curve_keys}: missing {', '.join(missing)} "
+                                 "(make the keys with `pipeline keys DIR`)")
         pd, par = self.kv_transfer_config, self.parallel_config
         if pd.role != "mixed" and par.tensor_parallel_size > 1 and (
                 par.nnodes > 1 or self.model_config.device == "cuda"):
@@ -244,5 +254,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         return 64 if self.resolved_device() == "cuda" else 16
 
 
+# What a --curve-keys directory holds for an instance to be both ends of its channels.
+CURVE_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret")
 # The fields outside the groups (flat names too).
 TOP_FIELDS = tuple(f for f in EngineConfig.__struct_fields__ if f not in GROUPS)

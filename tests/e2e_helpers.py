@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -173,3 +174,20 @@ class RouterProc:
                 self.proc.kill()
                 self.proc.wait()
             self.log.close()
+
+
+def pd_prompts(vocab: int, n: int = 64, seed: int = 0) -> list[list[int]]:
+    """Mixed lengths: short ones, long ones (over 4 chunks of 32), and groups sharing a long
+    prefix (prefix-cache hits on both sides once the first of a group has run)."""
+    rng = random.Random(seed)
+    shared = [[rng.randrange(3, vocab) for _ in range(96)] for _ in range(3)]
+    out = []
+    for i in range(n):
+        if i % 4 == 0:
+            length = rng.randrange(140, 200)  # 5 to 7 chunks
+            out.append([rng.randrange(3, vocab) for _ in range(length)])
+        elif i % 4 == 1:
+            out.append(shared[i % 3] + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))])
+        else:
+            out.append([rng.randrange(3, vocab) for _ in range(rng.randrange(3, 60))])
+    return out

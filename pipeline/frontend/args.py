@@ -1,8 +1,10 @@
 """What every ZMQ front end of the daemon's protocol shares (`pipeline serve`, `pipeline
 router`): the front flags, their checked and typed form (``FrontArgs``, which ``ServeArgs``
 and ``RouterArgs`` extend; built from the parsed namespace at the command's edge, so that no
-``argparse.Namespace`` reaches frame handling), the loopback test for the open-port warning,
-and the one-line start-up failure (exit status 2). Owns no state.
+``argparse.Namespace`` reaches frame handling), the channel security flags (``--curve-keys``,
+``--allow-insecure-network``) and the rule they enforce (``check_bind``: nothing binds beyond
+loopback without keys unless told to), and the one-line start-up failure (exit status 2).
+Owns no state.
 """
 from __future__ import annotations
 
@@ -23,6 +25,11 @@ def add_front_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/Ctrl-C, seconds to let in-flight requests finish")
     p.add_argument("--max-frame-bytes", type=int, default=P.MAX_FRAME_BYTES,
                    help="larger client frames are answered with an error")
+    p.add_argument("--curve-keys", default="", metavar="DIR",
+                   help="ZMQ CURVE keys (`pipeline keys DIR`) securing every channel this process "
+                        "opens or accepts (docs/security.md)")
+    p.add_argument("--allow-insecure-network", action="store_true",
+                   help="bind beyond loopback without --curve-keys all the same (a network you trust)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +38,8 @@ class FrontArgs:
     listen: str | None  # None: `pipeline serve --http` alone binds no ZMQ endpoint
     drain_timeout: float = 30.0
     max_frame_bytes: int = P.MAX_FRAME_BYTES
+    curve_keys: str = ""  # "": no CURVE
+    allow_insecure_network: bool = False
 
     def __post_init__(self) -> None:
         if not self.drain_timeout >= 0:  # NaN too
@@ -40,6 +49,7 @@ class FrontArgs:
             raise ValueError(f"--max-frame-bytes must be in [{lo}, {hi}], got {self.max_frame_bytes}")
         if self.listen is not None:
             check_endpoint("--listen", self.listen)
+            check_bind("--listen", self.listen, self.curve_keys, self.allow_insecure_network)
 
 
 def check_endpoint(flag: str, addr: str) -> None:
@@ -58,6 +68,16 @@ def is_loopback(endpoint: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def check_bind(flag: str, endpoint: str, curve_keys: str, allow_insecure: bool) -> None:
+    """ValueError unless ``endpoint`` may be bound: on loopback (or ipc), or with CURVE keys,
+    or with --allow-insecure-network. Anyone who reaches an open port without keys is served."""
+    if curve_keys or allow_insecure or is_loopback(endpoint):
+        return
+    raise ValueError(f"{flag} {endpoint} is beyond loopback and --curve-keys is not set: anyone "
+                     "who reaches it would be let in; give --curve-keys DIR (docs/security.md), or "
+                     "--allow-insecure-network on a network you trust")
 
 
 class Status(Protocol):

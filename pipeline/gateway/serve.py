@@ -193,9 +193,6 @@ class Server(DaemonFront):
             if self.http is not None and not is_loopback(f"tcp://{self.http.url[7:]}") and not self.args.api_key:
                 print(f"[gateway] WARNING: {self.http.url} is not loopback and --api-key is not set: "
                       "anyone who can reach it can use the model", file=sys.stderr)
-            if self.args.listen and not is_loopback(self.args.listen) and not self.args.curve_keys:
-                print(f"[gateway] WARNING: {self.args.listen} is not loopback and --curve-keys is "
-                      "not set: anyone who can reach it can use the model", file=sys.stderr)
             code = self.serve()
         finally:
             # A second SIGTERM/Ctrl-C while closing (the HTTP front end stopping, the stages

@@ -21,7 +21,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_node_args(p)
     p.add_argument("--listen", default=None,
                    help=f"ZMQ endpoint to bind (default {DEFAULT_LISTEN} unless only --http is given; "
-                        "tcp://0.0.0.0:PORT to open it)")
+                        "tcp://0.0.0.0:PORT with --curve-keys to open it)")
     p.add_argument("--http", default=None, metavar="[HOST:]PORT",
                    help="serve the OpenAI API over HTTP too (HOST 127.0.0.1 by default)")
     p.add_argument("--api-key", default=os.environ.get("PIPELINE_API_KEY"),
@@ -29,8 +29,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the `model` HTTP requests name (default: the --model path; \"default\" for "
                         "the embedded model)")
-    p.add_argument("--curve-keys", default=None, metavar="DIR",
-                   help="enable ZMQ CURVE: DIR holds server.key_secret and authorized client keys")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1")
     add_front_args(p)
@@ -43,7 +41,6 @@ class ServeArgs(FrontArgs):
     http: str | None = None
     api_key: str | None = None
     served_model_name: str | None = None
-    curve_keys: str | None = None
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
 
@@ -63,5 +60,6 @@ def check_args(args: argparse.Namespace) -> ServeArgs:
     listen = DEFAULT_LISTEN if args.listen is None and args.http is None else args.listen
     return ServeArgs(listen=listen, drain_timeout=args.drain_timeout, max_frame_bytes=args.max_frame_bytes,
                      http=args.http, api_key=args.api_key, served_model_name=args.served_model_name,
-                     curve_keys=args.curve_keys, metrics_port=args.metrics_port,
+                     curve_keys=args.curve_keys, allow_insecure_network=args.allow_insecure_network,
+                     metrics_port=args.metrics_port,
                      metrics_host=args.metrics_host)

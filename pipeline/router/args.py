@@ -67,6 +67,9 @@ def check_args(args: argparse.Namespace) -> RouterArgs:
     def pool(flag: str) -> tuple[str, ...]:
         return tuple(getattr(args, flag, None) or ())
 
+    if args.curve_keys:  # until the router holds keys on both sides (issue 25)
+        raise ValueError("--curve-keys: the router cannot use keys yet")
     return RouterArgs(listen=args.listen, drain_timeout=args.drain_timeout,
-                      max_frame_bytes=args.max_frame_bytes, instance=pool("instance"),
+                      max_frame_bytes=args.max_frame_bytes,
+                      allow_insecure_network=args.allow_insecure_network, instance=pool("instance"),
                       prefill=pool("prefill"), decode=pool("decode"))

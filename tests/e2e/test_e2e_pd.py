@@ -17,6 +17,7 @@ import time
 import pytest
 import zmq
 from e2e_helpers import Daemon, RouterProc, free_port, make_tiny_model, shm_entries, wait_for
+from e2e_helpers import pd_prompts as prompts
 
 from pipeline.client import Client
 from pipeline.client.async_client import AsyncClient
@@ -53,23 +54,6 @@ def up(router: Router) -> dict[str, bool]:
 def stats(d: Daemon) -> dict:
     with Client(d.address, timeout=10) as c:
         return c.stats()
-
-
-def prompts(vocab: int, n: int = 64, seed: int = 0) -> list[list[int]]:
-    """Mixed lengths: short ones, long ones (over 4 chunks of 32), and groups sharing a long
-    prefix (prefix-cache hits on both sides once the first of a group has run)."""
-    rng = random.Random(seed)
-    shared = [[rng.randrange(3, vocab) for _ in range(96)] for _ in range(3)]
-    out = []
-    for i in range(n):
-        if i % 4 == 0:
-            length = rng.randrange(140, 200)  # 5 to 7 chunks
-            out.append([rng.randrange(3, vocab) for _ in range(length)])
-        elif i % 4 == 1:
-            out.append(shared[i % 3] + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))])
-        else:
-            out.append([rng.randrange(3, vocab) for _ in range(rng.randrange(3, 60))])
-    return out
 
 
 async def _generate(address: str, ids: list[list[int]], **kw) -> list[RequestResult]:

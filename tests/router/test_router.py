@@ -219,7 +219,9 @@ def test_64_mixed_length_prompts_through_router_equal_one_daemon(cluster, model)
     parity test (long ones, shared long prefixes), greedy, through the router."""
     import json
 
-    from test_e2e_pd import GREEDY, prompts
+    from e2e_helpers import pd_prompts as prompts
+
+    GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
     router, (a, _) = cluster
     ids = prompts(json.loads((model / "config.json").read_text())["vocab_size"])
