@@ -14,17 +14,21 @@ requests handed to ``_client_gone``. Not thread-safe.
 """
 from __future__ import annotations
 
+import ctypes
 import sys
 import traceback
 from typing import Any
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from pipeline.frontend import protocol as P
 from pipeline.frontend.sessions import ClientSessions, DuplicateRequestId
 from pipeline.messages import ErrorInfo, RequestResult, error_result
 
 PING = P.encode(P.Ping())
+# Whole messages libzmq queues per client before it stops reading that client (see _open_socket).
+RCVHWM = 16
 # The ROUTER forgets a dropped peer a moment after its monitor reports the disconnect (the
 # pipe's termination is a round trip with libzmq's I/O thread): probe the clients that long
 # after the report. The periodic probe catches any peer this one misses.
@@ -40,6 +44,7 @@ class ZmqServer:
         self.sessions = ClientSessions(id_prefix)
         self.sock: zmq.Socket | None = None
         self.mon: zmq.Socket | None = None  # the ROUTER's disconnect events
+        self.auth: ThreadAuthenticator | None = None  # the CURVE authenticator (``_secure``)
 
     # ---- what a subclass decides ----
     def _accept(self, identity: bytes, msg: P.Generate, client_id: str, internal: str) -> None:
@@ -82,15 +87,32 @@ class ZmqServer:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.SNDHWM, 0)  # answers are never dropped; clients read them
-        sock.setsockopt(zmq.RCVHWM, 0)
-        # The server answers frames over max_frame_bytes; libzmq would drop the connection.
+        # What one peer can make this process hold (issue 25, item 4): libzmq reads a frame
+        # over MAXMSGSIZE no further and drops the connection (the server answers the ones
+        # between max_frame_bytes and that); at most RCVHWM whole messages wait per peer (then
+        # libzmq stops reading it: TCP back-pressure, nothing lost). libzmq has no limit on the
+        # frames of one multipart message and buffers it whole before we see any frame: only
+        # who may connect bounds that (--curve-keys, loopback), see docs/hardening.md.
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes + P.FRAME_SLACK_BYTES)
+        release_large_frees()
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
         sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, P.KEEPALIVE_IDLE_S)
         sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, P.KEEPALIVE_INTERVAL_S)
         sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, P.KEEPALIVE_PROBES)
         self.mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         return sock
+
+    def _secure(self, curve_keys: str) -> None:
+        """Make the socket a CURVE server admitting DIR/authorized_clients (endpoints bound from
+        now on take it; one bound before, like the HTTP front end's private ipc, stays plain).
+        ValueError naming --curve-keys if the keys cannot be loaded."""
+        from pipeline.frontend.curve import server_socket_setup
+        assert self.sock is not None
+        try:
+            self.auth = server_socket_setup(self.sock, curve_keys)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--curve-keys {curve_keys}: {exc}") from None
 
     def _bind(self, listen: str) -> None:
         """Bind --listen; ValueError naming the flag if it cannot be."""
@@ -117,6 +139,9 @@ class ZmqServer:
             self.sock.close(linger=1000)
         if self.mon is not None:
             self.mon.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
 
     # ---- to clients ----
     def _send(self, identity: bytes, frame: bytes) -> bool:
@@ -149,18 +174,26 @@ class ZmqServer:
     # ---- from clients ----
     def _receive(self) -> None:
         assert self.sock is not None
+        sock = self.sock
         for _ in range(256):  # bounded, so answers are not starved by a flood
             try:
-                identity, *rest = self.sock.recv_multipart(zmq.NOBLOCK)
+                identity = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            # A whole message is in once its first frame is: the rest never blocks.
+            frame = sock.recv() if sock.rcvmore else b""
+            extra = 0
+            while sock.rcvmore:  # frames past the protocol's one: each released as it is read
+                sock.recv(copy=False)
+                extra += 1
             try:
-                if len(rest) != 1:
+                if extra:
+                    del frame
                     self._count_malformed()
                     self._reply(identity, P.Error(id=None, error=P.invalid(
-                        f"a message must be exactly 1 frame, got {len(rest)}")))
+                        f"a message must be exactly 1 frame, got {extra + 1}")))
                 else:
-                    self._handle_frame(identity, rest[0])
+                    self._handle_frame(identity, frame)
             except Exception as exc:  # noqa: BLE001 -- one frame must not take the server down
                 self._log_internal("handling a client frame")
                 self._reply(identity, P.Error(id=None, error=ErrorInfo(
@@ -224,3 +257,17 @@ class ZmqServer:
             self._reply(identity, P.Error(id=None, error=ErrorInfo("duplicate_id", str(exc))))
             return
         self._accept(identity, msg, client_id, internal)
+
+
+def release_large_frees() -> None:
+    """Make glibc give large blocks back to the kernel when freed: its default threshold
+    rises to the size of the last large block freed (up to 32 MiB), after which a refused
+    frame's buffer stays in the heap and the process keeps its RSS (1.08 GB after one
+    attack, issue 25). A fixed threshold keeps every block >= 256 KiB mmap'd. No-op off glibc."""
+    try:
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 256 << 10)
+    except (OSError, AttributeError):
+        pass
+
+
+M_MMAP_THRESHOLD = -3  # glibc's malloc.h

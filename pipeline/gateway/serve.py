@@ -59,6 +59,7 @@ class Server(DaemonFront):
         self.draining: threading.Thread | None = None
         self.auth: ThreadAuthenticator | None = None  # the CURVE authenticator thread, when --curve-keys
         self.http = HttpFront(args.http, config.instance_id) if args.http else None
+        self.model_detail: dict[str, Any] | None = None  # set once the model is loaded
 
     def _check_http(self) -> None:
         if self.http is None or self.stop.is_set():
@@ -79,7 +80,7 @@ class Server(DaemonFront):
         return {"inflight": self.gw.num_inflight(), "client_requests": len(self.sessions),
                 "stages": self.gw.stats_stages(), "failure": self.gw.failure,
                 "role": c.kv_transfer_config.role, "kv_listen": c.kv_transfer_config.kv_listen or None,
-                "http": None if self.http is None else self.http.detail()}
+                "http": None if self.http is None else self.http.detail(), "model": self.model_detail}
 
     def healthy(self) -> bool:
         return self.gw.failure is None and time.monotonic() - self.last_loop < 5.0
@@ -176,13 +177,14 @@ class Server(DaemonFront):
                 self._open()
                 self.notify.status("loading the model and starting the stages")
                 model = self.gw.start()
+                # What an HTTP front end needs of the model (this one's, or a router's).
+                self.model_detail = dict(
+                    model_path=self.config.model_config.model, max_model_len=model.max_model_len,
+                    model=served_model_name(self.config.model_config.model, self.args.served_model_name),
+                    fingerprint=fingerprint(model.kv.model_hash), chat_template=self.config.model_config.chat_template)
                 if self.http is not None:
                     self.notify.status("starting the HTTP front end")
-                    name = served_model_name(self.config.model_config.model, self.args.served_model_name)
-                    self.http.start(dict(
-                        model_path=self.config.model_config.model, model=name,
-                        max_model_len=model.max_model_len, fingerprint=fingerprint(model.kv.model_hash),
-                        chat_template=self.config.model_config.chat_template, api_key=self.args.api_key))
+                    self.http.start(dict(self.model_detail, api_key=self.args.api_key))
                     print(f"[gateway] OpenAI API on {self.http.url}/v1", file=sys.stderr, flush=True)
                 self.started = True
             except (StartupError, ValueError, OSError, RuntimeError, zmq.ZMQError) as exc:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import msgspec
 
-from pipeline.ipc.instance import owner_alive
+from pipeline.ipc.instance import owner_alive, pid_alive
 
 
 class HttpSpec(msgspec.Struct, kw_only=True):
@@ -58,10 +58,18 @@ def parse_http(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
+ROUTER_ID = "router-"  # `pipeline router --http`: "pipeline-router-<pid>.http" (no owner record)
+
+
 def sweep_http_dirs(base: Path) -> None:
     for d in base.glob("pipeline-*.http"):
         iid = d.name[len("pipeline-"):-len(".http")]
-        if owner_alive(iid) is not True and d.is_dir() and d.stat().st_uid == os.geteuid():
+        if iid.startswith(ROUTER_ID):
+            pid = iid[len(ROUTER_ID):]
+            alive = pid.isdigit() and pid_alive(int(pid))
+        else:
+            alive = owner_alive(iid) is True
+        if not alive and d.is_dir() and d.stat().st_uid == os.geteuid():
             shutil.rmtree(d, ignore_errors=True)
 
 

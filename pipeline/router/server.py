@@ -54,6 +54,13 @@ class Router(InstanceAnswers):
     # ---- start-up ----
     def open(self) -> None:
         self._open_socket(self.ctx)
+        if self.http is not None:
+            # Bound before CURVE is set up: the front end's private ipc endpoint stays plain
+            # (it is this user's only: HttpFront's 0700 directory), as in `pipeline serve`.
+            self._bind(self.http.endpoint)
+            self.http.bind()
+        if self.args.curve_keys:
+            self._secure(self.args.curve_keys)
         self._bind(self.args.listen)
 
     def _client_gone(self, identity: bytes, internals: list[str], why: str) -> None:
@@ -166,12 +173,30 @@ class Router(InstanceAnswers):
             if now >= next_tick:
                 next_tick = now + min(PROBE_INTERVAL_S, P.HEARTBEAT_INTERVAL_S)
                 self._tick(now)
+                self._check_http()
             if self.stopping:
                 if self.drain_deadline is None:
                     self.drain_deadline = now + self.args.drain_timeout
                     self.notify.stopping(f"draining {len(self.routes)} request(s)")
                 if self._drain_step(now):
                     return 0
+
+    def _check_http(self) -> None:
+        """Start the HTTP front end once an instance told the model (it serves that model's
+        name, limits and tokenizer: every instance behind a router serves the same model),
+        and restart it if it died. Connections wait in the socket's backlog meanwhile."""
+        if self.http is None or self.stopping:
+            return
+        try:
+            if self.http.spec is None:
+                model = next((u.model for u in self.upstreams if u.up and u.model), None)
+                if model is not None:
+                    self.http.start(dict(model, api_key=self.args.api_key))
+                    self._log(f"OpenAI API on {self.http.url}/v1")
+            else:
+                self.http.check(self._log)
+        except (RuntimeError, OSError, TypeError) as exc:  # tried again at the next tick
+            self._log(f"the HTTP front end: {exc}")
 
     def status(self) -> str:
         if self.stopping:
@@ -182,6 +207,7 @@ class Router(InstanceAnswers):
 
     def health_detail(self) -> dict[str, Any]:
         return {"inflight": len(self.routes), "waiting_for_instance": len(self.pending),
+                "http": None if self.http is None else self.http.detail(),
                 "instances": {u.address: u.describe() for u in self.upstreams}}
 
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -194,9 +220,9 @@ class Router(InstanceAnswers):
                 self.open()
             except ValueError as exc:
                 return cannot_start("router", self.notify, exc)
-            if not is_loopback(self.args.listen):
-                self._log(f"WARNING: {self.args.listen} is not loopback: anyone who can reach "
-                          "it can use the instances")
+            if not self.args.curve_keys and not is_loopback(self.args.listen):  # --allow-insecure-network
+                self._log(f"WARNING: {self.args.listen} is not loopback and has no --curve-keys: "
+                          "anyone who can reach it can use the instances")
             return self.serve()
         finally:
             for s, h in old.items():
@@ -204,6 +230,8 @@ class Router(InstanceAnswers):
             self.close()
 
     def close(self) -> None:
+        if self.http is not None:
+            self.http.close()  # after the drain: it answered 503 to new requests meanwhile
         for u in self.upstreams:
             u.close()
         self._close_socket()

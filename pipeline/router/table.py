@@ -11,6 +11,7 @@ loop and the drain ``server``'s.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import deque
@@ -24,6 +25,7 @@ import zmq
 from pipeline.frontend import protocol as P
 from pipeline.frontend.zmq_server import ZmqServer
 from pipeline.gateway.systemd import Notifier
+from pipeline.http.launcher import ROUTER_ID, HttpFront
 from pipeline.messages import RequestResult, error_result
 from pipeline.router.args import RouterArgs
 from pipeline.router.pd import DECODE, PDState, decode_request
@@ -67,9 +69,10 @@ class RequestTable(ZmqServer):
         self.policy = MixedPolicy()
         self.pools = PoolPolicy()
         self.split = bool(args.decode)  # disaggregated pools, else mixed replicas
-        self.prefill = [Upstream(self.ctx, a, "prefill") for a in args.prefill]
-        self.decode = [Upstream(self.ctx, a, "decode") for a in args.decode]
-        self.upstreams = [Upstream(self.ctx, a) for a in args.instance] + self.prefill + self.decode
+        keys = args.curve_keys
+        self.prefill = [Upstream(self.ctx, a, "prefill", keys) for a in args.prefill]
+        self.decode = [Upstream(self.ctx, a, "decode", keys) for a in args.decode]
+        self.upstreams = [Upstream(self.ctx, a, "mixed", keys) for a in args.instance] + self.prefill + self.decode
         self.routes: dict[str, Route] = {}
         self.pending: deque[str] = deque()  # router ids waiting for an instance, oldest first
         self.ops: dict[str, StatsOp] = {}
@@ -78,6 +81,7 @@ class RequestTable(ZmqServer):
         self.drain_deadline: float | None = None
         self.abort_deadline: float | None = None
         self.last_loop = time.monotonic()
+        self.http = HttpFront(args.http, f"{ROUTER_ID}{os.getpid()}") if args.http else None
 
     # ---- a request's end ----
     def _finish(self, rid: str, res: RequestResult | None = None) -> None:

@@ -16,17 +16,24 @@ from __future__ import annotations
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pipeline.frontend import protocol as P
+from pipeline.frontend.curve import client_socket_setup
 
 PROBE_INTERVAL_S = 0.5
 PROBE_TIMEOUT_S = 3.0
-MONITOR_EVENTS = zmq.EVENT_DISCONNECTED
+# Dropped connections, and CURVE handshakes the instance refused (its keys are not ours, or
+# it speaks no CURVE while we do, or the reverse): libzmq retries those forever in silence.
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
 
 
 class Upstream:
-    def __init__(self, ctx: zmq.Context, address: str, role: str = "mixed") -> None:
+    def __init__(self, ctx: zmq.Context, address: str, role: str = "mixed", curve_keys: str = "") -> None:
         self.ctx = ctx
+        self.curve_keys = curve_keys  # "": plain; else the router is a CURVE client of the instance
         self.address = address
         self.role = role  # mixed (--instance: any instance serves) | prefill | decode
         self.up = False
@@ -34,8 +41,10 @@ class Upstream:
         self.inflight: set[str] = set()  # router ids this instance runs
         self.routed = 0  # requests sent to it, ever
         self.stats: dict[str, Any] = {}
+        self.model: dict[str, Any] | None = None  # its health detail's "model" (the HTTP front's)
         self._probe: tuple[str, float] | None = None  # (health op id, sent at)
         self._seq = 0
+        self._refused = False  # the instance's authenticator refused the router's keys
         self.sock, self.mon = self._connect()
 
     def _connect(self) -> tuple[zmq.Socket, zmq.Socket]:
@@ -48,6 +57,8 @@ class Upstream:
         sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, P.KEEPALIVE_IDLE_S)
         sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, P.KEEPALIVE_INTERVAL_S)
         sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, P.KEEPALIVE_PROBES)
+        if self.curve_keys:
+            client_socket_setup(sock, self.curve_keys)
         mon = sock.get_monitor_socket(MONITOR_EVENTS)
         sock.connect(self.address)
         return sock, mon
@@ -70,18 +81,30 @@ class Upstream:
         return 1.0 if not total else self.stats.get("kv_blocks_free", 0) / total
 
     def disconnected(self) -> bool:
-        """Drain the monitor; True if it reported the connection dropped."""
+        """Drain the monitor; True if it reported the connection dropped. A refused handshake
+        sets ``why_down`` (the instance is not up, and never will be with these keys)."""
         dropped = False
         while True:
             try:
-                self.mon.recv_multipart(zmq.NOBLOCK)
+                event = recv_monitor_message(self.mon, zmq.NOBLOCK)
             except zmq.Again:
                 return dropped
-            dropped = True
+            if event["event"] & HANDSHAKE_FAILED:
+                self.why_down = handshake_failure(event["event"], event["value"], bool(self.curve_keys))
+                # libzmq does not retry a connection the instance's authenticator refused:
+                # ``probe`` starts a fresh one, in case the instance admits the key later.
+                self._refused = event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            else:
+                dropped = True
 
     def probe(self, now: float) -> str | None:
         """Send the next health and stats probes; the reason to take the instance down
         if the previous probe went unanswered PROBE_TIMEOUT_S."""
+        if self._refused and not self.up:
+            self._refused = False
+            self.close()
+            self.sock, self.mon = self._connect()
+            return None
         if self._probe is not None:
             op, sent = self._probe
             if now - sent < PROBE_TIMEOUT_S:
@@ -104,6 +127,8 @@ class Upstream:
             return None
         self._probe = None
         role = detail.get("role", self.role) if isinstance(detail, dict) else self.role
+        if isinstance(detail, dict) and isinstance(detail.get("model"), dict):
+            self.model = detail["model"]
         if status == "ok" and self.role != "mixed" and role != self.role:
             self.why_down = f"its role is {role!r}, not {self.role!r} (it is in the {self.role} pool)"
             return False
@@ -133,3 +158,15 @@ class Upstream:
         self.sock.disable_monitor()
         self.mon.close(linger=0)
         self.sock.close(linger=0)
+
+
+def handshake_failure(event: int, value: int, curve: bool) -> str:
+    """Why a refused handshake: what the router can tell from its own side (the instance
+    reveals nothing about itself, by design)."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"it refused the router's CURVE keys (ZAP status {value}): its "
+                "authorized_clients does not hold the router's client.key")
+    if curve:
+        return ("the CURVE handshake failed: the instance's server key is not the router's "
+                "--curve-keys server.key, or it runs without --curve-keys")
+    return "the handshake failed: the instance uses --curve-keys and the router has none"
