@@ -103,7 +103,8 @@ def attack(address: str, frames: int, size: int, keys: Path | None) -> None:
     if keys is not None:
         client_socket_setup(sock, keys)
     mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                                  | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+                                  | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                  | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED)
     try:
         sock.connect(address)
         payload = bytearray(size)  # one buffer, sent zero-copy `frames` times

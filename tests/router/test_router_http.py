@@ -1,0 +1,75 @@
+"""Issue 25, item 9: `pipeline router --http PORT --api-key KEY` serves the OpenAI API of
+`pipeline serve --http` over mixed replicas (two daemons), driven by the `openai` package;
+the answers equal a daemon's own (greedy), streaming included.
+
+Before: `pipeline router` had no --http.
+"""
+from __future__ import annotations
+
+import openai
+import pytest
+from e2e_helpers import Daemon, RouterProc, free_port, make_tiny_model, shm_entries, wait_for
+
+from pipeline.client import Client
+
+KEY = "router-key"
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory):
+    model = make_tiny_model(tmp_path_factory.getbasetemp() / "router-tiny", max_positions=2048)
+    daemons = [Daemon(model), Daemon(model)]
+    router = None
+    try:
+        for d in daemons:
+            d.wait_ready()
+        port = free_port()
+        router = RouterProc("--http", f"127.0.0.1:{port}", "--api-key", KEY,
+                            "--instance", *(d.address for d in daemons))
+        wait_for(lambda: "OpenAI API on" in router.output(), "the router's HTTP front end", 120)
+        yield f"http://127.0.0.1:{port}/v1", daemons, str(model)
+    finally:
+        if router is not None:
+            assert router.stop() == 0, router.output()
+        for d in daemons:
+            assert d.stop() == 0
+            assert shm_entries(d.instance_id) == []
+
+
+@pytest.fixture
+def oai(front):
+    with openai.OpenAI(base_url=front[0], api_key=KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+def test_models_lists_the_instances_model(oai, front):
+    assert [m.id for m in oai.models.list().data] == [front[2]]
+
+
+def test_completions_and_chat_equal_a_daemons_own(oai, front):
+    _, daemons, name = front
+    with Client(daemons[0].address, timeout=60) as c:
+        direct = c.generate("the for statement", max_tokens=8, ignore_eos=True, temperature=0).text
+    for _ in range(2):  # both instances, by the policy's spread: the same greedy answer
+        got = oai.completions.create(model=name, prompt="the for statement", max_tokens=8,
+                                     temperature=0, extra_body={"ignore_eos": True})
+        assert got.choices[0].text == direct and got.usage.completion_tokens == 8
+    chat = oai.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 5
+
+
+def test_streaming_through_the_router(oai, front):
+    name = front[2]
+    whole = oai.completions.create(model=name, prompt="iterate over", max_tokens=12, temperature=0,
+                                   extra_body={"ignore_eos": True}).choices[0].text
+    parts = [ch.choices[0].text for ch in oai.completions.create(
+        model=name, prompt="iterate over", max_tokens=12, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if ch.choices]
+    assert len(parts) > 1 and "".join(parts) == whole
+
+
+def test_a_bad_key_is_refused(front):
+    with openai.OpenAI(base_url=front[0], api_key="wrong", max_retries=0) as c, \
+            pytest.raises(openai.AuthenticationError):
+        c.models.list()
