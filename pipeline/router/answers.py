@@ -74,6 +74,7 @@ class InstanceAnswers(RequestTable):
         # Ping: the instance checking the router's connection; nothing to answer.
 
     def _forward(self, route: Route, delta: RequestDelta) -> None:
+        route.answered = True
         self._reply(route.identity, P.Delta(delta=msgspec.structs.replace(delta, id=route.client_id)))
 
     def _split_answer(self, route: Route, rid: str, uid: str, msg: P.Delta | P.Final) -> None:

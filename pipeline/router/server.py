@@ -35,10 +35,9 @@ from pipeline.router.answers import InstanceAnswers
 from pipeline.router.args import add_args, check_args
 from pipeline.router.pd import PDState, runs_plain
 from pipeline.router.policy import prefix_key
-from pipeline.router.table import Route
+from pipeline.router.table import NO_INSTANCE_WAIT_S, Route
 from pipeline.router.upstream import PROBE_INTERVAL_S
 
-NO_INSTANCE_WAIT_S = 5.0  # a request waits this long for an instance to come up
 ABORT_GRACE_S = 2.0  # after the drain's aborts, for the instances' abort answers
 
 if TYPE_CHECKING:

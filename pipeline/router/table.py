@@ -34,6 +34,8 @@ from pipeline.router.stats import merge
 from pipeline.router.upstream import Upstream
 
 STATS_TIMEOUT_S = 2.0  # a stats op answers with the instances that replied by then
+NO_INSTANCE_WAIT_S = 5.0  # a request waits this long for an instance to come up
+MAX_TRIES = 2  # a request lost with an instance before its first token runs again elsewhere
 
 
 @dataclass(slots=True)
@@ -45,6 +47,8 @@ class Route:
     deadline: float  # while no instance runs it: when to give up
     legs: dict[str, Upstream] = field(default_factory=dict)  # upstream id -> the instance running it
     pd: PDState | None = None  # split over a decode and a prefill instance
+    answered: bool = False  # the client has had a delta: too late to run it elsewhere
+    tries: int = 0  # instances it was sent to (MAX_TRIES)
 
 
 @dataclass(slots=True)
@@ -123,13 +127,15 @@ class RequestTable(ZmqServer):
         """Send ``msg`` (upstream id ``uid``) to one of ``pool``; False if none is up (True
         as well when the request went meanwhile: a lost instance's failures dropped its client)."""
         rid = uid.partition(".")[0]
-        while ups := [u for u in pool if u.up]:
+        now = time.monotonic()
+        while ups := [u for u in pool if u.up and not u.tripped(now)]:
             target = choose(ups)
             assert isinstance(target, Upstream)
             if target.send(msg):
                 route.legs[uid] = target
                 target.inflight.add(uid)
                 target.routed += 1
+                route.tries += 1
                 return True
             self._down(target, "its connection is gone")
             if self.routes.get(rid) is not route:
@@ -158,13 +164,21 @@ class RequestTable(ZmqServer):
     # ---- an instance lost ----
     def _down(self, u: Upstream, why: str) -> None:
         lost = u.reset(why)
-        self._log(f"{u.name()} is down ({why}); failing its {len(lost)} request(s)")
+        if u.failed(time.monotonic(), why):
+            self._log(f"{u.name()} is taken out: {u.why_down}")
+        self._log(f"{u.name()} is down ({why}); {len(lost)} request(s) lost with it")
         for uid in lost:
             rid = uid.partition(".")[0]
             route = self.routes.get(rid)
             if route is None or route.legs.get(uid) is not u:
                 continue
             del route.legs[uid]  # that connection is gone: nothing to abort there
+            if route.pd is None and not route.answered and route.tries < MAX_TRIES:
+                # Nothing reached the client yet: run it on another instance (or wait for one).
+                if not self._dispatch(rid):
+                    route.deadline = time.monotonic() + NO_INSTANCE_WAIT_S
+                    self.pending.append(rid)
+                continue
             self._abort(route)
             self._fail(rid, "instance_failed", f"{u.name()} failed with the request in flight: {why}")
         for key in list(self.ops):

@@ -13,6 +13,7 @@ Not thread-safe: the router's loop owns it.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import zmq
@@ -22,6 +23,13 @@ from pipeline.frontend import protocol as P
 from pipeline.frontend.curve import client_socket_setup
 
 PROBE_INTERVAL_S = 0.5
+# The circuit breaker: an instance that went down BREAKER_FAILURES times within
+# BREAKER_WINDOW_S is not sent requests for BREAKER_OUT_S, doubling each time it trips again
+# (up to BREAKER_MAX_OUT_S); its reason shows in health and stats ("out_until", "why_out").
+BREAKER_FAILURES = 3
+BREAKER_WINDOW_S = 60.0
+BREAKER_OUT_S = 5.0
+BREAKER_MAX_OUT_S = 300.0
 PROBE_TIMEOUT_S = 3.0
 # Dropped connections, and CURVE handshakes the instance refused (its keys are not ours, or
 # it speaks no CURVE while we do, or the reverse): libzmq retries those forever in silence.
@@ -45,6 +53,10 @@ class Upstream:
         self._probe: tuple[str, float] | None = None  # (health op id, sent at)
         self._seq = 0
         self._refused = False  # the instance's authenticator refused the router's keys
+        self.failures: list[float] = []  # when it went down, within BREAKER_WINDOW_S
+        self.out_until = 0.0  # the breaker: no requests before this (monotonic)
+        self.out_for = BREAKER_OUT_S  # the next trip's length
+        self.why_out: str | None = None
         self.sock, self.mon = self._connect()
 
     def _connect(self) -> tuple[zmq.Socket, zmq.Socket]:
@@ -134,6 +146,21 @@ class Upstream:
             return False
         return status == "ok"
 
+    def failed(self, now: float, why: str) -> bool:
+        """It went down; True if that trips the breaker (it is out for a while)."""
+        self.failures = [t for t in self.failures if now - t < BREAKER_WINDOW_S] + [now]
+        if len(self.failures) < BREAKER_FAILURES:
+            return False
+        self.failures.clear()
+        self.out_until = now + self.out_for
+        self.why_out = (f"taken out for {self.out_for:g} s: down {BREAKER_FAILURES} times within "
+                        f"{BREAKER_WINDOW_S:g} s, last: {why}")
+        self.out_for = min(2 * self.out_for, BREAKER_MAX_OUT_S)
+        return True
+
+    def tripped(self, now: float) -> bool:
+        return now < self.out_until
+
     def name(self) -> str:
         """How messages name it: "instance ADDR", or "decode instance ADDR" in a pool."""
         return f"instance {self.address}" if self.role == "mixed" else f"{self.role} instance {self.address}"
@@ -151,7 +178,9 @@ class Upstream:
         return lost
 
     def describe(self) -> dict[str, Any]:
+        out = self.tripped(time.monotonic())
         return {"role": self.role, "up": self.up, "why_down": None if self.up else self.why_down,
+                "out": out, "why_out": self.why_out if out else None,
                 "inflight": len(self.inflight), "routed": self.routed, "load": self.load()}
 
     def close(self) -> None:
