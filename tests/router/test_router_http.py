@@ -6,6 +6,10 @@ Before: `pipeline router` had no --http.
 """
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+
 import openai
 import pytest
 from e2e_helpers import Daemon, RouterProc, free_port, make_tiny_model, shm_entries, wait_for
@@ -27,12 +31,13 @@ def front(tmp_path_factory):
         router = RouterProc("--http", f"127.0.0.1:{port}", "--api-key", KEY,
                             "--instance", *(d.address for d in daemons))
         wait_for(lambda: "OpenAI API on" in router.output(), "the router's HTTP front end", 120)
-        yield f"http://127.0.0.1:{port}/v1", daemons, str(model)
+        yield f"http://127.0.0.1:{port}/v1", daemons, str(model), router
     finally:
         if router is not None:
             assert router.stop() == 0, router.output()
         for d in daemons:
-            assert d.stop() == 0
+            killed = d.proc.poll() is not None  # the retry test's
+            assert d.stop() == 0 or killed
             assert shm_entries(d.instance_id) == []
 
 
@@ -73,3 +78,24 @@ def test_a_bad_key_is_refused(front):
     with openai.OpenAI(base_url=front[0], api_key="wrong", max_retries=0) as c, \
             pytest.raises(openai.AuthenticationError):
         c.models.list()
+
+
+def test_requests_lost_before_their_first_token_run_on_another_instance(front):
+    """Runs last: it kills one instance. Stopped, the instance holds what the router sends
+    it; its health probe times out, and those requests (no token sent yet) run on the other."""
+    url, (a, b), name, router = front
+    os.killpg(b.proc.pid, signal.SIGSTOP)
+
+    async def run() -> list:
+        async with openai.AsyncOpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(c.completions.create(
+                model=name, prompt=f"request {i}", max_tokens=4, temperature=0,
+                extra_body={"ignore_eos": True}) for i in range(6)))
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        os.killpg(b.proc.pid, signal.SIGKILL)
+    assert all(r.usage.completion_tokens == 4 for r in results)
+    lost = [line for line in router.output().splitlines() if "lost with it" in line]
+    assert any(" 0 request(s)" not in line for line in lost), router.output()
