@@ -15,6 +15,7 @@ import pytest
 from e2e_helpers import Daemon, RouterProc, free_port, make_tiny_model, shm_entries, wait_for
 
 from pipeline.client import Client
+from pipeline.ipc.sweep import sweep_stale
 
 KEY = "router-key"
 
@@ -36,8 +37,10 @@ def front(tmp_path_factory):
         if router is not None:
             assert router.stop() == 0, router.output()
         for d in daemons:
-            killed = d.proc.poll() is not None  # the retry test's
+            killed = d.proc.poll() is not None  # the retry test's (its debris: next start sweeps it)
             assert d.stop() == 0 or killed
+            if killed:
+                sweep_stale()  # what a restart's start-up sweeps
             assert shm_entries(d.instance_id) == []
 
 
@@ -52,7 +55,7 @@ def test_models_lists_the_instances_model(oai, front):
 
 
 def test_completions_and_chat_equal_a_daemons_own(oai, front):
-    _, daemons, name = front
+    _, daemons, name, _ = front
     with Client(daemons[0].address, timeout=60) as c:
         direct = c.generate("the for statement", max_tokens=8, ignore_eos=True, temperature=0).text
     for _ in range(2):  # both instances, by the policy's spread: the same greedy answer
