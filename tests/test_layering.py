@@ -55,7 +55,8 @@ ROUTER_MAY_USE = {"pipeline.gateway.systemd"}
 # the instances' liveness (the launcher).
 HTTP_MAY_USE = {"pipeline.tokenizer.tokenizer", "pipeline.ipc.instance"}
 # What of the HTTP front end the gateway imports (the app, FastAPI, never).
-HTTP_SHARED = {"pipeline.http.launcher",  # the router's too (`pipeline router --http`) "pipeline.http.openai_api", "pipeline.http.openai_convert",
+# (The launcher is the router's too: `pipeline router --http`.)
+HTTP_SHARED = {"pipeline.http.launcher", "pipeline.http.openai_api", "pipeline.http.openai_convert",
                "pipeline.http.openai_response"}
 
 

@@ -31,7 +31,7 @@ from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, error_resu
 from pipeline.messages.answers import Timings, Usage
 from pipeline.messages.kv import KVReservation, KVTransferParams
 from pipeline.router import server
-from pipeline.router.args import check_args
+from pipeline.router.args import add_args, check_args
 from pipeline.router.pd import PDState
 from pipeline.router.policy import PoolPolicy
 from pipeline.router.server import Router
@@ -174,11 +174,17 @@ class Setup:
         return self.cli.health().detail["instances"][address]
 
 
+def parse_router_args(argv: list[str]) -> argparse.Namespace:
+    """The router's flags as its command line parses them (every default included)."""
+    p = argparse.ArgumentParser()
+    add_args(p)
+    return p.parse_args(argv)
+
+
 @contextmanager
 def pd_router(prefill: list[str], decode: list[str]) -> Iterator[Router]:
-    args = argparse.Namespace(listen=f"tcp://127.0.0.1:{free_port()}", instance=None,
-                              prefill=prefill, decode=decode, drain_timeout=5.0,
-                              max_frame_bytes=P.MAX_FRAME_BYTES)
+    args = parse_router_args(["--listen", f"tcp://127.0.0.1:{free_port()}", "--prefill", *prefill,
+                              "--decode", *decode, "--drain-timeout", "5"])
     router = Router(check_args(args), Notifier(None))
     router.open()
     code: list[int] = []
@@ -633,8 +639,7 @@ def test_pool_policy():
     (["--prefill", "nowhere", "--decode", "tcp://127.0.0.1:3"], "--prefill 'nowhere'"),
 ])
 def test_bad_pool_flags(flags, says):
-    args = argparse.Namespace(listen="tcp://127.0.0.1:1", instance=None, prefill=None, decode=None,
-                              drain_timeout=1.0, max_frame_bytes=P.MAX_FRAME_BYTES)
+    args = parse_router_args(["--listen", "tcp://127.0.0.1:1", "--drain-timeout", "1"])
     for flag, addrs in zip(flags[::2], flags[1::2], strict=True):
         setattr(args, flag[2:], [addrs])
     with pytest.raises(ValueError, match=says):
