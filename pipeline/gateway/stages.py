@@ -41,6 +41,7 @@ from pipeline.runtime.rings import (
     ring_roles,
 )
 from pipeline.runtime.spec import ModelInfo, StageSpec
+from pipeline.worker.tp_rendezvous import probe_master_ports
 
 if TYPE_CHECKING:
     import psutil
@@ -95,6 +96,7 @@ class GatewayStages:
             if self.config.parallel_config.tensor_parallel_size > 1 and not self.config.parallel_config.master_port:
                 # One host: the ranks meet on loopback at a port free now.
                 self.config = self.config.replace(master_port=free_tcp_port())
+            probe_master_ports(self.config.parallel_config)  # a port in use: named now, not in 120 s
             for r in range(self.config.parallel_config.ranks_per_node):  # node 0's ranks; other nodes run theirs
                 self._spawn(f"worker{r}", "worker", r)
             for k in kinds:
