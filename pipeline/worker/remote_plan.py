@@ -39,7 +39,7 @@ from pipeline.messages import SchedulerOutput
 
 HEARTBEAT_S = 1.0
 SILENCE_S = 10.0
-MAX_HELLO_BYTES = 256
+MAX_HELLO_BYTES = 1024  # a hello is ~50 bytes; CURVE's handshake commands (INITIATE) need ~300
 _HELLO, _WELCOME, _PING, _STOP = b"hello", b"welcome", b"ping", b"stop"
 
 
