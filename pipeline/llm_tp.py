@@ -19,6 +19,7 @@ every rank carry its id; a killed LLM's are swept at the next start: their owner
 from __future__ import annotations
 
 import multiprocessing as mp
+from multiprocessing.connection import wait as wait_sentinels
 from typing import Any
 
 from pipeline.config import EngineConfig
@@ -82,8 +83,9 @@ class LocalTPWorkers:
             self.close()
             raise
 
-    def _watch(self) -> None:
-        """While rank 0 waits for the others to join: fail at once if one is dead."""
+    def _watch(self, timeout_s: float) -> None:
+        """While rank 0 waits for the others to join: fail as soon as one is dead."""
+        wait_sentinels([s.process.sentinel for s in self.ranks], timeout_s)
         for s in self.ranks:
             if not s.process.is_alive():
                 why = last_words(s)

@@ -69,8 +69,9 @@ class RankModel:
         size = config.parallel_config.tensor_parallel_size
         self.shard = TPShard.of(mc, rank, size) if size > 1 else None
         self.tp: TPGroup | None = None
-        # Rank 0 calls it while the others join; it raises if one is known dead (pipeline.LLM).
-        self.watch_peers: Callable[[], None] | None = None
+        # Rank 0 waits in it (seconds) while the others join; it raises if one is known dead
+        # (pipeline.LLM: its rank processes).
+        self.watch_peers: Callable[[float], None] | None = None
         self.plan_key = secrets.token_hex(16)  # known to the group only, after it joined
         self.dtype = resolve_dtype(config.model_config.dtype, mc.torch_dtype, self.device)
         self.block_size = config.resolved_block_size()

@@ -12,7 +12,7 @@ binds the listening socket itself and hands it to the store (``master_listen_fd`
 - a port in use fails at once, naming the flag and the port (``probe_port``, which the
   gateway also runs before it starts any stage, for the step-plan port too).
 
-Rank 0 then waits for every rank to check in on the store while ``watch()`` says its peers
+Rank 0 then waits for every rank to check in on the store while ``watch`` says its peers
 are alive (``pipeline.LLM`` passes one that names a rank process that died), so a rank that
 never starts fails the start at once instead of after the timeout.
 
@@ -30,7 +30,7 @@ from pipeline.config import ParallelConfig
 
 JOINED = "pipeline/joined"
 LOOPBACK = "127.0.0.1"
-WATCH_S = 0.5  # how often rank 0 looks at ``watch`` while the others come
+WATCH_S = 0.1  # how often rank 0 counts the ranks checked in while the others come
 
 
 def store_host(par: ParallelConfig) -> str:
@@ -39,7 +39,8 @@ def store_host(par: ParallelConfig) -> str:
 
 
 def listen_socket(host: str, port: int, flag: str) -> socket.socket:
-    """A TCP socket bound to ``host:port`` and listening; ValueError naming ``flag`` if taken."""
+    """A TCP socket bound to ``host:port`` and listening; ValueError naming ``flag`` (the flag
+    and its value) if taken."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     family, _, _, _, addr = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -49,9 +50,9 @@ def listen_socket(host: str, port: int, flag: str) -> socket.socket:
         sock.listen(128)
     except OSError as exc:
         sock.close()
-        raise ValueError(f"tensor parallel: {flag} {port}: cannot listen on {host}:{port} "
+        raise ValueError(f"tensor parallel: {flag}: cannot listen on {host}:{port} "
                          f"({exc.strerror or exc}); another process holds it: stop it or give "
-                         f"another {flag}") from None
+                         f"another --master-port") from None
     return sock
 
 
@@ -65,15 +66,16 @@ def probe_master_ports(par: ParallelConfig) -> None:
     port (``--master-port + 1``, worker.remote_plan) are free."""
     if par.tensor_parallel_size == 1 or par.node_rank != 0 or not par.master_port:
         return
-    probe_port(store_host(par), par.master_port, "--master-port")
+    probe_port(store_host(par), par.master_port, f"--master-port {par.master_port}")
     if par.nnodes > 1:
-        probe_port(par.master_addr, par.master_port + 1, "--master-port (+ 1, the step-plan port)")
+        probe_port(par.master_addr, par.master_port + 1,
+                   f"--master-port {par.master_port} (+ 1, the step-plan port)")
 
 
 def open_store(par: ParallelConfig, rank: int, timeout_s: float,
-               watch: Callable[[], None] | None = None):  # -> torch.distributed.TCPStore
+               watch: Callable[[float], None] | None = None):  # -> torch.distributed.TCPStore
     """This rank's handle on the group's store, every rank checked in when it returns.
-    ``watch()`` raises when a peer is known dead (rank 0 only)."""
+    ``watch(seconds)`` waits up to that long and raises once a peer is known dead (rank 0)."""
     import torch.distributed as dist
     host, size = store_host(par), par.tensor_parallel_size
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -86,25 +88,22 @@ def open_store(par: ParallelConfig, rank: int, timeout_s: float,
         except Exception as exc:  # noqa: BLE001 - re-raised naming where and how long
             raise RuntimeError(f"tensor parallel: rank {rank} could not reach rank 0's store at "
                                f"{host}:{par.master_port} within {timeout_s:.0f} s: {exc}") from None
-        if store.add(JOINED, 1) == size:  # the last to check in wakes rank 0's wait
-            store.set(f"{JOINED}/{size}", "1")
+        store.add(JOINED, 1)
         return store
-    sock = listen_socket(host, par.master_port, "--master-port")
+    sock = listen_socket(host, par.master_port, f"--master-port {par.master_port}")
     # The store takes over the descriptor (detach: Python must not close it under it).
     store = dist.TCPStore(host, par.master_port, size, True, timeout, wait_for_workers=False,
                           master_listen_fd=sock.detach())
     store.add(JOINED, 1)
     deadline = time.monotonic() + timeout_s
     while (joined := store.add(JOINED, 0)) < size:
-        if watch is not None:
-            watch()
         if time.monotonic() > deadline:
             raise RuntimeError(f"tensor parallel: rank 0 on host {socket.gethostname()} could not "
                                f"join the group of {size} at {host}:{par.master_port} within "
                                f"{timeout_s:.0f} s: {size - joined} of the other ranks never came")
-        try:  # a key only the last rank to check in sets (above): wakes rank 0 at once
-            store.wait([f"{JOINED}/{size}"], datetime.timedelta(seconds=WATCH_S))
-        except Exception:  # noqa: BLE001 - torch raises its own DistStoreError on a timeout
-            pass
+        # Not store.wait: its time-outs print a c10d warning each.
+        if watch is not None:
+            watch(WATCH_S)
+        else:
+            time.sleep(WATCH_S)
     return store
-
