@@ -20,9 +20,9 @@ its hello, one frame ``hello <rank> <plan_key>``: the key each rank drew at rand
 exchanged over the torch.distributed group it joined (RankModel.plan_key), so only the
 process that joined as rank R can take rank R's place, once; the ZMQ identity is the
 ROUTER's own, never the peer's. Rank 0 answers the accepted hello with ``welcome`` (the
-remote rank is ready only then) and reads nothing more once every rank is in. Frames from
-peers are at most ``MAX_HELLO_BYTES`` and few are queued per connection (RCVHWM), so a peer
-let in cannot make node 0 hold more than that.
+remote rank is ready only then) and reads nothing more once every rank is in; with keys it
+then admits no new CURVE client at all. Frames from peers are at most ``MAX_HELLO_BYTES``
+and few are queued per connection (RCVHWM).
 
 Owns: the sockets of one end (and node 0's CURVE authenticator). No state beyond them.
 """
@@ -58,6 +58,13 @@ def _claimed_rank(msg: bytes, keys: Mapping[int, str]) -> int | None:
         return None
     rank = int(parts[1])
     return rank if rank in keys and keys[rank].encode() == parts[2] else None
+
+
+class _NoNewPeers:
+    """CURVE credentials once every rank is in: no key is let in any more."""
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return False
 
 
 class PlanSender:
@@ -100,6 +107,10 @@ class PlanSender:
             self._peers[rank] = frames[0]
             self._sock.send_multipart([frames[0], _WELCOME])
         # No unbind once all are in: libzmq's unbind closes the connections it accepted too.
+        # With keys, the door shuts instead: no new peer passes the handshake (so none can
+        # make this process buffer a message), whatever key it holds.
+        if self._auth is not None:
+            self._auth.configure_curve_callback("*", _NoNewPeers())
         self.last_send = time.monotonic()
 
     def _send(self, payload: bytes) -> None:

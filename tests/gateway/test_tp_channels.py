@@ -23,10 +23,11 @@ import pytest
 import zmq
 from e2e_helpers import Daemon, make_tiny_model, run_pipe, shm_entries
 from test_tp_nodes import PROMPTS, Node, free_port_pair
+from zmq.utils.monitor import recv_monitor_message
 
 from pipeline.client import Client
 from pipeline.config import EngineConfig
-from pipeline.frontend.curve import generate_keys
+from pipeline.frontend.curve import client_socket_setup, generate_keys
 from pipeline.worker.remote_plan import PlanReceiver, PlanSender, hello
 
 TIMEOUT = {"PIPELINE_TP_TIMEOUT_S": "20"}
@@ -176,5 +177,31 @@ def test_plan_sender_welcomes_only_the_rank_that_holds_its_key():
         assert real.recv() is None
         real.close()
         assert [s.poll(200) for s in (*socks, replay)] == [0] * 5
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_with_keys_no_new_peer_gets_past_the_handshake_once_every_rank_is_in(tmp_path):
+    keys = str(generate_keys(tmp_path / "keys"))
+    port = free_port_pair()
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(PlanSender("127.0.0.1", port, {1: "k" * 32}, 30, keys)))
+    t.start()
+    real = PlanReceiver("127.0.0.1", port, 1, "k" * 32, 30, keys)
+    t.join()
+    ctx = zmq.Context()
+    try:  # the deployment's own client key, after the ranks are in: refused at the handshake
+        late = ctx.socket(zmq.DEALER)
+        late.setsockopt(zmq.LINGER, 0)
+        client_socket_setup(late, keys)
+        events = late.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        late.connect(f"tcp://127.0.0.1:{port + 1}")
+        assert events.poll(30_000)
+        assert recv_monitor_message(events)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        late.disable_monitor()
+        events.close()
+        got[0].close()
+        assert real.recv() is None  # rank 1 itself still gets node 0's stop
+        real.close()
     finally:
         ctx.destroy(linger=0)
