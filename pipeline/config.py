@@ -236,6 +236,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"--role {pd.role} with --tensor-parallel-size > 1 runs on one host's "
                              f"CPUs (its ranks share one KV segment that the cache messager ships); "
                              f"got --nnodes {par.nnodes}, --device {self.model_config.device}")
+        if par.nnodes > 1:  # node 0 binds the rendezvous and step-plan ports there
+            from pipeline.frontend.args import check_bind
+            check_bind("--master-addr", f"tcp://{par.master_addr}:{par.master_port}",
+                       self.curve_keys, self.allow_insecure_network)
 
     def resolved_device(self) -> str:
         if self.model_config.device != "auto":

@@ -8,12 +8,18 @@ slot of the ring is drained here (the stage reads its slot by rank), so the ring
 layout for every caller. Same interface as ModelRunner (``num_blocks``, ``execute``,
 ``close``...), so LLM and its Scheduler see one worker.
 
+A script that builds the LLM at import time (no ``if __name__ == "__main__":``) is re-run by
+each rank process (the spawn start method imports the main module): that child fails at once
+naming the guard (``refuse_spawn_reimport``), and rank 0, waiting for the ranks to join,
+watches their processes (``_watch``), so the parent fails at once too, naming the dead rank.
+
 Owns: the ranks' processes, the ring and the instance that names them (the KV segments of
 every rank carry its id; a killed LLM's are swept at the next start: their owner is dead).
 """
 from __future__ import annotations
 
 import multiprocessing as mp
+from multiprocessing.connection import wait as wait_sentinels
 from typing import Any
 
 from pipeline.config import EngineConfig
@@ -36,9 +42,21 @@ from pipeline.runtime.spec import StageSpec
 from pipeline.worker.model_runner import ModelRunner
 from pipeline.worker.rank_model import TP_TIMEOUT_S
 
+GUARD_HINT = ("pipeline.LLM(tensor_parallel_size=N) starts N - 1 rank processes, and each "
+              "imports your main script again (multiprocessing's 'spawn'): create the LLM under "
+              "`if __name__ == \"__main__\":`")
+
+
+def refuse_spawn_reimport() -> None:
+    """RuntimeError when this process is a spawned child still importing the parent's main
+    module (multiprocessing sets ``_inheriting`` for exactly that phase)."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise RuntimeError(f"this is a rank process importing your main script: {GUARD_HINT}")
+
 
 class LocalTPWorkers:
     def __init__(self, config: EngineConfig) -> None:
+        refuse_spawn_reimport()
         if config.parallel_config.nnodes != 1:
             raise ValueError("pipeline.LLM runs every rank on this host: --nnodes must be 1 "
                              "(serve node 0 with `pipeline serve` to span hosts)")
@@ -58,11 +76,25 @@ class LocalTPWorkers:
                                                      rings={STEPS_ROLE: ring.name}, rank=r))
                           for r in range(1, config.parallel_config.tensor_parallel_size)]
             self.runner = ModelRunner(config, 0)
+            self.runner.watch_peers = self._watch
             self.runner.load()  # joins the group with the ranks as they load
             wait_ready(self.ranks, TP_TIMEOUT_S)
         except BaseException:
             self.close()
             raise
+
+    def _watch(self, timeout_s: float) -> None:
+        """While rank 0 waits for the others to join: fail as soon as one is dead."""
+        wait_sentinels([s.process.sentinel for s in self.ranks], timeout_s)
+        for s in self.ranks:
+            if not s.process.is_alive():
+                why = last_words(s)
+                raise RuntimeError(
+                    f"tensor parallel: {s.spec.name} exited while the ranks were joining "
+                    f"({describe_exit(s.process.exitcode)})"
+                    + (f": {why}" if why else f": it died before it ran (its error is above "
+                                               f"on stderr); if that is the spawn re-import, "
+                                               f"{GUARD_HINT}"))
 
     def __getattr__(self, name: str) -> Any:  # num_blocks, block_size, vocab_size, ...
         runner = self.__dict__.get("runner")

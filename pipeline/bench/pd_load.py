@@ -27,7 +27,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -178,7 +177,8 @@ def _stop(procs: dict[str, subprocess.Popen]) -> dict[str, int]:
 
 def _leftovers(serve_pids: list[int]) -> list[str]:
     """/dev/shm names and KV sockets of these instances (named after their gateway's pid)."""
-    run_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+    from pipeline.gateway.stages import KV_SOCKET_DIR
+    run_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or KV_SOCKET_DIR)
     left = []
     for pid in serve_pids:
         want = (f"pipeline.{pid:x}.", f"sem.pipeline.{pid:x}.")

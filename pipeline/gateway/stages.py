@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,10 +40,12 @@ from pipeline.runtime.rings import (
     ring_roles,
 )
 from pipeline.runtime.spec import ModelInfo, StageSpec
+from pipeline.worker.tp_rendezvous import probe_master_ports
 
 if TYPE_CHECKING:
     import psutil
 
+KV_SOCKET_DIR = "/dev/shm"
 STOP_GRACE_S = 3.0  # a stopped stage exits at once; one that does not in this time is killed
 
 
@@ -79,8 +80,11 @@ class GatewayStages:
             self.log(f"removed {len(removed)} stale shared-memory entries of dead instances")
         self.instance = Instance(self.config.instance_id)
         if self.config.kv_transfer_config.role == "decode" and not self.config.kv_transfer_config.kv_listen:
-            # Same host only: where prefill instances' cache messagers reach ours.
-            run_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+            # Same host only: where prefill instances' cache messagers reach ours. Without
+            # XDG_RUNTIME_DIR (a system unit) beside the KV segments in /dev/shm, which every
+            # instance that can take our KV shares: not /tmp, private to a unit (PrivateTmp=).
+            # The socket's mode follows the umask (a peer needs write permission to connect).
+            run_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or KV_SOCKET_DIR)
             sweep_kv_sockets(run_dir)
             self.config = self.config.replace(
                 kv_listen=f"ipc://{run_dir}/pipeline-{self.config.instance_id}.kv")
@@ -95,6 +99,7 @@ class GatewayStages:
             if self.config.parallel_config.tensor_parallel_size > 1 and not self.config.parallel_config.master_port:
                 # One host: the ranks meet on loopback at a port free now.
                 self.config = self.config.replace(master_port=free_tcp_port())
+            probe_master_ports(self.config.parallel_config)  # a port in use: named now, not in 120 s
             for r in range(self.config.parallel_config.ranks_per_node):  # node 0's ranks; other nodes run theirs
                 self._spawn(f"worker{r}", "worker", r)
             for k in kinds:

@@ -109,21 +109,24 @@ class TPShard:
 class TPGroup:
     """This process as rank ``rank`` of a torch.distributed group of ``size`` ranks."""
 
-    def __init__(self, shard: TPShard, backend: str, init_method: str, timeout_s: float,
+    def __init__(self, shard: TPShard, backend: str, store, where: str, timeout_s: float,
                  device: torch.device) -> None:
+        """``store``: the rendezvous every rank has checked in on (worker.tp_rendezvous);
+        ``where``: its address, for errors."""
         import torch.distributed as dist
         self.shard, self.rank, self.size = shard, shard.rank, shard.size
         self.device = device
         self.host = socket.gethostname()
         self.hosts = [self.host] * shard.size  # every rank's, once check_same has run
+        self.gathered: list[dict[str, str]] = []  # every rank's check_same dict
         self._dist = dist
+        self._store = store
         try:
-            dist.init_process_group(backend, init_method=init_method, rank=shard.rank,
-                                    world_size=shard.size,
+            dist.init_process_group(backend, store=store, rank=shard.rank, world_size=shard.size,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         except Exception as exc:  # noqa: BLE001 - re-raised naming the rank and the host
             raise RuntimeError(f"tensor parallel: rank {shard.rank} on host {self.host} could not "
-                               f"join the group of {shard.size} at {init_method} within "
+                               f"join the group of {shard.size} at {where} within "
                                f"{timeout_s:.0f} s: {type(exc).__name__}: {exc}") from None
 
     def _lost(self, what: str, exc: Exception) -> RuntimeError:
@@ -164,13 +167,15 @@ class TPGroup:
     def barrier(self) -> None:
         self._dist.barrier()
 
-    def check_same(self, fields: dict[str, str]) -> None:
+    def check_same(self, fields: dict[str, str], own: dict[str, str] | None = None) -> None:
         """Refuse to start when a rank runs another configuration (a node started with another
-        model, TP size, block size...): ValueError naming the field, the ranks and hosts."""
-        mine = {"host": self.host, **fields}
+        model, TP size, block size...): ValueError naming the field, the ranks and hosts.
+        ``own``: this rank's values that differ by design, gathered (``gathered``) unchecked."""
+        mine = {"host": self.host, **(own or {}), **fields}
         every: list[dict[str, str] | None] = [None] * self.size
         self._dist.all_gather_object(every, mine)
         self.hosts = [str(e["host"]) if e else "?" for e in every]
+        self.gathered = [e or {} for e in every]
         ref = every[0]
         assert ref is not None
         for r, other in enumerate(every):
@@ -185,3 +190,4 @@ class TPGroup:
     def close(self) -> None:
         if self._dist.is_initialized():
             self._dist.destroy_process_group()
+        self._store = None  # its listening socket (rank 0) closes with it

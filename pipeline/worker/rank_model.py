@@ -13,8 +13,10 @@ worker's team and, under tensor parallelism, this rank's TPGroup.
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -30,6 +32,7 @@ from pipeline.worker.device import proc_memory, resolve_dtype, weight_plan, work
 from pipeline.worker.kv_cache import KVCache, kv_layout
 from pipeline.worker.kv_sizing import decide_num_blocks, profile_gpu_blocks
 from pipeline.worker.threads import ThreadGovernor, usable_cores
+from pipeline.worker.tp_rendezvous import open_store, store_host
 
 # How long a rank waits for the others to join the group (or, in a collective, for a peer
 # that is alive but stuck): a dead peer's closed connection fails a collective at once.
@@ -66,6 +69,10 @@ class RankModel:
         size = config.parallel_config.tensor_parallel_size
         self.shard = TPShard.of(mc, rank, size) if size > 1 else None
         self.tp: TPGroup | None = None
+        # Rank 0 waits in it (seconds) while the others join; it raises if one is known dead
+        # (pipeline.LLM: its rank processes).
+        self.watch_peers: Callable[[float], None] | None = None
+        self.plan_key = secrets.token_hex(16)  # known to the group only, after it joined
         self.dtype = resolve_dtype(config.model_config.dtype, mc.torch_dtype, self.device)
         self.block_size = config.resolved_block_size()
         default_len = mc.max_position_embeddings
@@ -92,9 +99,11 @@ class RankModel:
         assert self.shard is not None
         cfg = self.config
         par, mc = cfg.parallel_config, cfg.model_config
-        self.tp = TPGroup(self.shard, cfg.resolved_backend(), f"tcp://{par.master_addr}:{par.master_port}",
-                          TP_TIMEOUT_S, self.device)
-        self.tp.check_same({
+        store = open_store(par, self.rank, TP_TIMEOUT_S, self.watch_peers)
+        self.tp = TPGroup(self.shard, cfg.resolved_backend(), store,
+                          f"{store_host(par)}:{par.master_port}", TP_TIMEOUT_S, self.device)
+        # plan_key: what this rank's step-plan hello proves it is (worker.remote_plan).
+        self.tp.check_same(own={"plan_key": self.plan_key}, fields={
             "model": model_hash(mc.model), "tensor_parallel_size": str(par.tensor_parallel_size),
             "nnodes": str(par.nnodes), "dtype": str(self.dtype), "quantization": mc.quantization,
             "quantization_group_size": str(mc.quantization_group_size),

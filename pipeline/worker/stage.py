@@ -52,12 +52,15 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
         kv_cuda_ipc = export_pool(buf)  # runner.kv_cache keeps buf alive until runner.close()
     sender = receiver = None
     try:
-        if spec.rank == 0 and cfg.parallel_config.nnodes > 1:
-            par = cfg.parallel_config
-            sender = PlanSender(par.master_addr, par.master_port,
-                                list(range(par.ranks_per_node, par.tensor_parallel_size)), TP_TIMEOUT_S)
-        elif not local:
-            receiver = PlanReceiver(cfg.parallel_config.master_addr, cfg.parallel_config.master_port, spec.rank)
+        par = cfg.parallel_config
+        if spec.rank == 0 and par.nnodes > 1:
+            assert runner.tp is not None  # each remote rank's plan_key, gathered as it joined
+            keys = {r: runner.tp.gathered[r]["plan_key"]
+                    for r in range(par.ranks_per_node, par.tensor_parallel_size)}
+            sender = PlanSender(par.master_addr, par.master_port, keys, TP_TIMEOUT_S, cfg.curve_keys)
+        elif not local:  # ready below only once node 0 took this rank's hello
+            receiver = PlanReceiver(par.master_addr, par.master_port, spec.rank, runner.plan_key,
+                                    TP_TIMEOUT_S, cfg.curve_keys)
         info = ModelInfo(max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
                          eos_token_ids=list(runner.eos_token_ids),
                          kv=msgspec.structs.replace(kv, model_hash=model_hash(cfg.model_config.model)),

@@ -65,7 +65,7 @@ def assert_refused(rc: int, err: str, command: str, *names: str) -> None:
     (["--metrics-port", "70000"], ["--metrics-port", "65535", "got 70000"]),
     (["--listen", "127.0.0.1:7001"], ["--listen", "tcp://HOST:PORT"]),
     (["--listen", "tcp://127.0.0.1:notaport"], ["--listen", "tcp://127.0.0.1:notaport"]),
-    (["--curve-keys", "/nonexistent/keys"], ["--curve-keys", "/nonexistent/keys", "not found"]),
+    (["--curve-keys", "/nonexistent/keys"], ["--curve-keys", "/nonexistent/keys", "missing server.key"]),
 ])
 def test_serve_bad_flag_values(model, flags, names):
     rc, _, err = start("serve", model, "--listen", f"tcp://127.0.0.1:{free_port()}", *flags)

@@ -10,6 +10,7 @@ import concurrent.futures as cf
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -28,15 +29,27 @@ def model(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tp-nodes") / "model")
 
 
+def free_port_pair() -> int:
+    """A --master-port whose + 1 (node 0's step-plan port) is free too."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
 class Node:
     """`pipeline serve --node-rank 1` in a subprocess."""
 
-    def __init__(self, model: Path, port: int, *flags: str) -> None:
+    def __init__(self, model: Path, port: int, *flags: str, env_extra: dict | None = None) -> None:
         self.log = open(f"/tmp/pipeline-e2e-node-{port}.log", "w+")
         self.proc = subprocess.Popen(
             [*PIPELINE, "serve", "--model", str(model), *ENGINE_FLAGS, "--tensor-parallel-size", "2",
              "--nnodes", "2", "--node-rank", "1", "--master-port", str(port), "--worker-threads", "1",
-             *flags], stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env(),
+             *flags], stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env() | (env_extra or {}),
             start_new_session=True)
         self.instance_id = f"{self.proc.pid:x}"
 
@@ -52,7 +65,7 @@ class Node:
 
 
 def _pair(model: Path, node0_flags: tuple[str, ...] = (), node1_flags: tuple[str, ...] = ()) -> tuple[Daemon, Node]:
-    port = free_port()
+    port = free_port_pair()
     node1 = Node(model, port, *node1_flags)
     node0 = Daemon(model, "--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(port),
                    "--worker-threads", "1", *node0_flags)
