@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 
 from pipeline.engine_args import add_engine_args, add_node_args, add_pd_args
-from pipeline.frontend.args import FrontArgs, add_front_args
+from pipeline.frontend.args import FrontArgs, add_front_args, is_loopback
 from pipeline.http.launcher import parse_http
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7001"
@@ -46,10 +46,16 @@ class ServeArgs(FrontArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.http is not None:
-            parse_http(self.http)
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key: must not be empty")
+        if self.http is not None:
+            host, port = parse_http(self.http)
+            # The HTTP API's key is --api-key (CURVE keys secure the ZMQ channels only).
+            if not (self.api_key or self.allow_insecure_network
+                    or is_loopback(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")):
+                raise ValueError(f"--http {self.http} is beyond loopback and --api-key is not set: "
+                                 "anyone who reaches it would be let in; give --api-key (or "
+                                 "$PIPELINE_API_KEY), or --allow-insecure-network on a network you trust")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in [0, 65535] (0: off), got {self.metrics_port}")
 

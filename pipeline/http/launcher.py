@@ -37,6 +37,7 @@ class HttpSpec(msgspec.Struct, kw_only=True):
     fingerprint: str
     chat_template: str | None = None
     api_key: str | None = None
+    answer_limit: int = 0  # the answers ring's message limit (bytes)
 
 
 # The daemon stops the front end with this (it ignores SIGTERM/SIGINT: see pipeline.http.process).

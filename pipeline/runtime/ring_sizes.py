@@ -60,6 +60,20 @@ def answer_bytes_bound(sp: SamplingParams, num_prompt_tokens: int, token_text_by
     return ANSWER_FIXED_BYTES + copies * per_completion + sp.n * sp.max_tokens * 9 + prompt
 
 
+def max_tokens_that_fit(n: int, logprobs: int | None, token_text_bytes: int, limit: int) -> int:
+    """The largest max_tokens whose answer fits ``limit`` (``answer_bytes_bound`` solved for
+    max_tokens, without prompt logprobs) and whose logprobs fit MAX_LOGPROBS_BYTES: what a
+    request that did not set max_tokens gets (as many as fit, not a refusal over limits the
+    client never set). At least 1."""
+    lp = 0 if logprobs is None else logprob_entry_bytes(logprobs)
+    copies = n + 1 if n > 1 else 1
+    per_token = copies * (5 + token_text_bytes + lp) + 9 * n
+    fit = (limit - ANSWER_FIXED_BYTES - copies * COMPLETION_FIXED_BYTES) // per_token
+    if logprobs is not None:
+        fit = min(fit, MAX_LOGPROBS_BYTES // (n * lp))
+    return max(1, fit)
+
+
 @dataclass(frozen=True, slots=True)
 class Sizes:
     """What the rings of one instance are sized by: its config, an upper bound of its
