@@ -32,7 +32,7 @@ from pipeline.http.limit import BodyLimit
 from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pipeline.http.stream import disconnected, sse_response
 from pipeline.messages import RequestResult
-from pipeline.runtime.ring_sizes import max_tokens_that_fit
+from pipeline.sampling_params.limits import max_tokens_that_fit
 from pipeline.tokenizer.tokenizer import Tokenizer
 
 T = TypeVar("T")

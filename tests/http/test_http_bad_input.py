@@ -18,8 +18,9 @@ from e2e_helpers import Daemon, make_tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.runtime.ring_sizes import answer_bytes_bound, max_tokens_that_fit
+from pipeline.runtime.ring_sizes import answer_bytes_bound
 from pipeline.sampling_params import SamplingParams
+from pipeline.sampling_params.limits import max_tokens_that_fit
 
 LONG = 131072
 LONE = "\ud800"  # json.dumps writes it as the escape "\ud800": valid JSON, no Unicode
