@@ -54,7 +54,7 @@ def parse_http(addr: str) -> tuple[str, int]:
     """``[HOST:]PORT`` (HOST may be ``[v6]``; loopback by default); ValueError naming --http."""
     host, sep, port = addr.rpartition(":")
     host = host.strip("[]") if sep else "127.0.0.1"
-    if not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
+    if not port.isdigit() or not 0 <= int(port) <= 65535 or not host or "/" in host:
         raise ValueError(f"--http {addr!r}: expected [HOST:]PORT with PORT in [0, 65535]")
     return host, int(port)
 
