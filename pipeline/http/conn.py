@@ -25,7 +25,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-HEAD_TIMEOUT_S = 5.0  # vLLM's (uvicorn's) keep-alive default, and the time to send a head
+HEAD_TIMEOUT_S = 5  # vLLM's (uvicorn's) keep-alive default, and the time to send a head
 RESERVED_FDS = 128
 LOG_INTERVAL_S = 10.0
 _BUSY_BODY = (b'{"error":{"message":"too many open connections; retry later","type":"service_unavailable",'
@@ -70,7 +70,7 @@ class _Refusals:
 class GuardedProtocol(HttpToolsProtocol):
     _head_timer: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         cap = connection_cap()
         if len(self.connections) >= cap:
             _Refusals.note(len(self.connections), cap)
