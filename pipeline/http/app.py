@@ -1,12 +1,14 @@
-"""The OpenAI API as a FastAPI app: routes, authentication, body limit, error shapes.
+"""The OpenAI API as a FastAPI app: routes and error shapes.
 
 Owns the HTTP side of each request only: its engine requests go to the daemon through one
 ``AsyncClient`` (``HttpState.client``), whose answers it turns into OpenAI bodies or
-server-sent events (``convert``, ``stream``). A client that disconnects, mid-stream or while
-waiting for a whole answer, has its engine requests aborted (the daemon frees their blocks).
-Errors are OpenAI's error object: 400 invalid parameter (naming the field), 401 bad key, 404
-unknown model or route, 413 body over ``max_body_bytes``, 503 draining / queue full / daemon
-unreachable, 500 anything else.
+server-sent events (``convert``, ``stream``). The key and the body's size and time are
+checked before a route runs (``limit``); each route decodes and converts its body in a
+worker thread (``body``). A client that disconnects, mid-stream or while waiting for a whole
+answer, has its engine requests aborted (the daemon frees their blocks). Errors are
+OpenAI's error object: 400 invalid parameter (naming the field), 401 bad key, 404 unknown
+model or route, 408 body too slow, 413 body or prompt over its limit, 503 draining / queue
+full / daemon unreachable / too many connections, 500 anything else.
 """
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ from typing import Any, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
@@ -70,11 +71,6 @@ def build_app(state: HttpState) -> FastAPI:
     @app.exception_handler(C.ApiError)
     async def _api_error(_: Request, exc: C.ApiError) -> Response:
         return _json(exc.body(), exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
-        e = C.body_error(list(exc.errors()))
-        return _json(e.body(), e.status)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> Response:  # uvicorn logs the traceback
