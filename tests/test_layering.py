@@ -51,9 +51,9 @@ STAGES = {"tokenizer", "engine", "worker", "output", "cache"}
 CLIENT_MAY_USE = {"pipeline.frontend.protocol", "pipeline.frontend.curve"}
 # The router is a front end over daemons: of the gateway, its systemd notifier only.
 ROUTER_MAY_USE = {"pipeline.gateway.systemd"}
-# The HTTP front end: of the tokenizer, the Tokenizer class, never a stage's loop; of ipc,
-# the instances' liveness (the launcher).
-HTTP_MAY_USE = {"pipeline.tokenizer.tokenizer", "pipeline.ipc.instance"}
+# The HTTP front end: of the tokenizer, the Tokenizer class and the byte limits every way in
+# checks (validate), never a stage's loop; of ipc, the instances' liveness (the launcher).
+HTTP_MAY_USE = {"pipeline.tokenizer.tokenizer", "pipeline.tokenizer.validate", "pipeline.ipc.instance"}
 # What of the HTTP front end the gateway imports (the app, FastAPI, never).
 # (The launcher is the router's too: `pipeline router --http`.)
 HTTP_SHARED = {"pipeline.http.launcher", "pipeline.http.openai_api", "pipeline.http.openai_convert",

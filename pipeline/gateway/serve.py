@@ -26,7 +26,7 @@ import zmq
 from pipeline.config import EngineConfig
 from pipeline.engine_args import config_from_args
 from pipeline.frontend import protocol as P
-from pipeline.frontend.args import cannot_start, is_loopback
+from pipeline.frontend.args import cannot_start
 from pipeline.frontend.zmq_server import DISCONNECT_SETTLE_S
 from pipeline.gateway.serve_args import ServeArgs, add_args, check_args
 from pipeline.gateway.serve_front import DaemonFront
@@ -34,6 +34,7 @@ from pipeline.gateway.systemd import Notifier
 from pipeline.http.launcher import HttpFront
 from pipeline.http.openai_response import fingerprint, served_model_name
 from pipeline.runtime.lifecycle import StartupError
+from pipeline.runtime.rings import message_limits
 
 if TYPE_CHECKING:
     import argparse
@@ -181,7 +182,8 @@ class Server(DaemonFront):
                 self.model_detail = dict(
                     model_path=self.config.model_config.model, max_model_len=model.max_model_len,
                     model=served_model_name(self.config.model_config.model, self.args.served_model_name),
-                    fingerprint=fingerprint(model.kv.model_hash), chat_template=self.config.model_config.chat_template)
+                    fingerprint=fingerprint(model.kv.model_hash), chat_template=self.config.model_config.chat_template,
+                    answer_limit=message_limits(self.config, model.max_model_len)["answers"])
                 if self.http is not None:
                     self.notify.status("starting the HTTP front end")
                     self.http.start(dict(self.model_detail, api_key=self.args.api_key))
@@ -192,9 +194,6 @@ class Server(DaemonFront):
             except _StoppedDuringStartup as exc:
                 print(f"pipeline serve: stopped by {exc} during start-up", file=sys.stderr)
                 return 0
-            if self.http is not None and not is_loopback(f"tcp://{self.http.url[7:]}") and not self.args.api_key:
-                print(f"[gateway] WARNING: {self.http.url} is not loopback and --api-key is not set: "
-                      "anyone who can reach it can use the model", file=sys.stderr)
             code = self.serve()
         finally:
             # A second SIGTERM/Ctrl-C while closing (the HTTP front end stopping, the stages

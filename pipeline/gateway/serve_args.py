@@ -5,6 +5,7 @@ built from the parsed namespace by ``check_args``; the engine's flags become an
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from dataclasses import dataclass
 
@@ -46,12 +47,24 @@ class ServeArgs(FrontArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.http is not None:
-            parse_http(self.http)
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key: must not be empty")
+        if self.http is not None:
+            host, port = parse_http(self.http)
+            # The HTTP API's key is --api-key (CURVE keys secure the ZMQ channels only).
+            if not (self.api_key or self.allow_insecure_network or is_loopback_host(host)):
+                raise ValueError(f"--http {self.http} is beyond loopback and --api-key is not set: "
+                                 "anyone who reaches it would be let in; give --api-key (or "
+                                 "$PIPELINE_API_KEY), or --allow-insecure-network on a network you trust")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in [0, 65535] (0: off), got {self.metrics_port}")
+
+
+def is_loopback_host(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve to anything
+        return False
 
 
 def check_args(args: argparse.Namespace) -> ServeArgs:

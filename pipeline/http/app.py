@@ -1,17 +1,18 @@
-"""The OpenAI API as a FastAPI app: routes, authentication, body limit, error shapes.
+"""The OpenAI API as a FastAPI app: routes and error shapes.
 
 Owns the HTTP side of each request only: its engine requests go to the daemon through one
 ``AsyncClient`` (``HttpState.client``), whose answers it turns into OpenAI bodies or
-server-sent events (``convert``, ``stream``). A client that disconnects, mid-stream or while
-waiting for a whole answer, has its engine requests aborted (the daemon frees their blocks).
-Errors are OpenAI's error object: 400 invalid parameter (naming the field), 401 bad key, 404
-unknown model or route, 413 body over ``max_body_bytes``, 503 draining / queue full / daemon
-unreachable, 500 anything else.
+server-sent events (``convert``, ``stream``). The key and the body's size and time are
+checked before a route runs (``limit``); each route decodes and converts its body in a
+worker thread (``body``). A client that disconnects, mid-stream or while waiting for a whole
+answer, has its engine requests aborted (the daemon frees their blocks). Errors are
+OpenAI's error object: 400 invalid parameter (naming the field), 401 bad key, 404 unknown
+model or route, 408 body too slow, 413 body or prompt over its limit, 503 draining / queue
+full / daemon unreachable / too many connections, 500 anything else.
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -19,8 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
@@ -28,10 +28,12 @@ from pipeline.client import AsyncClient
 from pipeline.client.base import RequestError
 from pipeline.http import openai_convert as C
 from pipeline.http import openai_response as R
+from pipeline.http.body import check_sizes, decode, off_loop
 from pipeline.http.limit import BodyLimit
 from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pipeline.http.stream import disconnected, sse_response
 from pipeline.messages import RequestResult
+from pipeline.sampling_params.limits import max_tokens_that_fit
 from pipeline.tokenizer.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -47,6 +49,15 @@ class HttpState:
     fingerprint: str
     api_key: str | None = None
     created: int = 0
+    answer_limit: int = 0  # the daemon's largest answer (bytes; 0: unknown, no budget)
+    token_text_bytes: int = 0  # the most text one token adds (tokenizer.stage.max_token_text_bytes)
+
+    def implied_max_tokens(self, n: int, logprobs: int | None) -> int:
+        """max_tokens of a body that set none: as many as the context and the answer's
+        byte budget allow (vLLM: the context's room), never a refusal."""
+        if not self.answer_limit:
+            return self.max_model_len
+        return min(self.max_model_len, max_tokens_that_fit(n, logprobs, self.token_text_bytes, self.answer_limit))
 
 
 def _json(body: dict[str, Any], status: int = 200) -> Response:
@@ -55,16 +66,11 @@ def _json(body: dict[str, Any], status: int = 200) -> Response:
 
 def build_app(state: HttpState) -> FastAPI:
     app = FastAPI(title="pipeline", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit)
+    app.add_middleware(BodyLimit, api_key=state.api_key)
 
     @app.exception_handler(C.ApiError)
     async def _api_error(_: Request, exc: C.ApiError) -> Response:
         return _json(exc.body(), exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
-        e = C.body_error(list(exc.errors()))
-        return _json(e.body(), e.status)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> Response:  # uvicorn logs the traceback
@@ -76,15 +82,6 @@ def build_app(state: HttpState) -> FastAPI:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         e = C.ApiError(exc.status_code, str(exc.detail), code=code)
         return _json(e.body(), e.status)
-
-    async def auth(request: Request) -> None:  # async: a sync dependency costs a thread hop
-        if state.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, key = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), state.api_key.encode()):
-            raise C.ApiError(401, "invalid API key: send `Authorization: Bearer KEY` "
-                             "with the server's --api-key")
 
     def check_model(name: str | None) -> None:
         if name is not None and name != state.model:
@@ -118,7 +115,7 @@ def build_app(state: HttpState) -> FastAPI:
             return _json({"status": "unreachable", "detail": str(exc)}, 503)
         return _json({"status": reply.status}, 200 if reply.status == "ok" else 503)
 
-    @app.get("/metrics", dependencies=[Depends(auth)])
+    @app.get("/metrics")
     async def metrics() -> Response:
         try:
             text = await state.client.metrics(timeout=10.0)
@@ -126,7 +123,7 @@ def build_app(state: HttpState) -> FastAPI:
             raise C.from_error(exc.error) from None
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", dependencies=[Depends(auth)])
+    @app.get("/v1/models")
     async def models() -> Response:
         return _json({"object": "list", "data": [{
             "id": state.model, "object": "model", "created": state.created, "owned_by": "pipeline",
@@ -145,46 +142,71 @@ def build_app(state: HttpState) -> FastAPI:
             raise err
         return _json(build(rid, created, results))
 
-    @app.post("/v1/completions", dependencies=[Depends(auth)])
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    # Each route's body is decoded, checked and converted in a worker thread (``off_loop``):
+    # none of that work, which grows with the body, runs on the event loop.
+    def completion_request(raw: bytes) -> tuple[CompletionRequest, list[dict[str, Any]]]:
+        body = decode(raw, CompletionRequest)
         check_model(body.model)
-        return await answer(request, body, C.completion_fields(body, state.max_model_len), "cmpl",
-                            lambda rid, created, results: R.completion_body(
-                                rid, created, state.model, state.fingerprint, body.n, results, token_text))
+        check_sizes(body.prompt)
+        return body, C.completion_fields(body, state.max_model_len, state.implied_max_tokens)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    def chat_request(raw: bytes) -> tuple[ChatCompletionRequest, dict[str, Any]]:
+        body = decode(raw, ChatCompletionRequest)
         check_model(body.model)
-        return await answer(request, body, [C.chat_fields(body, state.max_model_len)], "chatcmpl",
-                            lambda rid, created, results: R.chat_body(
-                                rid, created, state.model, state.fingerprint, results[0], token_text))
+        fields = C.chat_fields(body, state.max_model_len, state.implied_max_tokens)
+        check_sizes(messages=fields["messages"])
+        return body, fields
 
-    @app.post("/tokenize", dependencies=[Depends(auth)])
-    async def tokenize(body: TokenizeRequest) -> Response:
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body, reqs = await off_loop(completion_request, await request.body())
+        return await answer(request, body, reqs, "cmpl", lambda rid, created, results: R.completion_body(
+            rid, created, state.model, state.fingerprint, body.n, results, token_text))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body, fields = await off_loop(chat_request, await request.body())
+        return await answer(request, body, [fields], "chatcmpl", lambda rid, created, results: R.chat_body(
+            rid, created, state.model, state.fingerprint, results[0], token_text))
+
+    def tokenized(raw: bytes) -> bytes:
+        body = decode(raw, TokenizeRequest)
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise C.invalid("exactly one of `prompt` and `messages` is required", "prompt")
         try:
             if body.messages is not None:
+                msgs = C.messages(body.messages)
+                check_sizes(messages=msgs)
                 ids = state.tokenizer.apply_chat_template(
-                    C.messages(body.messages), body.add_generation_prompt,
+                    msgs, body.add_generation_prompt,
                     continue_final_message=body.continue_final_message, **(body.chat_template_kwargs or {}))
             else:
+                check_sizes(body.prompt)
                 ids = state.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
         except ValueError as exc:
             raise C.invalid(str(exc)) from None
-        return _json({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
-                      "token_strs": [token_text(i) for i in ids] if body.return_token_strs else None})
+        return msgspec.json.encode({
+            "count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+            "token_strs": [token_text(i) for i in ids] if body.return_token_strs else None})
 
-    @app.post("/detokenize", dependencies=[Depends(auth)])
-    async def detokenize(body: DetokenizeRequest) -> Response:
+    def detokenized(raw: bytes) -> bytes:
+        body = decode(raw, DetokenizeRequest)
         check_model(body.model)
         vocab = state.tokenizer.vocab_size
         bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
         if bad is not None:
             raise C.invalid(f"field `tokens[{bad}]`: token id {body.tokens[bad]} is outside the "
                             f"vocabulary [0, {vocab})", f"tokens[{bad}]")
-        return _json({"prompt": state.tokenizer.decode(body.tokens)})
+        return msgspec.json.encode({"prompt": state.tokenizer.decode(body.tokens)})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return Response(await off_loop(tokenized, await request.body()), media_type="application/json")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return Response(await off_loop(detokenized, await request.body()), media_type="application/json")
 
     return app
 

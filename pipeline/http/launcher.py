@@ -37,6 +37,7 @@ class HttpSpec(msgspec.Struct, kw_only=True):
     fingerprint: str
     chat_template: str | None = None
     api_key: str | None = None
+    answer_limit: int = 0  # the answers ring's message limit (bytes)
 
 
 # The daemon stops the front end with this (it ignores SIGTERM/SIGINT: see pipeline.http.process).
@@ -53,7 +54,7 @@ def parse_http(addr: str) -> tuple[str, int]:
     """``[HOST:]PORT`` (HOST may be ``[v6]``; loopback by default); ValueError naming --http."""
     host, sep, port = addr.rpartition(":")
     host = host.strip("[]") if sep else "127.0.0.1"
-    if not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
+    if not port.isdigit() or not 0 <= int(port) <= 65535 or not host or "/" in host:
         raise ValueError(f"--http {addr!r}: expected [HOST:]PORT with PORT in [0, 65535]")
     return host, int(port)
 

@@ -96,7 +96,7 @@ class SamplingBody(_SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     bad_words: list[str] | None = None
-    priority: int = 0
+    priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] = 0  # the wire's (int32)
     cache_salt: Annotated[str, Field(max_length=256)] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
     # older guided_* extras (at most one of them; openai_convert.structured).

@@ -10,6 +10,7 @@ prefill).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from pipeline.frontend import protocol as P
@@ -110,10 +111,13 @@ def _common(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
         fields["priority"] = req.priority
     if req.logit_bias:
         try:
-            fields["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+            bias = {int(k): v for k, v in req.logit_bias.items()}
         except ValueError:
-            raise invalid("field `logit_bias`: keys must be token ids (integers as strings)",
-                          "logit_bias") from None
+            bias = {-1: 0.0}
+        if not all(0 <= k < 2**63 for k in bias):  # a key msgpack cannot carry is no token id either
+            raise invalid("field `logit_bias`: keys must be token ids (integers >= 0, as strings)",
+                          "logit_bias")
+        fields["logit_bias"] = bias
     if (so := structured(req)) is not None:
         fields["structured_outputs"] = so
     return fields
@@ -182,7 +186,20 @@ def _checked(fields: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def completion_fields(req: CompletionRequest, max_model_len: int) -> list[dict[str, Any]]:
+# A body without max_tokens gets as many as fit: (n, logprobs) -> max_tokens (at most
+# max_model_len; the tokenizer stage cuts it to the room the prompt leaves).
+Implied = Callable[[int, "int | None"], int]
+
+
+def _max_tokens(given: int | None, max_model_len: int, implied: Implied | None, n: int,
+                logprobs: int | None) -> int:
+    if given is not None:
+        return given  # the client's: checked against every limit, refused naming it
+    return max_model_len if implied is None else implied(n, logprobs)
+
+
+def completion_fields(req: CompletionRequest, max_model_len: int,
+                      implied: Implied | None = None) -> list[dict[str, Any]]:
     """One ``Generate`` field dict per prompt of the body."""
     if req.echo:
         raise invalid("field `echo`: not supported (send the prompt's text yourself)", "echo")
@@ -192,7 +209,7 @@ def completion_fields(req: CompletionRequest, max_model_len: int) -> list[dict[s
         raise invalid(f"field `best_of`: only best_of == n is supported, got {req.best_of} "
                       f"with n {req.n}", "best_of")
     fields = _common(req)
-    fields["max_tokens"] = max_model_len if req.max_tokens is None else req.max_tokens
+    fields["max_tokens"] = _max_tokens(req.max_tokens, max_model_len, implied, req.n, req.logprobs)
     if req.logprobs is not None:
         fields["logprobs"] = req.logprobs
     _checked(fields)
@@ -206,14 +223,16 @@ def completion_fields(req: CompletionRequest, max_model_len: int) -> list[dict[s
     return [fields | {"prompt_token_ids": p}]
 
 
-def chat_fields(req: ChatCompletionRequest, max_model_len: int) -> dict[str, Any]:
+def chat_fields(req: ChatCompletionRequest, max_model_len: int,
+                implied: Implied | None = None) -> dict[str, Any]:
     if req.tools:
         raise invalid("field `tools`: tool calling is not supported", "tools")
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("field `top_logprobs`: needs `logprobs` true", "top_logprobs")
     fields = _common(req)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    fields["max_tokens"] = max_model_len if limit is None else limit
+    fields["max_tokens"] = _max_tokens(limit, max_model_len, implied, req.n,
+                                       (req.top_logprobs or 0) if req.logprobs else None)
     if req.logprobs:
         fields["logprobs"] = req.top_logprobs or 0
     _checked(fields)

@@ -1,5 +1,5 @@
-"""The HTTP front end's process (``python -m pipeline.http.process``): uvicorn (with
-uvloop and httptools where installed) serving ``app.build_app`` on the listening socket the
+"""The HTTP front end's process (``python -m pipeline.http.process``): uvicorn (httptools,
+with uvloop where installed) serving ``app.build_app`` on the listening socket the
 daemon bound and handed down, as a client of the daemon over a private ipc socket.
 
 Started and stopped by the daemon (``http.launcher``), never by a user. It reads its ``HttpSpec``
@@ -48,7 +48,8 @@ async def serve(spec: HttpSpec) -> None:
 
     from pipeline.client import AsyncClient
     from pipeline.http.app import HttpState, build_app
-    from pipeline.tokenizer.tokenizer import Tokenizer
+    from pipeline.http.conn import HEAD_TIMEOUT_S, GuardedProtocol, raise_fd_limit
+    from pipeline.tokenizer.tokenizer import Tokenizer, max_token_text_bytes
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -66,12 +67,15 @@ async def serve(spec: HttpSpec) -> None:
                 os.close(spec.ready_fd)
 
     client = AsyncClient(spec.endpoint, timeout=None)
-    state = HttpState(client=client, tokenizer=Tokenizer(spec.model_path, chat_template=spec.chat_template),
+    tokenizer = Tokenizer(spec.model_path, chat_template=spec.chat_template)
+    state = HttpState(client=client, tokenizer=tokenizer,
                       model=spec.model, model_path=spec.model_path, max_model_len=spec.max_model_len,
-                      fingerprint=spec.fingerprint, api_key=spec.api_key, created=int(time.time()))
-    http = "httptools" if _has("httptools") else "h11"
-    config = uvicorn.Config(build_app(state), http=http, lifespan="off", log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=30)
+                      fingerprint=spec.fingerprint, api_key=spec.api_key, created=int(time.time()),
+                      answer_limit=spec.answer_limit, token_text_bytes=max_token_text_bytes(tokenizer.tok))
+    raise_fd_limit()
+    # GuardedProtocol: the connection cap and the head time-out (http.conn).
+    config = uvicorn.Config(build_app(state), http=GuardedProtocol, lifespan="off", log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=HEAD_TIMEOUT_S)
     server = Server(config)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(STOP_SIGNAL, lambda: setattr(server, "should_exit", True))
@@ -80,11 +84,6 @@ async def serve(spec: HttpSpec) -> None:
         await server.serve(sockets=[socket.socket(fileno=spec.fd)])
     finally:
         await client.close()
-
-
-def _has(module: str) -> bool:
-    import importlib.util
-    return importlib.util.find_spec(module) is not None
 
 
 def main() -> int:

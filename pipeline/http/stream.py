@@ -12,6 +12,7 @@ error object), then ``[DONE]``: the status line went out with the first chunk.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,12 @@ if TYPE_CHECKING:
     from pipeline.http.app import HttpState
 
 DONE = b"data: [DONE]\n\n"
+# Deltas one streamed response may hold unsent. They pile up only while the client does not
+# read (its socket buffers and uvicorn's 64 KiB are full); beyond this the response is ended
+# (its engine requests aborted, the connection closed) rather than its output kept here.
+MAX_QUEUED = 4096
 _encode = msgspec.json.Encoder().encode
+log = logging.getLogger("pipeline.http")
 
 
 def _event(obj: dict[str, Any]) -> bytes:
@@ -92,10 +98,15 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-async def _pump(i: int, it: AsyncIterator[RequestDelta | RequestResult], q: asyncio.Queue) -> None:
+async def _pump(i: int, it: AsyncIterator[RequestDelta | RequestResult], q: asyncio.Queue,
+                overflow: asyncio.Event) -> None:
     try:
         async for item in it:
             q.put_nowait((i, item))
+            if q.qsize() > MAX_QUEUED:  # the client does not read: stop, aborting on the daemon
+                overflow.set()
+                await it.aclose()  # type: ignore[attr-defined]  # AsyncClient.stream's finally aborts
+                return
     except Exception as exc:  # noqa: BLE001 -- the response reports it; the others go on
         q.put_nowait((i, exc))
 
@@ -106,8 +117,9 @@ class _Streams:
 
     def __init__(self, request: Request, state: HttpState, reqs: list[dict[str, Any]]) -> None:
         self.q: asyncio.Queue = asyncio.Queue()
-        self.pumps = [asyncio.ensure_future(_pump(i, state.client.stream(timeout=None, **f), self.q))
-                      for i, f in enumerate(reqs)]
+        self.overflow = asyncio.Event()
+        self.pumps = [asyncio.ensure_future(_pump(i, state.client.stream(timeout=None, **f), self.q,
+                                                  self.overflow)) for i, f in enumerate(reqs)]
         self.gone = asyncio.ensure_future(disconnected(request))
         self.gone.add_done_callback(lambda _: self.q.put_nowait(None))
 
@@ -182,14 +194,33 @@ async def sse_response(request: Request, state: HttpState, reqs: list[dict[str, 
         await streams.close()
         raise
     chunks = _Chunks(body, rid, created, state, text)
-    return EventStream(_events(streams, early, chunks), media_type="text/event-stream",
+    return EventStream(streams, _events(streams, early, chunks), media_type="text/event-stream",
                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 class EventStream(StreamingResponse):
     """Starlette's StreamingResponse without its per-response task group and disconnect
     listener: the events end by themselves when the client goes (``_Streams`` watches the
-    disconnect from the start, before the response exists), and a send after it is a no-op."""
+    disconnect from the start, before the response exists), and a send after it is a no-op.
+    When the client stops reading (``MAX_QUEUED``), the response is dropped unfinished (the
+    send it waits in is cancelled): uvicorn then closes the connection."""
+
+    def __init__(self, streams: _Streams, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.streams = streams
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.stream_response(send)
+        task = asyncio.ensure_future(self.stream_response(send))
+        full = asyncio.ensure_future(self.streams.overflow.wait())
+        try:
+            await asyncio.wait((task, full), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            full.cancel()
+        if task.done():
+            task.result()
+            return
+        log.warning("HTTP front end: a streaming client read nothing while %d events queued; its "
+                    "request was aborted and its connection closed", MAX_QUEUED)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await self.body_iterator.aclose()  # type: ignore[attr-defined]  # its finally aborts the rest

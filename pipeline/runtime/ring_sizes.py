@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from pipeline.config import EngineConfig
 from pipeline.messages.requests import MAX_PROMPT_TOKENS, MAX_REQUEST_BYTES
 from pipeline.sampling_params import SamplingParams
-from pipeline.sampling_params.limits import MAX_LOGPROBS, MAX_LOGPROBS_BYTES, logprob_entry_bytes
+from pipeline.sampling_params.limits import (
+    ANSWER_FIXED_BYTES,
+    COMPLETION_FIXED_BYTES,
+    MAX_LOGPROBS,
+    MAX_LOGPROBS_BYTES,
+    logprob_entry_bytes,
+)
 
 KiB, MiB = 1 << 10, 1 << 20
 # What the tokenizer stage adds to a request besides its prompt as int32 token ids: the
@@ -24,10 +30,10 @@ REQUEST_GROWTH_BYTES = 1 * MiB
 # One scheduled sequence in a step's output (worker -> engine -> token processor): its id,
 # sampled token, finish/error strings and one logprobs entry.
 STEP_BYTES_PER_SEQ = 1 * KiB + logprob_entry_bytes(MAX_LOGPROBS)
-# A final answer: what does not grow with its tokens (ids, usage, timings, error message) and
-# per completion (stop reason, finish reason, headers)...
-ANSWER_FIXED_BYTES = 64 * KiB
-COMPLETION_FIXED_BYTES = 1 * KiB
+# A final answer: what does not grow with its tokens (ANSWER_FIXED_BYTES: ids, usage,
+# timings, error message) and per completion (COMPLETION_FIXED_BYTES: stop reason, finish
+# reason, headers): in sampling_params.limits, with ``max_tokens_that_fit``, the inverse of
+# ``answer_bytes_bound`` here...
 # ...and what the answers ring is sized to carry per output token of max_model_len: the
 # token id (5), its inter-token latency (9) and its text (at most 242 bytes here; the
 # tokenizer stage checks each request against its tokenizer's actual longest token).

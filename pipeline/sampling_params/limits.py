@@ -21,6 +21,10 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 18
 # ring is sized for three such parts plus the text and token ids (runtime/ring_sizes.py,
 # Sizes).
 MAX_LOGPROBS_BYTES = 4 << 20
+# Of a final answer, what does not grow with its tokens (ids, usage, timings, error message),
+# and per completion (stop reason, finish reason, headers): see runtime.ring_sizes.
+ANSWER_FIXED_BYTES = 64 << 10
+COMPLETION_FIXED_BYTES = 1 << 10
 # Set (per thread) while a stage decodes a message another stage of its instance encoded
 # (``runtime.rings.Channel``): its SamplingParams were checked where the request came in (the
 # gateway, the tokenizer stage's validator) and were encoded normalised, so decoding them
@@ -36,6 +40,20 @@ def logprob_entry_bytes(k: int) -> int:
     """Upper bound of one encoded TokenLogprobs with ``k`` top entries (msgpack: array
     headers, a uint32 id and a float64 each)."""
     return 20 + 14 * k
+
+
+def max_tokens_that_fit(n: int, logprobs: int | None, token_text_bytes: int, limit: int) -> int:
+    """The largest max_tokens whose answer fits ``limit`` (``runtime.ring_sizes.answer_bytes_bound`` solved for
+    max_tokens, without prompt logprobs) and whose logprobs fit MAX_LOGPROBS_BYTES: what a
+    request that did not set max_tokens gets (as many as fit, not a refusal over limits the
+    client never set). At least 1."""
+    lp = 0 if logprobs is None else logprob_entry_bytes(logprobs)
+    copies = n + 1 if n > 1 else 1
+    per_token = copies * (5 + token_text_bytes + lp) + 9 * n
+    fit = (limit - ANSWER_FIXED_BYTES - copies * COMPLETION_FIXED_BYTES) // per_token
+    if logprobs is not None:
+        fit = min(fit, MAX_LOGPROBS_BYTES // (n * lp))
+    return max(1, fit)
 
 
 def bad(field: str, limit: str, value: object) -> ValueError:

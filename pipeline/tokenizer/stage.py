@@ -23,8 +23,6 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from tokenizers import Tokenizer as HFTokenizer
-
 from pipeline.messages import (
     AbortRequest,
     EngineRequest,
@@ -38,7 +36,7 @@ from pipeline.runtime import rings
 from pipeline.runtime.process import ReadyFn, log
 from pipeline.runtime.spec import StageSpec
 from pipeline.structured_outputs import Grammars
-from pipeline.tokenizer.tokenizer import Tokenizer, check_chat_options
+from pipeline.tokenizer.tokenizer import Tokenizer, check_chat_options, max_token_text_bytes
 from pipeline.tokenizer.validate import (
     InvalidRequest,
     check_answer_fits,
@@ -50,19 +48,6 @@ from pipeline.tokenizer.validate import (
 TOKENIZE_THREADS = 4
 MAX_PENDING = 4 * TOKENIZE_THREADS  # requests read but not sent on yet: bounds memory
 ERROR_MESSAGE_BYTES = 4096  # an error answer's message is clipped to this (rejects ring)
-
-
-def max_token_text_bytes(tok: HFTokenizer) -> int:
-    """The most text (UTF-8 bytes) one token can add to an answer. A token whose own text is
-    valid UTF-8 adds its bytes, plus one for the leading space a Metaspace / Strip decoder
-    drops from a text's first token; one that decodes to U+FFFD (part of a character) adds at
-    most 3 bytes (one U+FFFD) per byte it holds."""
-    size = tok.get_vocab_size(with_added_tokens=True)
-    most = 0
-    for text in tok.decode_batch([[i] for i in range(size)], skip_special_tokens=False):
-        n = len(text.encode("utf-8", "surrogatepass"))
-        most = max(most, 3 * n if "\ufffd" in text else n + 1)
-    return most
 
 
 def clip(message: str, limit: int = ERROR_MESSAGE_BYTES) -> str:

@@ -217,3 +217,16 @@ class Tokenizer:
         already places BOS."""
         text = self.render_chat(messages, add_generation_prompt, **options)
         return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def max_token_text_bytes(tok: HFTokenizer) -> int:
+    """The most text (UTF-8 bytes) one token can add to an answer. A token whose own text is
+    valid UTF-8 adds its bytes, plus one for the leading space a Metaspace / Strip decoder
+    drops from a text's first token; one that decodes to U+FFFD (part of a character) adds at
+    most 3 bytes (one U+FFFD) per byte it holds."""
+    size = tok.get_vocab_size(with_added_tokens=True)
+    most = 0
+    for text in tok.decode_batch([[i] for i in range(size)], skip_special_tokens=False):
+        n = len(text.encode("utf-8", "surrogatepass"))
+        most = max(most, 3 * n if "\ufffd" in text else n + 1)
+    return most
