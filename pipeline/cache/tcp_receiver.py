@@ -75,6 +75,7 @@ DoneFn = Callable[[str, int, str], None]
 
 
 CLOSE_JOIN_S = 10.0  # KVReceiver.close: how long the receiver thread gets to end
+CURVE_OVERHEAD = 64  # a CURVE MESSAGE command: name, nonce, flags, MAC (50 bytes), rounded up
 MAX_PEERS = 256  # handshaken peers remembered (a prefill instance is one peer per link)
 # Whole messages libzmq queues per peer before it stops reading that peer's connection: the
 # sender gets back-pressure (its SNDTIMEO), we hold at most this many of its messages.
@@ -120,8 +121,10 @@ class KVReceiver:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        # The largest legal frame is one layer's K (or V) of the whole pool.
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_DONE_FRAME, layout.num_blocks * layout.block_bytes))
+        # The largest legal frame is one layer's K (or V) of the whole pool; libzmq applies the
+        # limit to the wire frame, which under CURVE carries CURVE_OVERHEAD bytes more.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_DONE_FRAME, layout.num_blocks * layout.block_bytes)
+                              + CURVE_OVERHEAD)
         self._sock.setsockopt(zmq.RCVHWM, RCVHWM)
         self._auth = None
         try:
