@@ -150,7 +150,7 @@ def test_a_keyed_sender_of_other_keys_to_a_plain_receiver_fails_naming_curve(key
 def test_a_message_of_too_many_frames_is_dropped_and_its_memory_given_back(secured, keys, frames):
     """The issue's 150 x 8 MiB, scaled to 40 x 8 MiB (a shared test machine), from a peer that
     holds the keys: libzmq buffers the whole message (what CURVE keeps from strangers), the
-    receiver drops it at once and hands the memory back."""
+    receiver drops it at once and releases it (kept: +1 MiB of 1201 MiB at 150 frames)."""
     base = secured.rss()
     ctx, s, mon = _peer(secured.endpoint, keys)
     try:
