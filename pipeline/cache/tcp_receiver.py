@@ -11,7 +11,7 @@ bounded per frame (MAXMSGSIZE: one layer of the pool) and by RCVHWM (whole messa
 per peer); libzmq still buffers a whole multipart message before we see it, so a message of
 more frames than the protocol's is dropped at once, its frames released before the next
 wait (150 x 8 MiB from a peer let in: +1201 MiB at peak, +1 MiB kept after; before, the last
-message's frames stayed referenced while the loop waited: 1.08 GB kept).
+message's frames stayed referenced while the loop waited: the issue measured 1.08 GB kept).
 State: the socket (and its CURVE authenticator), the pool view, per handshaken peer (at most
 MAX_PEERS, least recent dropped) the applied / rejected counts since its last flush, and the
 exception that ended its thread, if one did.
