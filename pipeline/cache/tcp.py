@@ -63,7 +63,7 @@ MAX_TOKEN = 2**31 - 1
 # ZMQ retries was refused), or the CURVE handshake failed.
 MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-_GONE = {zmq.EVENT_DISCONNECTED: "disconnected (its instance stopped or died)",
+_GONE: dict[int, str] = {zmq.EVENT_DISCONNECTED: "disconnected (its instance stopped or died)",
          zmq.EVENT_CONNECT_RETRIED: "is not listening (connection refused)"}
 
 
@@ -183,7 +183,7 @@ class TcpTransfer(KVTransfer):
 
     def _check_connected(self) -> None:
         if self._mon.poll(0):
-            event = recv_monitor_message(self._mon)["event"]
+            event = int(recv_monitor_message(self._mon)["event"])
             why = _GONE.get(event, "refused the ZMQ handshake (CURVE: its --curve-keys and this "
                                    "instance's differ, or one side has none)")
             raise KVTransferError(f"KV receiver at {self.endpoint} {why}")

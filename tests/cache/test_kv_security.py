@@ -172,3 +172,30 @@ def test_a_message_of_too_many_frames_is_dropped_and_its_memory_given_back(secur
     kept = secured.rss() - base
     assert kept < 64 * MIB, f"{kept / MIB:.0f} MiB kept after a rejected {frames * 8} MiB message"
     assert not secured.ask("read").strip(b"\0")  # and nothing written
+
+
+def test_kv_listen_beyond_loopback_needs_keys_or_the_insecure_flag(keys):
+    from pipeline.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--kv-listen tcp://0.0.0.0:7301 is beyond loopback and --curve-keys"):
+        EngineConfig.of(role="decode", kv_listen="tcp://0.0.0.0:7301").check()
+    for ok in ({"curve_keys": keys}, {"allow_insecure_network": True}):
+        EngineConfig.of(role="decode", kv_listen="tcp://0.0.0.0:7301", **ok).check()
+    EngineConfig.of(role="decode", kv_listen="tcp://127.0.0.1:7301").check()
+
+
+def test_pipeline_keys_makes_a_usable_dir_and_refuses_to_overwrite(tmp_path, capsys):
+    from pipeline.cli import main
+    from pipeline.config import CURVE_FILES
+
+    d = tmp_path / "k"
+    assert main(["keys", str(d)]) == 0
+    assert "authorized_clients/client.key" in capsys.readouterr().out
+    assert all((d / f).is_file() for f in CURVE_FILES)
+    assert (d / "authorized_clients" / "client.key").read_bytes() == (d / "client.key").read_bytes()
+    assert oct((d / "server.key_secret").stat().st_mode & 0o777) == "0o600"
+    old = (d / "server.key_secret").read_bytes()
+    assert main(["keys", str(d)]) == 2
+    assert "--overwrite" in capsys.readouterr().err and (d / "server.key_secret").read_bytes() == old
+    assert main(["keys", str(d), "--overwrite"]) == 0
+    assert (d / "server.key_secret").read_bytes() != old
