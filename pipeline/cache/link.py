@@ -100,7 +100,7 @@ class KVLink(KVTransfer):
     def _cuda(self, local_pool: object, endpoint: str, host: str | None) -> None:
         peer = self.control.peer
         why = None
-        if not peer.cuda_ipc:
+        if not peer.on_cuda:
             why = "its KV pool is not on CUDA"
         elif (why := self._elsewhere()) is None:
             try:
