@@ -231,6 +231,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(f"--curve-keys {self.curve_keys}: missing {', '.join(missing)} "
                                  "(make the keys with `pipeline keys DIR`)")
         pd, par = self.kv_transfer_config, self.parallel_config
+        if pd.kv_listen:  # the decode side's KV listener: who reaches it writes into the cache
+            from pipeline.frontend.args import check_bind
+
+            check_bind("--kv-listen", pd.kv_listen, self.curve_keys, self.allow_insecure_network)
         if pd.role != "mixed" and par.tensor_parallel_size > 1 and (
                 par.nnodes > 1 or self.model_config.device == "cuda"):
             raise ValueError(f"--role {pd.role} with --tensor-parallel-size > 1 runs on one host's "

@@ -4,7 +4,9 @@
 A `KVReceiver` over this instance's KV pool at ``config.kv_listen``; its thread (the only
 producer of ``kv_ready``) turns each done message into ``KVReady``. The main thread only
 blocks, waking every ``spec.ring_timeout_s`` to see that the engine (the ring's reader) lives;
-it exits with PeerDied if the engine or the receiver thread's ring send found it dead. The
+it exits with PeerDied if the engine or the receiver thread's ring send found it dead.
+With ``config.curve_keys`` the receiver is a CURVE server (only the deployment's prefill
+instances get in); without, ``EngineConfig.check`` refused a kv_listen beyond loopback. The
 pool is this instance's shared-memory segment (CPU); on CUDA nothing is mapped here: the
 receiver tells peers the pool's CUDA IPC handle and takes only done messages.
 
@@ -39,6 +41,7 @@ class DecodeMessager:
             self.rx = KVReceiver(self.seg, self.layout, spec.config.kv_transfer_config.kv_listen,
                                  segment=m.kv_segment or "",
                                  on_done=self._on_done, cuda_ipc=m.kv_cuda_ipc,
+                                 curve_keys=spec.config.curve_keys,
                                  max_token=m.vocab_size - 1 if m.vocab_size > 0 else MAX_TOKEN)
         except BaseException:
             if self.seg is not None:

@@ -11,7 +11,7 @@ worker or a layer time-out the whole step. A ``KVFinish`` becomes a done message
 when that request's transfer to that peer had failed; a peer that cannot be reached is logged
 and skipped (the decode side times the request out). A malformed message is logged and
 skipped; nothing waits on a dead peer beyond ``config.kv_transfer_timeout`` (a handshake, at
-most CONNECT_TIMEOUT_S).
+most CONNECT_TIMEOUT_S). With ``config.curve_keys`` every link is a CURVE client.
 The worker's pool is read from shared memory (``spec.model.kv_segment``, CPU) or mapped by
 CUDA IPC (``spec.model.kv_cuda_ipc``, `cuda_ipc.open_pool`); on CUDA it ships only by CUDA
 IPC into decode pools on CUDA on this host (config.kv_transfer "tcp" is refused at start: tcp
@@ -85,7 +85,7 @@ class PrefillMessager:
         connect_s = min(CONNECT_TIMEOUT_S, self.timeout_s)
         self.links = LinkCache(lambda peer: KVLink(
             pool, layout, peer, mode, timeout_s=self.timeout_s, connect_timeout_s=connect_s,
-            local_segment=local), MAX_LINKS, RETRY_S)
+            local_segment=local, curve_keys=cfg.curve_keys), MAX_LINKS, RETRY_S)
         self.messager = Messager(self.signal, layer_timeout_s=self.timeout_s,
                                  num_layers=layout.num_layers)
         self.failed: OrderedDict[tuple[str, str], str] = OrderedDict()  # (peer, remote id) -> why

@@ -7,14 +7,17 @@ it), laid out as::
     DIR/client.key  DIR/client.key_secret      the key pair handed to trusted clients
     DIR/authorized_clients/*.key               public keys the daemon lets in
 
-``pipeline serve --curve-keys DIR`` uses ``server_socket_setup``; ``Client(...,
-curve_keys_dir=DIR)`` uses ``client_socket_setup`` (it needs client.key_secret and
-server.key only). Secret files are written 0600 and the directory 0700.
+One DIR secures a whole deployment (docs/security.md): on every channel the listening end
+uses ``server_socket_setup`` and the connecting end ``client_socket_setup`` (client.key_secret
+and server.key only). ``pipeline keys DIR`` (``add_args`` / ``main``) makes it. Secret files
+are written 0600 and the directory 0700.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import zmq
@@ -82,3 +85,28 @@ def client_socket_setup(sock: zmq.Socket, keys_dir: str | Path | None = None,
     sock.curve_secretkey = secret
     sock.curve_publickey = public
     sock.curve_serverkey = server_public
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", metavar="DIR", help="the key directory to create")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace existing keys (a rotation: see docs/security.md first)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """`pipeline keys DIR`: make the deployment's keys, say what goes where."""
+    try:
+        d = generate_keys(args.dir, overwrite=args.overwrite)
+    except FileExistsError:
+        print(f"pipeline keys: {args.dir} already holds keys; give --overwrite to replace them "
+              "(every instance, router and client of the deployment then needs the new ones)",
+              file=sys.stderr)
+        return 2
+    print(f"""CURVE keys written to {d}:
+  server.key, server.key_secret   the listening ends (instances, routers, KV listeners)
+  client.key, client.key_secret   the connecting ends (clients, routers, prefill instances)
+  {AUTHORIZED}/client.key        the client keys the listening ends admit
+Copy the whole directory (mode 0700, secrets 0600) to every host of the deployment and give
+each `pipeline serve` and `pipeline router` --curve-keys {d}. A client that only connects
+needs client.key, client.key_secret and server.key. Rotation: docs/security.md.""")
+    return 0

@@ -271,7 +271,7 @@ class OnCuda:
 def test_a_cuda_prefill_refuses_every_peer_but_cuda_on_this_host(cuda_rx):
     with pytest.raises(KVTransferError, match="kv_transfer=tcp .* GPU memory over tcp is not built"):
         KVLink(OnCuda(), LAYOUT, cuda_rx.endpoint, "tcp")
-    with pytest.raises(KVTransferError, match="CUDA IPC impossible: it runs on host .*, this is 'h2'"):
+    with pytest.raises(KVTransferError, match="CUDA IPC impossible: it runs on another host"):
         KVLink(OnCuda(), LAYOUT, cuda_rx.endpoint, "auto", host="h2")
     cpu_rx = KVReceiver(bytearray(REMOTE.total_bytes), REMOTE, segment="pipeline.x.kv")
     try:

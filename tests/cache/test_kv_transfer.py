@@ -26,6 +26,7 @@ from pipeline.cache.tcp import (
     HELLO,
     OK,
     FlushAck,
+    Hello,
     KVHeader,
     PeerInfo,
     TcpTransfer,
@@ -236,8 +237,12 @@ def test_ipc_refuses_a_segment_of_another_size(decode_ipc):
 @pytest.mark.parametrize("field,value", DIFFERENT)
 def test_tcp_handshake_refuses_a_different_layout_and_keeps_serving(decode_tcp, field, value):
     mine = _with(field, value)
-    with pytest.raises(ValueError, match=f"refused.*{field}: local={value!r} remote={getattr(REMOTE, field)!r}"):
+    with pytest.raises(ValueError, match=f"refused the handshake: KV layout mismatch on {field} "
+                                         fr"\(this instance's: {field}={value!r}\)$") as e:
         TcpTransfer(bytes(mine.total_bytes), mine, decode_tcp.endpoint)
+    # Only the field's name: nothing of the receiver's values (its model hash least of all).
+    assert repr(getattr(REMOTE, field)) not in str(e.value).split("refused")[1]
+    assert REMOTE.model_hash not in str(e.value)
     _round_trip(lambda buf: TcpTransfer(buf, LAYOUT, decode_tcp.endpoint), decode_tcp,
                 [1], [(2, 3)], 0)
     assert decode_tcp.ask("rejected") == 1
@@ -250,23 +255,23 @@ def _enc(obj) -> bytes:
 
 
 BB = LAYOUT.block_bytes
-MALFORMED_BEFORE_HELLO = [[DATA, _enc(KVHeader(0, [0], [1])), bytes(BB), bytes(BB)], [FLUSH, _enc(1)], [b"Z"],
+MALFORMED_BEFORE_HELLO = [[DATA, _enc(KVHeader(0, 0, 1)), bytes(BB), bytes(BB)], [FLUSH, _enc(1)], [b"Z"],
                           [DONE, _enc(["r", 1, ""])]]
 MALFORMED_AFTER_HELLO = [
     [b""], [b"ZZ", b"x"], [HELLO, b"\xc1garbage"], [HELLO, _enc({"num_layers": 3})],
+    [HELLO, _enc(LAYOUT)],  # the old handshake, without the host
     [DATA, b"\x93", bytes(BB), bytes(BB)],  # truncated header
-    [DATA, _enc(KVHeader(3, [0], [1])), bytes(BB), bytes(BB)],  # layer out of range
-    [DATA, _enc(KVHeader(0, [11], [2])), bytes(2 * BB), bytes(2 * BB)],  # past the last block
-    [DATA, _enc(KVHeader(0, [-1], [1])), bytes(BB), bytes(BB)],
-    [DATA, _enc(KVHeader(0, [0], [0])), b"", b""],
-    [DATA, _enc(KVHeader(0, [0], [2])), bytes(BB), bytes(2 * BB)],  # K frame short
-    [DATA, _enc(KVHeader(0, [0], [1])), bytes(BB)],  # V frame missing
-    [DATA, bytes(1024 + 18 * REMOTE.num_blocks + 1), bytes(BB), bytes(BB)],  # oversized header
-    [DATA, _enc(KVHeader(0, [0], [2**62])), bytes(BB), bytes(BB)],
-    [DATA, _enc(KVHeader(0, [0, 1], [1])), bytes(BB), bytes(BB)],  # starts and counts differ
-    [DATA, _enc(KVHeader(0, [0, 1], [1, 1])), bytes(BB), bytes(BB)],  # run 2's frames missing
-    # run 1 fine, run 2 out of range: rejected whole, run 1 not written either
-    [DATA, _enc(KVHeader(0, [0, 12], [1, 1])), bytes(range(256)) * (BB // 256), bytes(BB), bytes(BB), bytes(BB)],
+    [DATA, _enc(KVHeader(3, 0, 1)), bytes(BB), bytes(BB)],  # layer out of range
+    [DATA, _enc(KVHeader(0, 11, 2)), bytes(2 * BB), bytes(2 * BB)],  # past the last block
+    [DATA, _enc(KVHeader(0, -1, 1)), bytes(BB), bytes(BB)],
+    [DATA, _enc(KVHeader(0, 0, 0)), b"", b""],
+    [DATA, _enc(KVHeader(0, 0, 2)), bytes(BB), bytes(2 * BB)],  # K frame short
+    [DATA, _enc(KVHeader(0, 0, 1)), bytes(BB)],  # V frame missing
+    [DATA, bytes(1024 + 1), bytes(BB), bytes(BB)],  # oversized header
+    [DATA, _enc(KVHeader(0, 0, 2**62)), bytes(BB), bytes(BB)],
+    [DATA, _enc([0, [0, 1], [1, 1]]), bytes(BB), bytes(BB)],  # the old header, of several runs
+    # more frames than the protocol's 4 (a second run): rejected whole, run 1 not written either
+    [DATA, _enc(KVHeader(0, 0, 1)), bytes(range(256)) * (BB // 256), bytes(BB), bytes(BB), bytes(BB)],
     [FLUSH, b"not an int"],
     [DONE, _enc(["r", 1, ""])],  # well-formed, but this receiver takes no done messages
     [DONE, b"\xc1"],
@@ -284,12 +289,12 @@ def test_malformed_messages_are_rejected_and_the_receiver_keeps_serving(decode_t
         # The flush without a handshake is answered at once (a restarted receiver), not ignored.
         assert s.poll(WAIT * 1000)
         assert s.recv_multipart() == [ERR, b"no handshake from this peer (receiver restarted?)"]
-        s.send_multipart([HELLO, _enc(LAYOUT)])
+        s.send_multipart([HELLO, _enc(Hello(LAYOUT, host_identity()))])
         assert s.poll(WAIT * 1000)
         kind, body = s.recv_multipart()
         assert kind == OK
         info = __import__("msgspec").msgpack.decode(body, type=PeerInfo)
-        assert (info.layout, info.segment, info.host) == (REMOTE, "", host_identity())
+        assert (info.layout, info.same_host, info.segment) == (REMOTE, True, "")
         for frames in MALFORMED_AFTER_HELLO:
             s.send_multipart(frames)
         s.send_multipart([FLUSH, _enc(7)])
@@ -310,7 +315,7 @@ def test_a_rejected_message_fails_the_senders_flush(decode_tcp):
     t = TcpTransfer(bytes(LAYOUT.total_bytes), LAYOUT, decode_tcp.endpoint)
     try:
         t.send_layer(0, [(0, 0)])
-        t._sock.send_multipart([DATA, _enc(KVHeader(0, [11], [5])), bytes(5 * BB), bytes(5 * BB)])
+        t._sock.send_multipart([DATA, _enc(KVHeader(0, 11, 5)), bytes(5 * BB), bytes(5 * BB)])
         why = r"applied 1 of 1 messages, rejected 1: blocks 11\.\.15 out of range 0\.\.11"
         with pytest.raises(KVTransferError, match=why):
             t.flush()
