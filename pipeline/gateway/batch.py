@@ -39,7 +39,8 @@ from pipeline.http.openai_response import (
 )
 from pipeline.messages import GatewayRequest, RequestResult
 from pipeline.runtime.spec import ModelInfo
-from pipeline.tokenizer.tokenizer import Tokenizer
+from pipeline.sampling_params.limits import max_tokens_that_fit
+from pipeline.tokenizer.tokenizer import Tokenizer, max_token_text_bytes
 
 URLS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
     "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
@@ -106,13 +107,24 @@ class Refused(Exception):
 
 
 class BatchLines:
-    def __init__(self, model_dir: str, model: ModelInfo | None, max_model_len: int) -> None:
+    def __init__(self, model_dir: str, model: ModelInfo | None, max_model_len: int,
+                 answer_limit: int = 0) -> None:
         self.served = served_model_name(model_dir)
         self.fingerprint = fingerprint(model.kv.model_hash if model is not None else "")
         self.max_model_len = max_model_len
+        self.answer_limit = answer_limit  # the answers ring's message limit (0: unknown)
         self.text = token_texts(lambda: _tokenizer(model_dir))
+        self._token_text_bytes = lru_cache(1)(lambda: max_token_text_bytes(_tokenizer(model_dir).tok))
         self.seen: dict[str, int] = {}  # custom_id -> index of the line that has it
         self.inflight: dict[str, tuple[int, int, BatchLine]] = {}  # engine request id -> (line, k, its line)
+
+    def implied_max_tokens(self, n: int, logprobs: int | None) -> int:
+        """max_tokens of a line that set none: as many as the context and the answer's byte
+        budget allow, never a refusal over limits the line did not set (as over HTTP)."""
+        if not self.answer_limit:
+            return self.max_model_len
+        return min(self.max_model_len, max_tokens_that_fit(n, logprobs, self._token_text_bytes(),
+                                                           self.answer_limit))
 
     # ---- input (the reader thread) ----
     def parse(self, index: int, text: str, defaults: dict[str, Any]) -> BatchLine:
@@ -165,9 +177,9 @@ class BatchLines:
             raise ApiError(404, f"field `model`: the model `{req.model}` does not exist; this "
                                 f"server serves `{self.served}`", "model")
         if isinstance(req, ChatCompletionRequest):
-            all_fields = [chat_fields(req, self.max_model_len)]
+            all_fields = [chat_fields(req, self.max_model_len, self.implied_max_tokens)]
         else:
-            all_fields = completion_fields(req, self.max_model_len)
+            all_fields = completion_fields(req, self.max_model_len, self.implied_max_tokens)
         requests = []
         for k, fields in enumerate(all_fields):
             try:

@@ -29,6 +29,7 @@ from pipeline.gateway.pipe_input import RequestError, RunIds, line_text, parse_l
 from pipeline.gateway.pipe_output import AnswerWriter
 from pipeline.messages import GatewayRequest, error_result
 from pipeline.runtime.lifecycle import StartupError
+from pipeline.runtime.rings import message_limits
 from pipeline.sampling_params import SamplingParams
 
 
@@ -102,7 +103,9 @@ def feed(gw: Gateway, writer: AnswerWriter, args, lines: Iterator[bytes | int],
                 decided = True
                 if is_batch_line(text):
                     assert gw.model is not None  # started
-                    batch = writer.batch = BatchLines(gw.config.model_config.model, gw.model, gw.model.max_model_len)
+                    batch = writer.batch = BatchLines(
+                        gw.config.model_config.model, gw.model, gw.model.max_model_len,
+                        message_limits(gw.config, gw.model.max_model_len)["answers"])
             if batch is not None:
                 line = batch.parse(index, text, defaults)
             elif is_batch_line(text):

@@ -135,3 +135,31 @@ def test_all_good_batch_exits_0(model):
     assert sorted(o["custom_id"] for o in out) == ["r0", "r1", "r2", "r3"]
     assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in out)
     assert all(o["response"]["body"]["usage"]["completion_tokens"] == 3 for o in out)
+
+
+LONG = 131072
+# The answer's first token is a stop token: a request the engine may run for its whole implied
+# max_tokens ends at once, while what it asked is still checked.
+STOP_AT_ONCE = {"allowed_token_ids": [5, 6], "stop_token_ids": [5, 6]}
+
+
+def test_long_context_lines_without_max_tokens_are_served(tmp_path):
+    """Issue 25 item 8 in pipe mode: on a 131072-token model a batch line that sets no
+    max_tokens gets as many as fit (not a refusal over limits it never set); an explicit
+    max_tokens is still held to them, naming the field."""
+    model = make_tiny_model(tmp_path / "long", max_positions=LONG)
+    extras = [{"n": 3}, {"logprobs": True, "top_logprobs": 5},
+              {"n": 3, "logprobs": True, "top_logprobs": 20}]
+    lines = [batch(f"c{i}", CHAT, {"messages": MSGS, **STOP_AT_ONCE, **x}) for i, x in enumerate(extras)]
+    lines += [batch("p", CMPL, {"prompt": "a", "n": 3, "max_tokens": None, "logprobs": 5, **STOP_AT_ONCE}),
+              batch("explicit", CHAT, {"messages": MSGS, "n": 3, "max_tokens": LONG - 100})]
+    code, out, err = run_pipe(model, lines, "--max-model-len", str(LONG), "--num-blocks", "8300")
+    by_id = {o["custom_id"]: o for o in out}
+    for i, x in enumerate(extras):
+        o = by_id[f"c{i}"]
+        assert o["error"] is None and o["response"]["status_code"] == 200, (o, err[-2000:])
+        assert len(o["response"]["body"]["choices"]) == x.get("n", 1)
+    assert by_id["p"]["error"] is None and by_id["p"]["response"]["status_code"] == 200, by_id["p"]
+    bad = by_id["explicit"]
+    assert bad["response"]["status_code"] == 400 and "max_tokens" in json.dumps(bad["response"]["body"]), bad
+    assert code != 0  # a refused line makes the run's exit status say so
