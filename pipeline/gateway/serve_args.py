@@ -5,12 +5,11 @@ built from the parsed namespace by ``check_args``; the engine's flags become an
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 from dataclasses import dataclass
 
 from pipeline.engine_args import add_engine_args, add_node_args, add_pd_args
-from pipeline.frontend.args import FrontArgs, add_front_args
+from pipeline.frontend.args import FrontArgs, add_front_args, is_loopback
 from pipeline.http.launcher import parse_http
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7001"
@@ -52,19 +51,21 @@ class ServeArgs(FrontArgs):
         if self.http is not None:
             host, port = parse_http(self.http)
             # The HTTP API's key is --api-key (CURVE keys secure the ZMQ channels only).
-            if not (self.api_key or self.allow_insecure_network or is_loopback_host(host)):
+            if not (self.api_key or self.allow_insecure_network or is_loopback(tcp(host, port))):
                 raise ValueError(f"--http {self.http} is beyond loopback and --api-key is not set: "
                                  "anyone who reaches it would be let in; give --api-key (or "
                                  "$PIPELINE_API_KEY), or --allow-insecure-network on a network you trust")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in [0, 65535] (0: off), got {self.metrics_port}")
+        if self.metrics_port and not (self.allow_insecure_network
+                                      or is_loopback(tcp(self.metrics_host, self.metrics_port))):
+            raise ValueError(f"--metrics-host {self.metrics_host} is beyond loopback: /metrics has no "
+                             "key and tells whoever reaches it the server's load and sizes; keep it "
+                             "on loopback (scrape through a proxy) or give --allow-insecure-network")
 
 
-def is_loopback_host(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name: it may resolve to anything
-        return False
+def tcp(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def check_args(args: argparse.Namespace) -> ServeArgs:

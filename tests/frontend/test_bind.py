@@ -57,3 +57,17 @@ def test_the_keys_directory_is_checked_whole(tmp_path):
         with pytest.raises(ValueError, match=f"--curve-keys {keys}: missing {f}"):
             EngineConfig(curve_keys=str(keys)).check()
         (keys / (f + ".moved")).rename(keys / f)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--http", "0.0.0.0:8000"], "--http 0.0.0.0:8000 is beyond loopback and --api-key"),
+    (["--metrics-port", "9100", "--metrics-host", "0.0.0.0"], "--metrics-host 0.0.0.0 is beyond loopback"),
+    (["--metrics-port", "9100", "--metrics-host", "::"], "--metrics-host :: is beyond loopback"),
+])
+def test_the_http_ports_beyond_loopback_need_a_key_or_the_explicit_flag(flags, says, monkeypatch):
+    monkeypatch.delenv("PIPELINE_API_KEY", raising=False)
+    with pytest.raises(ValueError, match=says):
+        check_serve_args(_parse(add_serve_args, flags))
+    check_serve_args(_parse(add_serve_args, [*flags, "--allow-insecure-network"]))
+    for loopback in (["--http", "127.0.0.1:8000"], ["--metrics-port", "9100", "--metrics-host", "::1"]):
+        check_serve_args(_parse(add_serve_args, loopback))
