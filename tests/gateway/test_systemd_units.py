@@ -95,6 +95,21 @@ def _private_tmp_works() -> bool:
 PRIVATE_TMP = _private_tmp_works()
 
 
+def private_tmp(cmd: list[str], keep: list[Path], cwd: Path) -> list[str]:
+    """``cmd`` with fresh tmpfs on /tmp and /var/tmp (PrivateTmp=yes), and bound back in from
+    the old trees what the test itself keeps there (this checkout, its Python, the working
+    directory: a clone under /tmp must not vanish): the shell still reaches the old tree
+    through its working directory after the tmpfs covers it (--no-canonicalize: mount would
+    otherwise resolve the relative source to the new, empty path)."""
+    steps = []
+    for base in ("/tmp", "/var/tmp"):
+        rel = sorted({str(p.resolve().relative_to(base)) for p in keep if p.resolve().is_relative_to(base)})
+        steps.append(f"cd {base} && mount -t tmpfs -o mode=1777 tmpfs {base}")
+        steps += [f"mkdir -p {base}/{q} && mount --no-canonicalize --bind {q} {base}/{q}" for q in map(shlex.quote, rel)]
+    steps.append(f'cd {shlex.quote(str(cwd))} && exec "$@"')
+    return ["unshare", "-m", "sh", "-c", " && ".join(steps), "sh", *cmd]
+
+
 class Unit:
     """One unit's ExecStart, run as systemd would (see the module docstring)."""
 
@@ -113,8 +128,7 @@ class Unit:
                 env[k] = v.replace("/var/cache/pipeline", str(workdir))
         self.name = name
         if PRIVATE_TMP:  # PrivateTmp=yes: /tmp and /var/tmp of its own
-            cmd = ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o mode=1777 tmpfs /tmp && "
-                   "mount -t tmpfs -o mode=1777 tmpfs /var/tmp && exec \"$@\"", "sh", *cmd]
+            cmd = private_tmp(cmd, [ROOT, Path(sys.prefix), workdir], workdir)
         else:
             env["TMPDIR"] = tempfile.mkdtemp(dir=workdir)
         self.log = open(workdir / f"{name}.log", "w+")
