@@ -105,7 +105,8 @@ def private_tmp(cmd: list[str], keep: list[Path], cwd: Path) -> list[str]:
     for base in ("/tmp", "/var/tmp"):
         rel = sorted({str(p.resolve().relative_to(base)) for p in keep if p.resolve().is_relative_to(base)})
         steps.append(f"cd {base} && mount -t tmpfs -o mode=1777 tmpfs {base}")
-        steps += [f"mkdir -p {base}/{q} && mount --no-canonicalize --bind {q} {base}/{q}" for q in map(shlex.quote, rel)]
+        steps += [f"mkdir -p {base}/{q} && mount --no-canonicalize --bind {q} {base}/{q}"
+                  for q in map(shlex.quote, rel)]
     steps.append(f'cd {shlex.quote(str(cwd))} && exec "$@"')
     return ["unshare", "-m", "sh", "-c", " && ".join(steps), "sh", *cmd]
 
