@@ -14,7 +14,7 @@ COMMANDS = {
     "serve": ("pipeline.gateway.serve", "the daemon (ZMQ, systemd Type=notify)"),
     "router": ("pipeline.router.server", "one address over several daemons (replicas or prefill/decode pools)"),
     "make-model": ("pipeline.models.make_model", "write a random-initialised checkpoint"),
-    "keys": ("pipeline.frontend.curve", "make the CURVE keys of a deployment (docs/security.md)"),
+    "keys": ("pipeline.ipc.curve", "make the CURVE keys of a deployment (docs/security.md)"),
 }
 BENCHES = {
     "ipc": "pipeline.bench.ipc",

@@ -8,7 +8,9 @@ vLLM's names: ``model_config``, ``cache_config``, ``scheduler_config``, ``parall
 """
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
+from urllib.parse import urlparse
 
 import msgspec
 
@@ -180,10 +182,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_transfer_config: KVTransferConfig = msgspec.field(default_factory=KVTransferConfig)
     step_log: str = ""  # a file the engine appends one JSON line per step to (engine/step_log.py)
     instance_id: str = ""
-    # ZMQ CURVE keys (frontend/curve.py's layout) securing every channel this instance opens or
+    # ZMQ CURVE keys (ipc/curve.py's layout) securing every channel this instance opens or
     # accepts: clients, the router, KV transfer, tensor-parallel step plans (docs/security.md).
     curve_keys: str = ""
-    # Bind beyond loopback without curve_keys all the same (else refused: frontend.args.check_bind).
+    # Bind beyond loopback without curve_keys all the same (else refused: check_bind).
     allow_insecure_network: bool = False
 
     @classmethod
@@ -232,7 +234,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                                  "(make the keys with `pipeline keys DIR`)")
         pd, par = self.kv_transfer_config, self.parallel_config
         if pd.kv_listen:  # the decode side's KV listener: who reaches it writes into the cache
-            from pipeline.frontend.args import check_bind
 
             check_bind("--kv-listen", pd.kv_listen, self.curve_keys, self.allow_insecure_network)
         if pd.role != "mixed" and par.tensor_parallel_size > 1 and (
@@ -241,7 +242,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                              f"CPUs (its ranks share one KV segment that the cache messager ships); "
                              f"got --nnodes {par.nnodes}, --device {self.model_config.device}")
         if par.nnodes > 1:  # node 0 binds the rendezvous and step-plan ports there
-            from pipeline.frontend.args import check_bind
             check_bind("--master-addr", f"tcp://{par.master_addr}:{par.master_port}",
                        self.curve_keys, self.allow_insecure_network)
 
@@ -260,6 +260,29 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.cache_config.block_size:
             return self.cache_config.block_size
         return 64 if self.resolved_device() == "cuda" else 16
+
+
+def is_loopback(endpoint: str) -> bool:
+    u = urlparse(endpoint)
+    if u.scheme in ("ipc", "inproc"):
+        return True
+    host = (u.hostname or "").strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(flag: str, endpoint: str, curve_keys: str, allow_insecure: bool) -> None:
+    """ValueError unless ``endpoint`` may be bound: on loopback (or ipc), or with CURVE keys,
+    or with --allow-insecure-network. Anyone who reaches an open port without keys is served."""
+    if curve_keys or allow_insecure or is_loopback(endpoint):
+        return
+    raise ValueError(f"{flag} {endpoint} is beyond loopback and --curve-keys is not set: anyone "
+                     "who reaches it would be let in; give --curve-keys DIR (docs/security.md), or "
+                     "--allow-insecure-network on a network you trust")
 
 
 # What a --curve-keys directory holds for an instance to be both ends of its channels.

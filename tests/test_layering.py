@@ -36,11 +36,11 @@ LAYERS: dict[str, set[str]] = {
     "worker": STAGE_BASE | {"models", "layers", "structured_outputs"},
     "layers": {"_ext", "config"},
     "models": {"layers", "config"},
-    # the wire protocol, client sessions, the one ZMQ server base, CURVE
-    "frontend": {"messages", "sampling_params", "config"},
-    "client": {"messages", "frontend", "sampling_params", "config"},
+    # the wire protocol, client sessions, the one ZMQ server base (CURVE keys: ipc.curve)
+    "frontend": {"messages", "sampling_params", "config", "ipc"},
+    "client": {"messages", "frontend", "sampling_params", "config", "ipc"},
     # of the gateway, its systemd notifier only (ROUTER_MAY_USE)
-    "router": {"client", "frontend", "messages", "sampling_params", "config", "gateway", "http"},
+    "router": {"client", "frontend", "messages", "sampling_params", "config", "gateway", "http", "ipc"},
     # the OpenAI HTTP front end: a client of the daemon (and its Tokenizer for /tokenize; the
     # launcher, the daemon's side, sweeps the ipc directories of dead instances)
     "http": {"client", "frontend", "messages", "sampling_params", "config", "tokenizer", "ipc"},
@@ -48,7 +48,7 @@ LAYERS: dict[str, set[str]] = {
     "llm_tp": STAGE_BASE | {"worker"},
 }
 STAGES = {"tokenizer", "engine", "worker", "output", "cache"}
-CLIENT_MAY_USE = {"pipeline.frontend.protocol", "pipeline.frontend.curve"}
+CLIENT_MAY_USE = {"pipeline.frontend.protocol", "pipeline.ipc.curve"}
 # The router is a front end over daemons: of the gateway, its systemd notifier only.
 ROUTER_MAY_USE = {"pipeline.gateway.systemd"}
 # The HTTP front end: of the tokenizer, the Tokenizer class and the byte limits every way in
@@ -154,9 +154,9 @@ def test_only_the_engine_imports_the_block_pool():
 
 def test_the_client_uses_only_messages_and_the_wire_protocol():
     bad = [f"{m} -> {d}" for m, deps in GRAPH.items() if package(m) == "client"
-           for d in deps if package(d) == "frontend" and d not in CLIENT_MAY_USE]
+           for d in deps if package(d) in {"frontend", "ipc"} and d not in CLIENT_MAY_USE]
     assert not bad, bad
-    # and what those frontend modules import is below the client too
+    # and what those modules import is below the client too
     for mod in CLIENT_MAY_USE:
         assert all(package(d) in {"messages", "sampling_params", "frontend"} for d in GRAPH[mod]), GRAPH[mod]
 

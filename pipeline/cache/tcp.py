@@ -19,7 +19,7 @@ message handed to `on_done`). Every message has a fixed number of frames:
   without a handshake (a receiver that restarted: the sender fails at once, no time-out);
 - `[b"R", KVDone]`: request `req_id`'s KV is in (its first `token`) or failed (`error`);
   applied after that peer's earlier data, for the same ordering reason.
-With `curve_keys` (EngineConfig.curve_keys, frontend/curve.py's layout) the receiver is a
+With `curve_keys` (EngineConfig.curve_keys, ipc/curve.py's layout) the receiver is a
 CURVE server admitting DIR/authorized_clients and the sender a CURVE client: a peer without
 the deployment's client key never gets past the ZMQ handshake (nothing parsed, nothing
 answered). A malformed or unexpected message is rejected whole (checked before a byte of it
@@ -46,8 +46,8 @@ from msgspec import Meta
 from zmq.utils.monitor import recv_monitor_message
 
 from pipeline.cache.transfer import KVTransfer, KVTransferError, runs
-from pipeline.frontend.curve import client_socket_setup
 from pipeline.ipc.cuda_ipc import MAX_CUDA_IPC
+from pipeline.ipc.curve import client_socket_setup
 from pipeline.messages.kv_layout import MUST_MATCH, KVLayout
 
 logger = logging.getLogger(__name__)

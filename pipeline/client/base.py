@@ -17,7 +17,7 @@ import msgspec
 import zmq
 
 from pipeline.frontend import protocol as P
-from pipeline.frontend.curve import client_socket_setup
+from pipeline.ipc.curve import client_socket_setup
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, error_result
 
 DEFAULT_TIMEOUT_S = 600.0

@@ -8,5 +8,4 @@ speak it.
 - zmq_server: the one ZMQ server base (the front ROUTER socket, frames in, answers out,
   clients gone), which the daemon and the router build on
 - args: the front flags (``FrontArgs``), their checks, the open-port test, start-up failure
-- curve: ZMQ CURVE keys
 """

@@ -2,19 +2,19 @@
 router`): the front flags, their checked and typed form (``FrontArgs``, which ``ServeArgs``
 and ``RouterArgs`` extend; built from the parsed namespace at the command's edge, so that no
 ``argparse.Namespace`` reaches frame handling), the channel security flags (``--curve-keys``,
-``--allow-insecure-network``) and the rule they enforce (``check_bind``: nothing binds beyond
-loopback without keys unless told to), and the one-line start-up failure (exit status 2).
+``--allow-insecure-network``) and the rule they enforce (``config.check_bind``: nothing binds
+beyond loopback without keys unless told to), and the one-line start-up failure (exit status 2).
 Owns no state.
 """
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import sys
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlparse
 
+from pipeline.config import check_bind
 from pipeline.frontend import protocol as P
 
 FRAME_BYTES_RANGE = (1 << 10, 1 << 30)
@@ -55,29 +55,6 @@ class FrontArgs:
 def check_endpoint(flag: str, addr: str) -> None:
     if urlparse(addr).scheme not in ("tcp", "ipc"):
         raise ValueError(f"{flag} {addr!r}: expected tcp://HOST:PORT or ipc://PATH")
-
-
-def is_loopback(endpoint: str) -> bool:
-    u = urlparse(endpoint)
-    if u.scheme in ("ipc", "inproc"):
-        return True
-    host = (u.hostname or "").strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_bind(flag: str, endpoint: str, curve_keys: str, allow_insecure: bool) -> None:
-    """ValueError unless ``endpoint`` may be bound: on loopback (or ipc), or with CURVE keys,
-    or with --allow-insecure-network. Anyone who reaches an open port without keys is served."""
-    if curve_keys or allow_insecure or is_loopback(endpoint):
-        return
-    raise ValueError(f"{flag} {endpoint} is beyond loopback and --curve-keys is not set: anyone "
-                     "who reaches it would be let in; give --curve-keys DIR (docs/security.md), or "
-                     "--allow-insecure-network on a network you trust")
 
 
 class Status(Protocol):

@@ -107,7 +107,7 @@ class ZmqServer:
         """Make the socket a CURVE server admitting DIR/authorized_clients (endpoints bound from
         now on take it; one bound before, like the HTTP front end's private ipc, stays plain).
         ValueError naming --curve-keys if the keys cannot be loaded."""
-        from pipeline.frontend.curve import server_socket_setup
+        from pipeline.ipc.curve import server_socket_setup
         assert self.sock is not None
         try:
             self.auth = server_socket_setup(self.sock, curve_keys)

@@ -115,7 +115,7 @@ class Server(DaemonFront):
             # at bind time, and this one is private to this user (HttpFront's directory).
             sock.bind(self.http.endpoint)
         if a.curve_keys:
-            from pipeline.frontend.curve import server_socket_setup
+            from pipeline.ipc.curve import server_socket_setup
             try:
                 self.auth = server_socket_setup(sock, a.curve_keys)
             except (OSError, ValueError) as exc:

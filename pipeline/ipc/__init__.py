@@ -13,6 +13,8 @@ Owns nothing itself; re-exports the transport errors. Modules:
   cache of prefill/decode instances on CUDA), torch imported lazily
 - codec: msgspec msgpack encode/decode, token ids as raw little-endian int32 bytes
 - errors: `PeerDied`, `ShmSpaceError`
+- curve: the ZMQ CURVE keys every channel between processes and hosts uses (client, router,
+  KV transfer, TP step plans) and `pipeline keys`
 Hot paths: pipeline._ext.shmring and pipeline._ext.layer_signal (cython_ext/).
 """
 from pipeline.ipc.errors import PeerDied, ShmSpaceError

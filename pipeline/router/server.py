@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
+from pipeline.config import is_loopback
 from pipeline.frontend import protocol as P
-from pipeline.frontend.args import cannot_start, is_loopback
+from pipeline.frontend.args import cannot_start
 from pipeline.frontend.zmq_server import DISCONNECT_SETTLE_S
 from pipeline.gateway.systemd import Notifier
 from pipeline.messages import ErrorInfo, error_result

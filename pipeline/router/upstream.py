@@ -20,7 +20,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pipeline.frontend import protocol as P
-from pipeline.frontend.curve import client_socket_setup
+from pipeline.ipc.curve import client_socket_setup
 
 PROBE_INTERVAL_S = 0.5
 # The circuit breaker: an instance that went down BREAKER_FAILURES times within

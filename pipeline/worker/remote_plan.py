@@ -83,7 +83,7 @@ class PlanSender:
         endpoint = plan_endpoint(addr, master_port)
         try:
             if curve_keys:
-                from pipeline.frontend.curve import server_socket_setup
+                from pipeline.ipc.curve import server_socket_setup
                 self._auth = server_socket_setup(self._sock, curve_keys)
             self._sock.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -156,7 +156,7 @@ class PlanReceiver:
         self._sock.setsockopt(zmq.LINGER, 0)
         self.endpoint = plan_endpoint(addr, master_port)
         if curve_keys:
-            from pipeline.frontend.curve import client_socket_setup
+            from pipeline.ipc.curve import client_socket_setup
             client_socket_setup(self._sock, curve_keys)
         self._sock.connect(self.endpoint)
         self._sock.send(hello(rank, plan_key))

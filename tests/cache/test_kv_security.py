@@ -16,7 +16,7 @@ from zmq.utils.monitor import recv_monitor_message
 from pipeline.cache.tcp import DATA, FLUSH, HELLO, FlushAck, Hello, KVHeader, TcpTransfer
 from pipeline.cache.tcp_receiver import KVReceiver
 from pipeline.cache.transfer import KVTransferError
-from pipeline.frontend.curve import client_socket_setup, generate_keys
+from pipeline.ipc.curve import client_socket_setup, generate_keys
 from pipeline.messages.kv_layout import KVLayout
 
 WAIT = 60

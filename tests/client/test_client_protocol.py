@@ -21,7 +21,7 @@ from pipeline.client import Client, RequestError
 from pipeline.client.async_client import AsyncClient
 from pipeline.client.base import Inflight
 from pipeline.frontend import protocol as P
-from pipeline.frontend.curve import generate_keys, server_socket_setup
+from pipeline.ipc.curve import generate_keys, server_socket_setup
 from pipeline.frontend.request_parser import sampling_params
 from pipeline.frontend.sessions import ClientSessions, DuplicateRequestId
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, Timings, Usage

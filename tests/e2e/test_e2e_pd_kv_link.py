@@ -14,7 +14,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pipeline.cache.tcp import DATA, FLUSH, HELLO, Hello, KVHeader
 from pipeline.frontend import protocol as P
-from pipeline.frontend.curve import client_socket_setup, generate_keys
+from pipeline.ipc.curve import client_socket_setup, generate_keys
 from pipeline.messages.kv import KVTransferParams
 from pipeline.messages.kv_layout import KVLayout
 

@@ -7,11 +7,10 @@ import argparse
 
 import pytest
 
-from pipeline.config import CURVE_FILES, EngineConfig
-from pipeline.frontend.args import check_bind
-from pipeline.frontend.curve import generate_keys
+from pipeline.config import CURVE_FILES, EngineConfig, check_bind
 from pipeline.gateway.serve_args import add_args as add_serve_args
 from pipeline.gateway.serve_args import check_args as check_serve_args
+from pipeline.ipc.curve import generate_keys
 from pipeline.router.args import add_args as add_router_args
 from pipeline.router.args import check_args as check_router_args
 

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pipeline.client import Client
 from pipeline.client.async_client import AsyncClient
 from pipeline.frontend import protocol as P
-from pipeline.frontend.curve import client_socket_setup, generate_keys
+from pipeline.ipc.curve import client_socket_setup, generate_keys
 from pipeline.messages import RequestResult
 
 NUM_REQUESTS = int(os.environ.get("PIPELINE_E2E_REQUESTS", "96"))

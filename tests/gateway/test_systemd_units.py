@@ -30,8 +30,8 @@ import pytest
 from e2e_helpers import ROOT, free_port, make_tiny_model, run_pipe, wait_for
 
 from pipeline.client import Client
-from pipeline.frontend.args import is_loopback
-from pipeline.frontend.curve import generate_keys
+from pipeline.config import is_loopback
+from pipeline.ipc.curve import generate_keys
 from pipeline.runtime.process import DIE_WITH_ENV
 
 UNITS = sorted((ROOT / "tools" / "systemd").glob("*.service"))

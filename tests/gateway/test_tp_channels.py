@@ -27,7 +27,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pipeline.client import Client
 from pipeline.config import EngineConfig
-from pipeline.frontend.curve import client_socket_setup, generate_keys
+from pipeline.ipc.curve import client_socket_setup, generate_keys
 from pipeline.worker.remote_plan import PlanReceiver, PlanSender, hello
 
 TIMEOUT = {"PIPELINE_TP_TIMEOUT_S": "20"}

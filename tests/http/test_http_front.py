@@ -163,7 +163,7 @@ def test_http_alone_binds_no_zmq_endpoint(model):
 
 def test_curve_keys_still_guard_listen_while_http_serves(model, tmp_path):
     from pipeline.client import Client
-    from pipeline.frontend.curve import generate_keys
+    from pipeline.ipc.curve import generate_keys
 
     keys = generate_keys(tmp_path / "curve")
     port = free_port()

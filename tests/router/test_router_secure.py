@@ -19,7 +19,7 @@ from e2e_helpers import Daemon, RouterProc, make_tiny_model, shm_entries, wait_f
 
 from pipeline.client import Client
 from pipeline.frontend import protocol as P
-from pipeline.frontend.curve import client_socket_setup, generate_keys
+from pipeline.ipc.curve import client_socket_setup, generate_keys
 
 BOUND = 200 << 20  # what an attack may add to a process's RSS
 

@@ -1,4 +1,5 @@
-"""Gateway and client: ZMQ CURVE keys, so that only holders of the client key get in.
+"""ZMQ CURVE keys for every channel (client -> daemon or router, router -> instance, KV
+transfer, TP step plans), so that only holders of the deployment's client key get in.
 
 Owns a key directory in zmq.auth's certificate format (``zmq.auth.load_certificate`` reads
 it), laid out as::
