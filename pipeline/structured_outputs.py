@@ -30,6 +30,7 @@ import hashlib
 import json
 import threading
 import zlib
+from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
 
 # Compiled grammars kept per compiler (bytes of xgrammar's cache).
 CACHE_BYTES = 256 << 20
+# Loaded (worker-side) grammars kept, in bytes of their compressed blobs.
+LOADED_BYTES = 64 << 20
 # The longest a spec may compile (seconds, in the tokenizer stage's compile process): specs
 # users send compile in milliseconds (3-field schema: 52 ms at a 152k vocabulary), the
 # issue-25 pattern in 14 s at 2048 tokens (longer on larger vocabularies).
@@ -109,11 +112,28 @@ class Grammars:
                                              cache_limit_bytes=CACHE_BYTES)
         self._lock = threading.Lock()
         self.compiles = 0  # compile() calls (cache hits included): see the module docstring
+        # Loaded grammars by spec (a repeated spec loads once, as it compiled once): loading
+        # is ~10 ms per MB of blob; bounded by their blobs' bytes (about a third of theirs).
+        self._loaded: OrderedDict[bytes, tuple[xgrammar.CompiledGrammar, int]] = OrderedDict()
+        self._loaded_bytes = 0
 
-    def load(self, blob: bytes) -> xgrammar.CompiledGrammar:
-        """The compiled grammar ``to_bytes`` made (for this tokenizer)."""
+    def load(self, blob: bytes, so: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        """The compiled grammar of ``so`` that ``to_bytes`` made (for this tokenizer)."""
+        key = spec_key(so)
+        with self._lock:
+            hit = self._loaded.get(key)
+            if hit is not None:
+                self._loaded.move_to_end(key)
+                return hit[0]
         xgr = _import_xgrammar()
-        return xgr.CompiledGrammar.deserialize_json(zlib.decompress(blob).decode(), self.info)
+        compiled = xgr.CompiledGrammar.deserialize_json(zlib.decompress(blob).decode(), self.info)
+        with self._lock:
+            if key not in self._loaded:
+                self._loaded[key] = (compiled, len(blob))
+                self._loaded_bytes += len(blob)
+            while self._loaded_bytes > LOADED_BYTES and len(self._loaded) > 1:
+                self._loaded_bytes -= self._loaded.popitem(last=False)[1][1]
+        return compiled
 
     def compile(self, so: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar of ``so`` (from the cache when it compiled before);

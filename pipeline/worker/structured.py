@@ -93,7 +93,7 @@ class StructuredBatch:
 
         def build():
             g = grammars.result()
-            m = g.matcher(g.load(compiled) if compiled is not None else g.compile(so))
+            m = g.matcher(g.load(compiled, so) if compiled is not None else g.compile(so))
             for t in output:
                 if not m.accept_token(t):  # it had left its grammar before (see accept)
                     logger.warning("request %s: resumed output token %d is outside its grammar; "

@@ -67,7 +67,7 @@ def test_what_the_service_compiled_constrains_as_a_local_compile(service):
     import xgrammar as xgr
     so = StructuredOutputsParams(regex=r"[a-z]{2,4}@(com|org)")
     g = Grammars(MODEL, 2048, EOS)
-    loaded, local = g.matcher(g.load(service.compile(so))), g.matcher(g.compile(so))
+    loaded, local = g.matcher(g.load(service.compile(so), so)), g.matcher(g.compile(so))
     steps = 0
     while not local.is_terminated():
         masks = []
