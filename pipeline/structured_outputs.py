@@ -15,7 +15,7 @@ bitmask costs microseconds, and vLLM, SGLang and FastDeploy build on it.
 - ``regex``, ``grammar`` (EBNF), ``choice`` (an EBNF alternation of the quoted choices).
 
 A compile can take minutes (``{"type":"string","pattern":"(([a-z]{1,12}){1,12}){1,12}"}``:
-14 s on the default model) and cannot be interrupted in its thread, so the serving stages
+3.6-14 s on the default model) and cannot be interrupted in its thread, so the serving stages
 never compile on a path anyone waits on: the tokenizer stage compiles each spec once in a
 child process it kills past ``COMPILE_BUDGET_S`` (``tokenizer/grammar_server.py``) and the
 compiled grammar travels with the request (``to_bytes``: xgrammar's serialized form, zlib'd);
@@ -45,7 +45,7 @@ CACHE_BYTES = 256 << 20
 LOADED_BYTES = 64 << 20
 # The longest a spec may compile (seconds, in the tokenizer stage's compile process): specs
 # users send compile in milliseconds (3-field schema: 52 ms at a 152k vocabulary), the
-# issue-25 pattern in 14 s at 2048 tokens (longer on larger vocabularies).
+# issue-25 pattern in 3.6-14 s at 2048 tokens (longer on larger vocabularies).
 COMPILE_BUDGET_S = 5.0
 # zlib level of a compiled grammar on the rings: level 1 takes it to ~1/3 (a 3.7 MB regex
 # grammar at 152k tokens: 1.25 MB in 24 ms, 10 ms to inflate); higher levels gain little.
