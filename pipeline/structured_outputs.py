@@ -14,12 +14,23 @@ bitmask costs microseconds, and vLLM, SGLang and FastDeploy build on it.
 - ``json_object``: any JSON object, whitespace as for ``json``.
 - ``regex``, ``grammar`` (EBNF), ``choice`` (an EBNF alternation of the quoted choices).
 
+A compile can take minutes (``{"type":"string","pattern":"(([a-z]{1,12}){1,12}){1,12}"}``:
+3.6-14 s on the default model) and cannot be interrupted in its thread, so the serving stages
+never compile on a path anyone waits on: the tokenizer stage compiles each spec once in a
+child process it kills past ``COMPILE_BUDGET_S`` (``tokenizer/grammar_server.py``) and the
+compiled grammar travels with the request (``to_bytes``: xgrammar's serialized form, zlib'd);
+the worker only loads it (``Grammars.load``, milliseconds). ``compiles`` counts this
+process's compile calls (tests check the worker makes none for a request that arrived compiled).
+
 Owns: the compilers (thread-safe; xgrammar compiles with its own threads and releases the GIL).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
+import zlib
+from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +41,15 @@ if TYPE_CHECKING:
 
 # Compiled grammars kept per compiler (bytes of xgrammar's cache).
 CACHE_BYTES = 256 << 20
+# Loaded (worker-side) grammars kept, in bytes of their compressed blobs.
+LOADED_BYTES = 64 << 20
+# The longest a spec may compile (seconds, in the tokenizer stage's compile process): specs
+# users send compile in milliseconds (3-field schema: 52 ms at a 152k vocabulary), the
+# issue-25 pattern in 3.6-14 s at 2048 tokens (longer on larger vocabularies).
+COMPILE_BUDGET_S = 5.0
+# zlib level of a compiled grammar on the rings: level 1 takes it to ~1/3 (a 3.7 MB regex
+# grammar at 152k tokens: 1.25 MB in 24 ms, 10 ms to inflate); higher levels gain little.
+ZLIB_LEVEL = 1
 
 
 class GrammarError(ValueError):
@@ -65,6 +85,18 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def spec_key(so: StructuredOutputsParams) -> bytes:
+    """What identifies a compiled grammar: the spec as msgpack (a schema object keeps its key
+    order, which the output follows)."""
+    import msgspec
+    return hashlib.sha256(msgspec.msgpack.encode(so)).digest()
+
+
+def to_bytes(compiled: xgrammar.CompiledGrammar) -> bytes:
+    """A compiled grammar as it travels to the worker (``Grammars.load`` reads it)."""
+    return zlib.compress(compiled.serialize_json().encode(), ZLIB_LEVEL)
+
+
 class Grammars:
     """Compiles ``StructuredOutputsParams`` for one model's tokenizer."""
 
@@ -79,11 +111,36 @@ class Grammars:
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=True,
                                              cache_limit_bytes=CACHE_BYTES)
         self._lock = threading.Lock()
+        self.compiles = 0  # compile() calls (cache hits included): see the module docstring
+        # Loaded grammars by spec (a repeated spec loads once, as it compiled once): loading
+        # is ~10 ms per MB of blob; bounded by their blobs' bytes (about a third of theirs).
+        self._loaded: OrderedDict[bytes, tuple[xgrammar.CompiledGrammar, int]] = OrderedDict()
+        self._loaded_bytes = 0
+
+    def load(self, blob: bytes, so: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        """The compiled grammar of ``so`` that ``to_bytes`` made (for this tokenizer)."""
+        key = spec_key(so)
+        with self._lock:
+            hit = self._loaded.get(key)
+            if hit is not None:
+                self._loaded.move_to_end(key)
+                return hit[0]
+        xgr = _import_xgrammar()
+        compiled = xgr.CompiledGrammar.deserialize_json(zlib.decompress(blob).decode(), self.info)
+        with self._lock:
+            if key not in self._loaded:
+                self._loaded[key] = (compiled, len(blob))
+                self._loaded_bytes += len(blob)
+            while self._loaded_bytes > LOADED_BYTES and len(self._loaded) > 1:
+                self._loaded_bytes -= self._loaded.popitem(last=False)[1][1]
+        return compiled
 
     def compile(self, so: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar of ``so`` (from the cache when it compiled before);
         GrammarError naming the field when xgrammar refuses the spec."""
         kind = so.kind
+        with self._lock:
+            self.compiles += 1
         c = self._compiler
         try:
             if kind == "json":  # the schema's own key order: the output follows it

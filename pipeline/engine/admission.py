@@ -116,7 +116,7 @@ class Admission:
             new_reqs.append(NewRequestData(req.req_id, ids_to_bytes(req.all_token_ids),
                                            req.num_prompt_tokens, req.sampling_params,
                                            [b.block_id for b in req.blocks],
-                                           req.num_computed_tokens))
+                                           req.num_computed_tokens, req.grammar))
 
     def _load_external(self, req: Request, computed: list[KVBlock], n_hit: int, n_ext: int,
                        reserve: int) -> bool:

@@ -52,8 +52,8 @@ def make_requests(er: EngineRequest, taken: Collection[str], block_size: int, nu
                          f"{need} KV blocks of {block_size} tokens, more than the whole "
                          f"KV cache (num_blocks={num_blocks})")
     eos = frozenset(er.eos_token_ids)
-    params_bytes = len(msgspec.msgpack.encode(sp))
+    params_bytes = len(msgspec.msgpack.encode(sp)) + len(er.grammar or b"")
     return [Request(rid, prompt, child_params(sp, k) if n > 1 else sp, er.arrival_time,
                     eos, er.priority, er.cache_salt, out_id=er.req_id, index=k,
-                    params_bytes=params_bytes)
+                    params_bytes=params_bytes, grammar=er.grammar)
             for k, rid in enumerate(ids)]

@@ -65,7 +65,8 @@ class Request:
     cache_salt: str | None = None
     out_id: str = ""  # the id outputs carry: the client request's ("" : req_id)
     index: int = 0  # which completion of the client request
-    params_bytes: int = 0  # its sampling params, encoded (what admitting it costs a step)
+    params_bytes: int = 0  # its sampling params and grammar, encoded (what admitting it costs a step)
+    grammar: bytes | None = None  # EngineRequest.grammar, sent with every NewRequestData
 
     status: RequestStatus = RequestStatus.WAITING
     # Prompt followed by every sampled token; grows by one per decode step.

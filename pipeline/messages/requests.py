@@ -40,6 +40,9 @@ class EngineRequest(msgspec.Struct, array_like=True):
     priority: int = 0  # lower runs first, like vLLM
     cache_salt: str | None = None
     kv_transfer: KVTransferParams | None = None  # disaggregation (set by the router)
+    # structured_outputs compiled by the tokenizer stage (structured_outputs.to_bytes): the
+    # worker loads it instead of compiling on the step path.
+    grammar: bytes | None = None
 
 
 class AbortRequest(msgspec.Struct, array_like=True):

@@ -32,6 +32,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    grammar: bytes | None = None  # EngineRequest.grammar: the compiled structured_outputs
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

@@ -8,13 +8,13 @@ import msgspec
 from pipeline.sampling_params.limits import bad, check_strings, json_depth, trusted
 
 # structured_outputs: the spec (a schema, regex, grammar or the choices) in UTF-8 bytes, and
-# the choices' count. The grammar compiles in the tokenizer stage and the worker (ms for
-# specs this size; structured_outputs.py) and travels with the request through every ring.
+# the choices' count. The grammar compiles once, in the tokenizer stage under a time budget
+# (structured_outputs.py), and travels with the request through every ring.
 MAX_STRUCTURED_BYTES = 64 << 10
 MAX_CHOICES = 256
 # A JSON schema's nesting (objects and arrays): xgrammar's compile time grows faster than
-# linearly with it (measured: 129 levels 0.07 s, ~900 over 100 s), and it runs on a thread
-# of the tokenizer stage; 64 levels (~30 nested objects) compile in ~20 ms.
+# linearly with it (measured: 129 levels 0.07 s, ~900 over 100 s), which the compile budget
+# would refuse anyway; 64 levels (~30 nested objects) compile in ~20 ms.
 MAX_SCHEMA_DEPTH = 64
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 

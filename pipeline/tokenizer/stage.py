@@ -4,7 +4,11 @@ Owns the tokenizer (and its chat template), a small pool of tokenizing threads a
 of requests being tokenized. It receives GatewayRequest / AbortRequest from the gateway in
 arrival order. Each request is tokenized and validated on a pool thread (`Tokenizer` encodes
 with `tokenizers`' encode_batch, which releases the GIL), so a multi-megabyte prompt does not
-hold up the small requests behind it: requests leave in the order their tokenization ends. A valid request is
+hold up the small requests behind it: requests leave in the order their tokenization ends.
+A request with ``structured_outputs`` runs on its own threads (``GRAMMAR_THREADS``), where its
+grammar compiles once per spec under a time budget in a child process (grammar_server.py) and
+then travels with it (``EngineRequest.grammar``): a pending compile never holds up a request
+without a grammar (pending ones are bounded apart, ``MAX_PENDING_GRAMMARS``). A valid request is
 registered with the token processor first and then handed to the engine as an EngineRequest
 (so the token processor always knows a request before any of its tokens can reach it); an
 invalid one is answered straight to the gateway with an error naming the field and the
@@ -14,7 +18,8 @@ engine, after the request it cancels (both go out under one lock, the request fi
 never touches KV blocks. The chat template is the checkpoint's, or ``--chat-template``'s
 (``EngineConfig.chat_template``, the file's text).
 
-State: ``pending`` (req_id -> request being tokenized) under ``lock``, which every ring send
+State: ``pending`` (req_id -> request being tokenized; ``num_grammars`` of them have a
+grammar) under ``lock``, which every ring send
 holds too (each ring has one producer: this process).
 """
 from __future__ import annotations
@@ -35,7 +40,7 @@ from pipeline.messages import (
 from pipeline.runtime import rings
 from pipeline.runtime.process import ReadyFn, log
 from pipeline.runtime.spec import StageSpec
-from pipeline.structured_outputs import Grammars
+from pipeline.tokenizer.grammar_server import COMPILE_PROCESSES, GrammarService
 from pipeline.tokenizer.tokenizer import Tokenizer, check_chat_options, max_token_text_bytes
 from pipeline.tokenizer.validate import (
     InvalidRequest,
@@ -47,6 +52,10 @@ from pipeline.tokenizer.validate import (
 
 TOKENIZE_THREADS = 4
 MAX_PENDING = 4 * TOKENIZE_THREADS  # requests read but not sent on yet: bounds memory
+GRAMMAR_THREADS = COMPILE_PROCESSES  # requests with structured_outputs (each waits on its compile)
+# Requests with a grammar read but not sent on (apart from MAX_PENDING): past it the loop
+# waits, at most the compile budget times the grammars ahead per compile process.
+MAX_PENDING_GRAMMARS = 4 * MAX_PENDING
 ERROR_MESSAGE_BYTES = 4096  # an error answer's message is clipped to this (rejects ring)
 
 
@@ -59,11 +68,12 @@ def clip(message: str, limit: int = ERROR_MESSAGE_BYTES) -> str:
 
 
 class _Pending:
-    __slots__ = ("req", "future")
+    __slots__ = ("req", "future", "grammar")
 
     def __init__(self, req: GatewayRequest) -> None:
         self.req = req
         self.future: Future | None = None
+        self.grammar = req.sampling_params.structured_outputs is not None
 
 
 class TokenizerLoop:
@@ -84,10 +94,12 @@ class TokenizerLoop:
         self.lock = threading.Lock()
         self.room = threading.Condition(self.lock)  # notified when `pending` shrinks
         self.pending: dict[str, _Pending] = {}
+        self.num_grammars = 0  # of `pending`, those with structured_outputs
         self.pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        self.grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
         self.failure: BaseException | None = None  # a pool thread's, re-raised by the loop
-        self._grammars: Grammars | None = None  # xgrammar loads with the first structured request
-        self._grammars_lock = threading.Lock()  # not self.lock: loading takes seconds
+        self._grammars: GrammarService | None = None  # compile processes start with the first grammar
+        self._grammars_lock = threading.Lock()
 
     def prompt_ids(self, req: GatewayRequest) -> tuple[list[int], str]:
         """The prompt as token ids, and the field they came from."""
@@ -116,8 +128,8 @@ class TokenizerLoop:
                                       max_model_len=self.model.max_model_len,
                                       encode=self._encode_plain)
             check_answer_fits(sp, len(ids), self.token_text_bytes, self.answer_limit)
-            if sp.structured_outputs is not None:  # a spec xgrammar refuses never reaches the engine
-                self.grammars().compile(sp.structured_outputs)
+            # Compiled once per spec (a refused one never reaches the engine); the worker loads it.
+            grammar = None if sp.structured_outputs is None else self.grammars().compile(sp.structured_outputs)
             check_kv_transfer(req.kv_transfer, self.role, num_prompt_tokens=len(ids), sp=sp,
                               stream=req.stream, block_size=self.model.kv.block_size)
             token_bytes = ids_to_bytes(ids)
@@ -127,7 +139,8 @@ class TokenizerLoop:
             eng = self.requests.encode(EngineRequest(
                 req_id=req.req_id, prompt_token_ids=token_bytes, sampling_params=sp,
                 arrival_time=req.arrival_time or time.time(), eos_token_ids=self.eos,
-                priority=req.priority, cache_salt=req.cache_salt, kv_transfer=req.kv_transfer))
+                priority=req.priority, cache_salt=req.cache_salt, kv_transfer=req.kv_transfer,
+                grammar=grammar))
             for ch, buf in ((self.register, reg), (self.requests, eng)):
                 if len(buf) > ch.max_message_bytes:  # both checked before either is sent
                     raise InvalidRequest(f"request: {len(buf)} bytes once tokenized, the limit is "
@@ -138,11 +151,12 @@ class TokenizerLoop:
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the stage
             return self._error(req, "tokenizer_error", f"{type(exc).__name__}: {exc}")
 
-    def grammars(self) -> Grammars:
+    def grammars(self) -> GrammarService:
         """The compiler of structured outputs (its cache keyed by the spec), made once."""
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = Grammars(self.spec.config.model_config.model, self.model.vocab_size, self.eos)
+                self._grammars = GrammarService(self.spec.config.model_config.model, self.model.vocab_size,
+                                                self.eos)
             return self._grammars
 
     def _encode_plain(self, text: str) -> list[int]:
@@ -158,8 +172,7 @@ class TokenizerLoop:
             with self.lock:
                 if self.pending.get(p.req.req_id) is not p:
                     return  # aborted while it was tokenized: answered already
-                del self.pending[p.req.req_id]
-                self.room.notify()
+                self._forget(p)
                 # Sends block while a ring is full (back-pressure); PeerDied if its reader died.
                 if isinstance(out, RequestResult):
                     self.rejects.send(out)
@@ -169,29 +182,41 @@ class TokenizerLoop:
         except BaseException as exc:  # noqa: BLE001 - the loop re-raises it: the stage stops
             self.failure = self.failure or exc
 
+    def _forget(self, p: _Pending) -> None:
+        """Under ``lock``: ``p`` leaves ``pending``."""
+        del self.pending[p.req.req_id]
+        self.num_grammars -= p.grammar
+        self.room.notify()
+
+    def _full(self, grammar: bool) -> bool:
+        if grammar:
+            return self.num_grammars >= MAX_PENDING_GRAMMARS
+        return len(self.pending) - self.num_grammars >= MAX_PENDING
+
     def accept(self, req: GatewayRequest) -> None:
         p = _Pending(req)
         with self.lock:
-            while len(self.pending) >= MAX_PENDING and self.failure is None:
+            while self._full(p.grammar) and self.failure is None:
                 self.room.wait(self.spec.ring_timeout_s)
             self.pending[req.req_id] = p
-        p.future = self.pool.submit(self._tokenize, p)
+            self.num_grammars += p.grammar
+        p.future = (self.grammar_pool if p.grammar else self.pool).submit(self._tokenize, p)
 
     def abort(self, msg: AbortRequest) -> None:
         why = msg.message or "aborted"
         with self.lock:
             forward = []
             for rid in msg.req_ids:
-                p = self.pending.pop(rid, None)
+                p = self.pending.get(rid)
                 if p is None:
                     forward.append(rid)  # in the engine already (or answered): its job
                     continue
+                self._forget(p)
                 if p.future is not None:
                     p.future.cancel()  # frees its pool slot if it has not started
                 self.rejects.send(error_result(rid, "aborted", clip(f"{why} (while it was tokenized)"),
                                                finish_reason="abort",
                                                arrival_time=p.req.arrival_time))
-            self.room.notify()
             if forward:
                 self.requests.send(AbortRequest(req_ids=forward, reason=msg.reason, message=msg.message))
 
@@ -207,6 +232,8 @@ class TokenizerLoop:
                 self.abort(msg)
             else:
                 self.accept(msg)
+        if self._grammars is not None:
+            self._grammars.close()
         raise self.failure
 
 

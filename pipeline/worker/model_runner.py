@@ -92,7 +92,8 @@ class ModelRunner(RankModel):
             row = b.add(new)
             grammar = new.sampling_params.structured_outputs
             if so is not None and grammar is not None:  # its output so far replays on the matcher
-                so.add(new.req_id, grammar, b.token_ids[row, new.num_prompt_tokens:b.num_tokens[row]].tolist())
+                so.add(new.req_id, grammar, b.token_ids[row, new.num_prompt_tokens:b.num_tokens[row]].tolist(),
+                       new.grammar)
         for cached in sched.cached_reqs:
             if cached.req_id not in b:
                 raise ValueError(f"step {sched.step_id}: cached request {cached.req_id!r} "

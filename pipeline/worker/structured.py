@@ -1,9 +1,12 @@
 """Worker stage: the grammars of the constrained requests in the batch (structured outputs).
 
 Rank 0 alone (it samples) keeps, per request with ``structured_outputs``, an xgrammar matcher
-over the request's output so far. A request's grammar compiles in a thread pool as soon as
-the request joins the batch (its prefill runs meanwhile; the compiler's cache makes a repeated
-spec free), and a resumed request (preempted, or a new row) rebuilds its matcher by accepting
+over the request's output so far. A request's grammar arrives compiled (the tokenizer stage
+compiled it under a time budget, ``NewRequestData.grammar``) and loads in a thread pool as
+soon as the request joins the batch (milliseconds, while its prefill runs): no compile ever
+holds up a step, so no other rank waits on one. A request without it (the in-process LLM,
+which compiled it in ``validate`` into the compiler's cache) compiles there, and a resumed
+request (preempted, or a new row) rebuilds its matcher by accepting
 the output tokens it arrives with. Each step, the bitmasks of the rows about to be sampled are
 filled (``start_masks``; in the pool while the forward runs when a core is left over: where
 the forward's team holds every core, a pool thread stalls it more than filling first costs,
@@ -77,13 +80,20 @@ class StructuredBatch:
         request's own compile is then a cache hit."""
         self._grammars_future().result().compile(so)
 
-    def add(self, req_id: str, so: StructuredOutputsParams, output: list[int]) -> None:
-        """Start compiling ``req_id``'s grammar and replaying its ``output`` tokens."""
+    @property
+    def compiles(self) -> int:
+        """Compile calls this worker made (none for requests that arrived compiled)."""
+        return self._grammars.result().compiles if self._grammars is not None else 0
+
+    def add(self, req_id: str, so: StructuredOutputsParams, output: list[int],
+            compiled: bytes | None = None) -> None:
+        """Start loading ``req_id``'s grammar (``compiled``, else compiling ``so``) and
+        replaying its ``output`` tokens."""
         grammars = self._grammars_future()
 
         def build():
             g = grammars.result()
-            m = g.matcher(g.compile(so))
+            m = g.matcher(g.load(compiled, so) if compiled is not None else g.compile(so))
             for t in output:
                 if not m.accept_token(t):  # it had left its grammar before (see accept)
                     logger.warning("request %s: resumed output token %d is outside its grammar; "
