@@ -292,6 +292,8 @@ def test_health_and_stats_aggregate_the_instances(cluster):
 def test_bad_frames_and_duplicate_ids_get_the_daemons_answers(cluster):
     router, _ = cluster
     with zmq.Context.instance().socket(zmq.DEALER) as s:
+        s.setsockopt(zmq.RCVTIMEO, 60_000)  # a missing answer fails the test, never hangs it
+        s.setsockopt(zmq.SNDTIMEO, 60_000)
         s.connect(router.address)
         s.send(b"\xc1 not msgpack")
         err = P.decode_reply(s.recv())
@@ -376,8 +378,9 @@ def test_sigkill_of_an_instance_under_load(cluster, model):
         async with AsyncClient(router.address, timeout=120) as c:
             started: asyncio.Queue = asyncio.Queue()
             tasks = [asyncio.create_task(_stream_until_started(c, i, started)) for i in range(n)]
-            for _ in range(n):
-                await started.get()  # every request is running somewhere
+            async with asyncio.timeout(120):  # bounded: a request that never starts fails the test
+                for _ in range(n):
+                    await started.get()  # every request is running somewhere
             os.killpg(b.proc.pid, signal.SIGKILL)
             killed = time.monotonic()
             return await asyncio.wait_for(asyncio.gather(*tasks), 60), killed
