@@ -23,6 +23,7 @@ from e2e_helpers import PIPELINE, ROOT, env, free_port
 from router_fakes import (
     PROMPT,
     RESERVATION,
+    WAIT_S,
     Cli,
     FakeInstance,
     delta,
@@ -243,6 +244,99 @@ def test_prefill_lost_after_its_final_before_decode_has_the_kv_fails_the_request
     msg = pd.cli.recv()
     assert isinstance(msg, P.Final) and msg.result.error.code == "instance_failed"
     assert pd.d.expect(P.Abort).id == dg.id
+
+
+# ---- a split request lost before its client got anything runs again (MAX_TRIES) ----
+
+@pytest.fixture
+def pools2() -> Iterator[Setup]:
+    """Two prefill and two decode instances."""
+    with ExitStack() as stack:
+        ps, ds = [FakeInstance("prefill") for _ in range(2)], [FakeInstance("decode") for _ in range(2)]
+        for inst in (*ps, *ds):
+            stack.callback(inst.close)
+        router = stack.enter_context(pd_router([p.address for p in ps], [d.address for d in ds]))
+        s = Setup(router, ps, ds)
+        stack.callback(lambda: s.cli.close())
+        wait_for(lambda: all(v["up"] for v in s.cli.health().detail["instances"].values()), "all up")
+        yield s
+
+
+def first_generate(pool: list[FakeInstance]) -> tuple[FakeInstance, P.Generate]:
+    """The instance of ``pool`` the router sent a generate to, and that generate."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        for inst in pool:
+            if not inst.got.empty():
+                return inst, inst.expect(P.Generate)
+        time.sleep(0.01)
+    raise AssertionError("no instance of the pool got the request")
+
+
+def finish_split(s: Setup, d: FakeInstance, dg: P.Generate, p: FakeInstance, pg: P.Generate) -> P.Final:
+    """P's first token and final, D's decode and final: the client's final."""
+    p.send(delta(pg.id, [11], " Hi"))
+    p.send(P.Final(result=result(pg.id, [11], " Hi")))
+    d.send(delta(dg.id, [11, 12], " Hi there"))
+    d.send(P.Final(result=result(dg.id, [11, 12], " Hi there")))
+    while not isinstance(msg := s.cli.recv(), P.Final):
+        assert not isinstance(msg, P.Error), msg
+    return msg
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_decode_instance_lost_before_the_first_token_runs_the_request_again(pools2, stream):
+    s = pools2
+    s.cli.send(P.Generate(id="a", prompt=PROMPT, max_tokens=5, temperature=0.0, stream=stream))
+    d1, dg1 = first_generate(s.decode)
+    d1.send(delta(dg1.id, [], "", kv=RESERVATION))
+    p1, pg1 = first_generate(s.prefill)
+    assert (dg1.id, pg1.id) == ("r1.d", "r1.p")
+    d1.close()  # lost with the reservation, before P's first token
+    assert p1.expect(P.Abort).id == pg1.id  # P stops writing into blocks that are gone
+    d2 = next(d for d in s.decode if d is not d1)
+    dg2 = d2.expect(P.Generate)
+    assert dg2.id == "r1.2.d" and dg2.kv_transfer == KVTransferParams(role="decode")
+    d2.send(delta(dg2.id, [], "", kv=RESERVATION))
+    p2, pg2 = first_generate(s.prefill)
+    assert pg2.id == "r1.2.p"  # a new id: the aborted "r1.p" may still run on that instance
+    final = finish_split(s, d2, dg2, p2, pg2)
+    assert final.result.id == "a" and final.result.error is None and final.result.token_ids == [11, 12]
+
+
+def test_prefill_instance_lost_before_the_first_token_runs_it_again_then_gives_up(pools2):
+    s = pools2
+    s.cli.send(P.Generate(id="a", prompt=PROMPT, max_tokens=5, temperature=0.0, stream=True))
+    d1, dg1 = first_generate(s.decode)
+    d1.send(delta(dg1.id, [], "", kv=RESERVATION))
+    p1, _ = first_generate(s.prefill)
+    p1.close()
+    assert d1.expect(P.Abort).id == dg1.id  # its reservation is freed
+    d2, dg2 = first_generate(s.decode)  # either decode instance: both are up
+    assert dg2.id == "r1.2.d"
+    d2.send(delta(dg2.id, [], "", kv=RESERVATION))
+    p2 = next(p for p in s.prefill if p is not p1)
+    assert p2.expect(P.Generate).id == "r1.2.p"
+    p2.close()  # the second try lost too: MAX_TRIES (2) reached, the client gets the failure
+    while not isinstance(msg := s.cli.recv(), P.Final):
+        pass
+    assert msg.result.error is not None and msg.result.error.code == "instance_failed"
+    assert f"prefill instance {p2.address}" in msg.result.error.message
+    assert d2.expect(P.Abort).id == dg2.id
+
+
+def test_a_split_request_whose_client_has_its_first_token_is_not_run_again(pools2):
+    s = pools2
+    s.cli.send(P.Generate(id="a", prompt=PROMPT, max_tokens=5, temperature=0.0, stream=True))
+    d1, dg1 = first_generate(s.decode)
+    d1.send(delta(dg1.id, [], "", kv=RESERVATION))
+    p1, pg1 = first_generate(s.prefill)
+    p1.send(delta(pg1.id, [11], " Hi"))
+    assert s.cli.recv() == delta("a", [11], " Hi")  # the client has it: too late to rerun
+    d1.close()
+    msg = s.cli.recv()
+    assert isinstance(msg, P.Final) and msg.result.error.code == "instance_failed"
+    assert all(d.got.empty() for d in s.decode if d is not d1)
 
 
 # ---- fallback: the prefill instance decodes the request itself (--pd-fallback local) ----
