@@ -42,7 +42,7 @@ def test_failures_within_the_window_trip_it_for_a_doubling_while():
         assert "last: no answer to a health check" in u.why_out
         # it trips again: out twice as long, never longer than BREAKER_MAX_OUT_S
         outs = []
-        for k in range(12):
+        for _ in range(12):
             now += 1000.0
             for i in range(BREAKER_FAILURES):
                 tripped = u.failed(now + i, "its connection closed")
