@@ -2,11 +2,12 @@
 ``frontend.zmq_server``) whose accepted generates go to the ``Gateway``.
 
 Owns, beyond the front's gateway, metrics and answers queue: the daemon's life (start-up,
-the serve loop, the drain, the close), the metrics' HTTP server, the HTTP front end's
-launcher (``--http``) and the CURVE authenticator. Start-up checks every flag
-(``serve_args``) and binds ``--listen`` and ``--metrics-port`` before the model loads, so a
-bad value or a busy port costs no load time and leaves nothing behind (a client that
-connects meanwhile is answered once the stages are up). systemd Type=notify: READY=1 once
+the serve loop, the drain, the close), the metrics' HTTP server and the HTTP front end's
+launcher (``--http``); the CURVE setup and its authenticator are the front's
+(``ZmqServer._secure``, as the router's). Start-up checks every flag (``serve_args``) and
+binds ``--listen`` and ``--metrics-port`` before the model loads, so a bad value or a busy
+port costs no load time and leaves nothing behind (a client that connects meanwhile is
+answered once the stages are up). systemd Type=notify: READY=1 once
 serving, STATUS= lines, WATCHDOG=1 while healthy, STOPPING=1 on drain. Exit status: 0 after a
 clean drain (or a stop during start-up), 1 when a stage died, 2 when start-up failed (one
 line on stderr says why).
@@ -39,8 +40,6 @@ from pipeline.runtime.rings import message_limits
 if TYPE_CHECKING:
     import argparse
 
-    from zmq.auth.thread import ThreadAuthenticator
-
 __all__ = ["Server", "add_args", "main"]
 
 
@@ -58,7 +57,6 @@ class Server(DaemonFront):
         self.stop = threading.Event()
         self.started = False  # the stages are up: a signal drains instead of unwinding start-up
         self.draining: threading.Thread | None = None
-        self.auth: ThreadAuthenticator | None = None  # the CURVE authenticator thread, when --curve-keys
         self.http = HttpFront(args.http, config.instance_id) if args.http else None
         self.model_detail: dict[str, Any] | None = None  # set once the model is loaded
 
@@ -115,11 +113,7 @@ class Server(DaemonFront):
             # at bind time, and this one is private to this user (HttpFront's directory).
             sock.bind(self.http.endpoint)
         if a.curve_keys:
-            from pipeline.ipc.curve import server_socket_setup
-            try:
-                self.auth = server_socket_setup(sock, a.curve_keys)
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"--curve-keys {a.curve_keys}: {exc}") from None
+            self._secure(a.curve_keys)  # the one CURVE setup of a ZMQ server (the router's too)
         if a.listen is not None:
             self._bind(a.listen)
         if self.http is not None:
@@ -211,9 +205,7 @@ class Server(DaemonFront):
         if self.http is not None:
             self.http.close()  # after the drain: it answered 503 to new requests meanwhile
         self.gw.close()
-        self._close_socket()
-        if self.auth is not None:
-            self.auth.stop()
+        self._close_socket()  # stops the CURVE authenticator too
         self.metrics.close()
         self.notify.close()
         os.close(self.wake_r)

@@ -114,7 +114,7 @@ class InstanceAnswers(RequestTable):
             out = pd.on_prefill_delta(msg.delta)
             if pd.fell_back and not fell_back:
                 # P decodes it: D's reservation (waiting for KV that never comes) can go.
-                self._drop_leg(route, rid + DECODE, abort=True)
+                self._drop_leg(route, pd.leg(rid, DECODE), abort=True)
         if out is not None:
             self._forward(route, out)
 
@@ -128,13 +128,16 @@ class InstanceAnswers(RequestTable):
 
     def _release_prefill(self, route: Route, rid: str) -> None:
         """D decodes: the KV arrived, P's loss no longer matters to this request."""
-        leg = route.legs.pop(rid + PREFILL, None)
+        assert route.pd is not None
+        uid = route.pd.leg(rid, PREFILL)
+        leg = route.legs.pop(uid, None)
         if leg is not None:
-            leg.inflight.discard(rid + PREFILL)
+            leg.inflight.discard(uid)
 
     def _start_prefill(self, route: Route, rid: str, kv: KVReservation) -> None:
         """The decode instance reserved the prompt's KV: a prefill instance computes it."""
-        uid = rid + PREFILL
+        assert route.pd is not None
+        uid = route.pd.leg(rid, PREFILL)
         if not self._launch(route, uid, prefill_request(route.msg, uid, kv), self.prefill,
                             lambda ups: self.pools.choose_prefill(ups, route.key)):
             self._abort(route)

@@ -30,7 +30,9 @@ from pipeline.messages import RequestDelta, RequestResult
 from pipeline.messages.kv import KVReservation, KVTransferParams
 
 # Suffixes of the router's ids on the instances: "r12.d" on the decode instance, "r12.p" on
-# the prefill one. A request that runs whole on one instance keeps the plain "r12".
+# the prefill one; a split request run again (``table.MAX_TRIES``) has its try in them,
+# "r12.2.d" and "r12.2.p", so the legs of the try before, aborted but maybe still running
+# there, never clash with the new ones. A request that runs whole on one instance keeps "r12".
 DECODE = ".d"
 PREFILL = ".p"
 
@@ -86,11 +88,17 @@ class PDState:
     fell_back: bool = False  # P decodes the request itself: its answers are the client's
     held_text: str = ""  # P's first delta's text, not shown (stop strings) while D may answer
     prefill_final: RequestResult | None = None  # P's final, kept until D says who answers
+    tag: str = ""  # "" on the first try, ".2" on the second: in the legs' ids
 
     @classmethod
-    def of(cls, msg: P.Generate) -> PDState:
+    def of(cls, msg: P.Generate, tries: int = 0) -> PDState:
+        """A fresh state for the request's try after ``tries`` tries."""
         stops = msg.stop if msg.stop is not UNSET else None
-        return cls(stream=msg.stream, show_text=not stops)
+        return cls(stream=msg.stream, show_text=not stops, tag=f".{tries + 1}" if tries else "")
+
+    def leg(self, rid: str, suffix: str) -> str:
+        """The id of this try's leg (``DECODE`` or ``PREFILL``) on its instance."""
+        return f"{rid}{self.tag}{suffix}"
 
     def on_decode_delta(self, d: RequestDelta) -> tuple[KVReservation | None, RequestDelta | None]:
         """A delta of D: (the reservation to hand to a prefill instance, the delta to forward

@@ -110,6 +110,8 @@ class Router(InstanceAnswers):
             if why is not None:
                 self._down(u, why)
         self.pending = deque(rid for rid in self.pending if rid in self.routes)
+        if self.pending:  # an instance the breaker took out may be back (no health change says so)
+            self._dispatch_pending()
         while self.pending and now >= self.routes[self.pending[0]].deadline:
             rid = self.pending.popleft()
             role, pool = "", self.upstreams

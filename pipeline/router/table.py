@@ -28,7 +28,7 @@ from pipeline.gateway.systemd import Notifier
 from pipeline.http.launcher import ROUTER_ID, HttpFront
 from pipeline.messages import RequestResult, error_result
 from pipeline.router.args import RouterArgs
-from pipeline.router.pd import DECODE, PDState, decode_request
+from pipeline.router.pd import DECODE, PREFILL, PDState, decode_request
 from pipeline.router.policy import MixedPolicy, PoolPolicy, Target
 from pipeline.router.stats import merge
 from pipeline.router.upstream import Upstream
@@ -48,7 +48,8 @@ class Route:
     legs: dict[str, Upstream] = field(default_factory=dict)  # upstream id -> the instance running it
     pd: PDState | None = None  # split over a decode and a prefill instance
     answered: bool = False  # the client has had a delta: too late to run it elsewhere
-    tries: int = 0  # instances it was sent to (MAX_TRIES)
+    aborted: bool = False  # the client (or the drain) aborted it: never run again
+    tries: int = 0  # instances it was sent to (a split request: decode instances), MAX_TRIES
 
 
 @dataclass(slots=True)
@@ -102,6 +103,7 @@ class RequestTable(ZmqServer):
 
     def _abort(self, route: Route, but: str | None = None) -> None:
         """Abort a request on every instance running it (but the leg ``but``)."""
+        route.aborted = True
         if route.pd is not None:
             route.pd.aborting = True
         for uid, u in route.legs.items():
@@ -119,8 +121,9 @@ class RequestTable(ZmqServer):
             return self._launch(route, rid, route.msg, self.decode, self.pools.choose_decode)
         if not any(u.up for u in self.prefill):
             return False
-        return self._launch(route, rid + DECODE, decode_request(route.msg, rid + DECODE),
-                            self.decode, self.pools.choose_decode)
+        uid = route.pd.leg(rid, DECODE)
+        return self._launch(route, uid, decode_request(route.msg, uid), self.decode,
+                            self.pools.choose_decode)
 
     def _launch(self, route: Route, uid: str, msg: P.Generate, pool: list[Upstream],
                 choose: Callable[[list[Upstream]], Target]) -> bool:
@@ -135,7 +138,7 @@ class RequestTable(ZmqServer):
                 route.legs[uid] = target
                 target.inflight.add(uid)
                 target.routed += 1
-                route.tries += 1
+                route.tries += not uid.endswith(PREFILL)  # a split request's try is its decode leg
                 return True
             self._down(target, "its connection is gone")
             if self.routes.get(rid) is not route:
@@ -173,11 +176,8 @@ class RequestTable(ZmqServer):
             if route is None or route.legs.get(uid) is not u:
                 continue
             del route.legs[uid]  # that connection is gone: nothing to abort there
-            if route.pd is None and not route.answered and route.tries < MAX_TRIES:
-                # Nothing reached the client yet: run it on another instance (or wait for one).
-                if not self._dispatch(rid):
-                    route.deadline = time.monotonic() + NO_INSTANCE_WAIT_S
-                    self.pending.append(rid)
+            if not route.answered and not route.aborted and route.tries < MAX_TRIES \
+                    and self._rerun(rid, route):
                 continue
             self._abort(route)
             self._fail(rid, "instance_failed", f"{u.name()} failed with the request in flight: {why}")
@@ -185,6 +185,26 @@ class RequestTable(ZmqServer):
             if u.address in self.ops[key].waiting:
                 self.ops[key].waiting.discard(u.address)
                 self._maybe_answer(key)
+
+    def _rerun(self, rid: str, route: Route) -> bool:
+        """Nothing of the request reached its client yet: run it again from the start, on
+        another instance; False when it cannot be (a split request needs both pools up now).
+        A plain request waits NO_INSTANCE_WAIT_S for an instance if none is up. A split one
+        starts over under new leg ids (``PDState.of``): its other leg is aborted (a decode
+        instance's reservation, or a prefill instance writing into a reservation that is gone)."""
+        if route.pd is None:
+            if not self._dispatch(rid):
+                route.deadline = time.monotonic() + NO_INSTANCE_WAIT_S
+                self.pending.append(rid)
+            return True
+        if not any(u.up and not u.tripped(time.monotonic()) for u in self.prefill):
+            return False
+        for uid, leg in route.legs.items():
+            leg.inflight.discard(uid)
+            leg.send(P.Abort(id=uid))
+        route.legs.clear()
+        route.pd = PDState.of(route.msg, route.tries)
+        return self._dispatch(rid)
 
     def _dispatch_pending(self) -> None:
         # Each in turn (oldest first): in disaggregated mode a request that runs whole needs

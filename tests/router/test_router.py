@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -30,6 +31,7 @@ from e2e_helpers import (
 )
 from hypothesis import given
 from hypothesis import strategies as st
+from router_fakes import FakeInstance, delta, result
 
 from pipeline.client import Client
 from pipeline.client.async_client import AsyncClient
@@ -292,6 +294,8 @@ def test_health_and_stats_aggregate_the_instances(cluster):
 def test_bad_frames_and_duplicate_ids_get_the_daemons_answers(cluster):
     router, _ = cluster
     with zmq.Context.instance().socket(zmq.DEALER) as s:
+        s.setsockopt(zmq.RCVTIMEO, 60_000)  # a missing answer fails the test, never hangs it
+        s.setsockopt(zmq.SNDTIMEO, 60_000)
         s.connect(router.address)
         s.send(b"\xc1 not msgpack")
         err = P.decode_reply(s.recv())
@@ -338,24 +342,38 @@ def test_a_client_gone_aborts_its_requests_on_the_instances(cluster):
     wait_for(lambda: aborted() - before == 2, "the instances to abort the gone client's requests")
 
 
-def test_sigterm_drains_the_router(cluster):
-    _, daemons = cluster
-    r = Router(*(d.address for d in daemons))
+def test_sigterm_drains_the_router():
+    """Over a scripted instance (``router_fakes``), so the request in flight ends when the test
+    says: over a real one it could end, and the drained router exit, before the late request
+    was sent (a race lost on a loaded machine: the late request then found nobody)."""
+    inst = FakeInstance("mixed")
+    r = Router(inst.address)
+
+    def first_token() -> P.Generate:
+        g = inst.expect(P.Generate, timeout=60)
+        inst.send(delta(g.id, [7], " a"))
+        return g
+
     try:
-        with Client(r.address, timeout=60) as c:
+        with Client(r.address, timeout=60) as c, ThreadPoolExecutor(1) as pool:
             wait_for(lambda: c.health().status == "ok", "the router to see an instance")
-            it = c.stream(PROMPTS[0], max_tokens=40, ignore_eos=True)
-            assert isinstance(next(it), RequestDelta)
+            it = c.stream(PROMPTS[0], max_tokens=3, ignore_eos=True)
+            running = pool.submit(first_token)
+            assert next(it).token_ids == [7]  # sends the request; its first delta came back
+            g = running.result(60)
             r.proc.send_signal(signal.SIGTERM)
             wait_for(lambda: c.health().status == "draining", "the router to drain")
             late = c.generate(PROMPTS[1], max_tokens=2)
             assert late.error is not None and late.error.code == "draining"
+            assert inst.got.empty()  # the late one never reached the instance
+            inst.send(P.Final(result=result(g.id, [7, 8, 9], " a b c")))
             final = list(it)[-1]  # the one in flight finishes
             assert isinstance(final, RequestResult) and final.error is None
-            assert len(final.token_ids) == 40
+            assert final.token_ids == [7, 8, 9]
     finally:
         assert r.proc.wait(30) == 0, r.output()
         r.log.close()
+        inst.close()
 
 
 async def _stream_until_started(c: AsyncClient, i: int, started: asyncio.Queue):
@@ -376,8 +394,9 @@ def test_sigkill_of_an_instance_under_load(cluster, model):
         async with AsyncClient(router.address, timeout=120) as c:
             started: asyncio.Queue = asyncio.Queue()
             tasks = [asyncio.create_task(_stream_until_started(c, i, started)) for i in range(n)]
-            for _ in range(n):
-                await started.get()  # every request is running somewhere
+            async with asyncio.timeout(120):  # bounded: a request that never starts fails the test
+                for _ in range(n):
+                    await started.get()  # every request is running somewhere
             os.killpg(b.proc.pid, signal.SIGKILL)
             killed = time.monotonic()
             return await asyncio.wait_for(asyncio.gather(*tasks), 60), killed

@@ -11,140 +11,36 @@ runs with real instances are in other tests.
 """
 from __future__ import annotations
 
-import argparse
-import queue
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from typing import Any
 
 import msgspec
 import pytest
-import zmq
 from e2e_helpers import PIPELINE, ROOT, env, free_port
+from router_fakes import (
+    PROMPT,
+    RESERVATION,
+    WAIT_S,
+    Cli,
+    FakeInstance,
+    delta,
+    parse_router_args,
+    result,
+    run_router,
+    wait_for,
+)
 
 from pipeline.frontend import protocol as P
-from pipeline.gateway.systemd import Notifier
 from pipeline.messages import ErrorInfo, RequestDelta, RequestResult, error_result
-from pipeline.messages.answers import Timings, Usage
-from pipeline.messages.kv import KVReservation, KVTransferParams
+from pipeline.messages.kv import KVTransferParams
 from pipeline.router import server
-from pipeline.router.args import add_args, check_args
+from pipeline.router.args import check_args
 from pipeline.router.pd import PDState
 from pipeline.router.policy import PoolPolicy
 from pipeline.router.server import Router
-
-WAIT_S = 5.0
-RESERVATION = KVReservation(engine_req_id="d-engine-7", block_ids=[5, 9, 2], num_cached_tokens=16,
-                            endpoint="tcp://127.0.0.1:7300", timeout_s=30.0)
-PROMPT = "the for statement is used to iterate over the elements of a sequence"
-
-
-class FakeInstance:
-    """A scripted `pipeline serve --role ROLE`: answers health ("ok", its role) and stats;
-    generates and aborts go to ``expect``; ``send`` answers the router (in order)."""
-
-    def __init__(self, role: str) -> None:
-        self.role = role
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
-        self.got: queue.Queue[P.ClientMsg] = queue.Queue()
-        self.out: queue.Queue[P.ReplyMsg] = queue.Queue()
-        self.peer: bytes | None = None  # the router's DEALER
-        self.received = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        try:
-            while not self.stop.is_set():
-                if self.sock.poll(5):
-                    self.peer, frame = self.sock.recv_multipart()
-                    self._on(P.decode_client(frame))
-                while not self.out.empty() and self.peer is not None:
-                    self.sock.send_multipart([self.peer, P.encode(self.out.get())])
-        finally:
-            self.sock.close(linger=0)  # the router's monitor sees the connection drop
-            self.ctx.term()
-
-    def _on(self, msg: P.ClientMsg) -> None:
-        assert self.peer is not None
-        if isinstance(msg, P.Health):
-            reply: P.ReplyMsg = P.HealthReply(id=msg.id, status="ok", detail={"role": self.role})
-        elif isinstance(msg, P.Stats):
-            reply = P.StatsReply(id=msg.id, stats={
-                "running": 0, "waiting": 0, "kv_blocks_total": 100, "kv_blocks_free": 80, "kv_blocks_used": 20,
-                "requests_received": self.received, "kv_usage": 0.2})
-        else:
-            self.received += isinstance(msg, P.Generate)
-            self.got.put(msg)
-            return
-        self.sock.send_multipart([self.peer, P.encode(reply)])
-
-    def expect(self, kind: type, timeout: float = WAIT_S) -> Any:
-        msg = self.got.get(timeout=timeout)
-        assert isinstance(msg, kind), msg
-        return msg
-
-    def send(self, msg: P.ReplyMsg) -> None:
-        self.out.put(msg)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
-
-
-class Cli:
-    """A client: one DEALER; ``recv`` skips the router's liveness pings."""
-
-    def __init__(self, address: str) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-
-    def send(self, msg: P.ClientMsg) -> None:
-        self.sock.send(P.encode(msg))
-
-    def recv(self, timeout: float = WAIT_S) -> P.ReplyMsg:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0 and self.sock.poll(int(left * 1000)), "no answer from the router"
-            msg = P.decode_reply(self.sock.recv())
-            if not isinstance(msg, P.Ping):
-                return msg
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-    def health(self) -> P.HealthReply:
-        self.send(P.Health(id="h"))
-        while not isinstance(msg := self.recv(), P.HealthReply):
-            pass
-        return msg
-
-
-def wait_for(cond, what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
-def result(rid: str, token_ids: list[int], text: str, finish: str = "length") -> RequestResult:
-    return RequestResult(id=rid, text=text, token_ids=token_ids, finish_reason=finish,
-                         usage=Usage(prompt_tokens=12, completion_tokens=len(token_ids)),
-                         timings=Timings(arrival_time=1.0))
-
-
-def delta(rid: str, token_ids: list[int], text: str, kv: KVReservation | None = None) -> P.Delta:
-    return P.Delta(delta=RequestDelta(rid, text, token_ids, kv=kv))
 
 
 class Setup:
@@ -174,30 +70,8 @@ class Setup:
         return self.cli.health().detail["instances"][address]
 
 
-def parse_router_args(argv: list[str]) -> argparse.Namespace:
-    """The router's flags as its command line parses them (every default included)."""
-    p = argparse.ArgumentParser()
-    add_args(p)
-    return p.parse_args(argv)
-
-
-@contextmanager
-def pd_router(prefill: list[str], decode: list[str]) -> Iterator[Router]:
-    args = parse_router_args(["--listen", f"tcp://127.0.0.1:{free_port()}", "--prefill", *prefill,
-                              "--decode", *decode, "--drain-timeout", "5"])
-    router = Router(check_args(args), Notifier(None))
-    router.open()
-    code: list[int] = []
-    thread = threading.Thread(target=lambda: code.append(router.serve()), daemon=True)
-    thread.start()
-    try:
-        yield router
-    finally:
-        router.stopping = True  # the drain, as on SIGTERM
-        thread.join(20)
-        router.close()
-    assert code == [0] and not router.routes and not router.sessions
-    assert all(not u.inflight for u in router.upstreams)
+def pd_router(prefill: list[str], decode: list[str]):
+    return run_router("--prefill", *prefill, "--decode", *decode)
 
 
 @pytest.fixture
@@ -370,6 +244,99 @@ def test_prefill_lost_after_its_final_before_decode_has_the_kv_fails_the_request
     msg = pd.cli.recv()
     assert isinstance(msg, P.Final) and msg.result.error.code == "instance_failed"
     assert pd.d.expect(P.Abort).id == dg.id
+
+
+# ---- a split request lost before its client got anything runs again (MAX_TRIES) ----
+
+@pytest.fixture
+def pools2() -> Iterator[Setup]:
+    """Two prefill and two decode instances."""
+    with ExitStack() as stack:
+        ps, ds = [FakeInstance("prefill") for _ in range(2)], [FakeInstance("decode") for _ in range(2)]
+        for inst in (*ps, *ds):
+            stack.callback(inst.close)
+        router = stack.enter_context(pd_router([p.address for p in ps], [d.address for d in ds]))
+        s = Setup(router, ps, ds)
+        stack.callback(lambda: s.cli.close())
+        wait_for(lambda: all(v["up"] for v in s.cli.health().detail["instances"].values()), "all up")
+        yield s
+
+
+def first_generate(pool: list[FakeInstance]) -> tuple[FakeInstance, P.Generate]:
+    """The instance of ``pool`` the router sent a generate to, and that generate."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        for inst in pool:
+            if not inst.got.empty():
+                return inst, inst.expect(P.Generate)
+        time.sleep(0.01)
+    raise AssertionError("no instance of the pool got the request")
+
+
+def finish_split(s: Setup, d: FakeInstance, dg: P.Generate, p: FakeInstance, pg: P.Generate) -> P.Final:
+    """P's first token and final, D's decode and final: the client's final."""
+    p.send(delta(pg.id, [11], " Hi"))
+    p.send(P.Final(result=result(pg.id, [11], " Hi")))
+    d.send(delta(dg.id, [11, 12], " Hi there"))
+    d.send(P.Final(result=result(dg.id, [11, 12], " Hi there")))
+    while not isinstance(msg := s.cli.recv(), P.Final):
+        assert not isinstance(msg, P.Error), msg
+    return msg
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_decode_instance_lost_before_the_first_token_runs_the_request_again(pools2, stream):
+    s = pools2
+    s.cli.send(P.Generate(id="a", prompt=PROMPT, max_tokens=5, temperature=0.0, stream=stream))
+    d1, dg1 = first_generate(s.decode)
+    d1.send(delta(dg1.id, [], "", kv=RESERVATION))
+    p1, pg1 = first_generate(s.prefill)
+    assert (dg1.id, pg1.id) == ("r1.d", "r1.p")
+    d1.close()  # lost with the reservation, before P's first token
+    assert p1.expect(P.Abort).id == pg1.id  # P stops writing into blocks that are gone
+    d2 = next(d for d in s.decode if d is not d1)
+    dg2 = d2.expect(P.Generate)
+    assert dg2.id == "r1.2.d" and dg2.kv_transfer == KVTransferParams(role="decode")
+    d2.send(delta(dg2.id, [], "", kv=RESERVATION))
+    p2, pg2 = first_generate(s.prefill)
+    assert pg2.id == "r1.2.p"  # a new id: the aborted "r1.p" may still run on that instance
+    final = finish_split(s, d2, dg2, p2, pg2)
+    assert final.result.id == "a" and final.result.error is None and final.result.token_ids == [11, 12]
+
+
+def test_prefill_instance_lost_before_the_first_token_runs_it_again_then_gives_up(pools2):
+    s = pools2
+    s.cli.send(P.Generate(id="a", prompt=PROMPT, max_tokens=5, temperature=0.0, stream=True))
+    d1, dg1 = first_generate(s.decode)
+    d1.send(delta(dg1.id, [], "", kv=RESERVATION))
+    p1, _ = first_generate(s.prefill)
+    p1.close()
+    assert d1.expect(P.Abort).id == dg1.id  # its reservation is freed
+    d2, dg2 = first_generate(s.decode)  # either decode instance: both are up
+    assert dg2.id == "r1.2.d"
+    d2.send(delta(dg2.id, [], "", kv=RESERVATION))
+    p2 = next(p for p in s.prefill if p is not p1)
+    assert p2.expect(P.Generate).id == "r1.2.p"
+    p2.close()  # the second try lost too: MAX_TRIES (2) reached, the client gets the failure
+    while not isinstance(msg := s.cli.recv(), P.Final):
+        pass
+    assert msg.result.error is not None and msg.result.error.code == "instance_failed"
+    assert f"prefill instance {p2.address}" in msg.result.error.message
+    assert d2.expect(P.Abort).id == dg2.id
+
+
+def test_a_split_request_whose_client_has_its_first_token_is_not_run_again(pools2):
+    s = pools2
+    s.cli.send(P.Generate(id="a", prompt=PROMPT, max_tokens=5, temperature=0.0, stream=True))
+    d1, dg1 = first_generate(s.decode)
+    d1.send(delta(dg1.id, [], "", kv=RESERVATION))
+    p1, pg1 = first_generate(s.prefill)
+    p1.send(delta(pg1.id, [11], " Hi"))
+    assert s.cli.recv() == delta("a", [11], " Hi")  # the client has it: too late to rerun
+    d1.close()
+    msg = s.cli.recv()
+    assert isinstance(msg, P.Final) and msg.result.error.code == "instance_failed"
+    assert all(d.got.empty() for d in s.decode if d is not d1)
 
 
 # ---- fallback: the prefill instance decodes the request itself (--pd-fallback local) ----

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -22,6 +23,8 @@ from pipeline.frontend import protocol as P
 from pipeline.ipc.curve import client_socket_setup, generate_keys
 
 BOUND = 200 << 20  # what an attack may add to a process's RSS
+SEND_TIMEOUT_MS = 10_000  # one frame of the attack queued (SNDHWM 0), or the peer refused us
+ANSWER_WAIT_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +99,17 @@ def router_keys(cluster) -> Path:
 
 def attack(address: str, frames: int, size: int, keys: Path | None) -> None:
     """Send one multipart message of ``frames`` x ``size`` bytes; return once the process
-    dropped the connection or answered."""
+    dropped the connection, refused the handshake, or answered.
+
+    Every wait is bounded. A DEALER's send blocks while it has no pipe to a peer, and libzmq
+    removes the pipe for good when the server refuses the handshake (no keys against a CURVE
+    server: no reconnect after a protocol error): on a loaded machine that refusal can come
+    between two frames, and an unbounded send then waited forever (the 850 s hang of
+    `pytest tests/router`). A send that times out means the peer took nothing more."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
     if keys is not None:
         client_socket_setup(sock, keys)
     mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -108,14 +118,19 @@ def attack(address: str, frames: int, size: int, keys: Path | None) -> None:
     try:
         sock.connect(address)
         payload = bytearray(size)  # one buffer, sent zero-copy `frames` times
-        for i in range(frames):
-            sock.send(payload, copy=False, flags=zmq.SNDMORE if i < frames - 1 else 0)
+        try:
+            for i in range(frames):
+                sock.send(payload, copy=False, flags=zmq.SNDMORE if i < frames - 1 else 0)
+        except zmq.Again:
+            assert keys is None, "a peer with the keys could not send its message"
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(mon, zmq.POLLIN)
+        deadline = time.monotonic() + ANSWER_WAIT_S
         while True:
-            events = dict(poller.poll(120_000))
-            assert events, "neither an answer nor a dropped connection within 120 s"
+            left = deadline - time.monotonic()
+            events = dict(poller.poll(max(0, int(left * 1000))))
+            assert events, f"neither an answer nor a dropped connection within {ANSWER_WAIT_S:g} s"
             if mon in events:
                 return
             if not isinstance(P.decode_reply(sock.recv()), P.Ping):
