@@ -82,6 +82,9 @@ def _peer(endpoint: str, keys: str | None = None):
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    # A refused handshake removes the only connection and libzmq never retries it: a
+    # blocking send would then wait for ever (seen under load: the refusal came mid-attack).
+    s.setsockopt(zmq.SNDTIMEO, WAIT * 1000)
     if keys:
         client_socket_setup(s, keys)
     mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -105,7 +108,10 @@ def test_a_peer_without_the_keys_writes_nothing_gets_nothing_costs_nothing(secur
     ctx, s, mon = _peer(secured.endpoint, other_keys if attacker == "other keys" else None)
     try:
         for frames in _hostile_messages(BIG):
-            s.send_multipart(frames)
+            try:
+                s.send_multipart(frames)
+            except zmq.Again:  # refused and disconnected: nothing more can even be queued
+                break
         # Deterministic: the attacker's own monitor reports the ZMQ handshake refused.
         assert mon.poll(WAIT * 1000)
         assert recv_monitor_message(mon)["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED

@@ -202,11 +202,13 @@ def test_without_fallback_the_prefill_request_fails(cluster, vocab):
     """A long prompt (six steps) whose KV cannot be written. Which comes first on P, the
     messager's report of the failed write or the last chunk's first token, is up to the two
     processes' speed, and both orders are specified (each is tested deterministically in
-    tests/engine/test_engine_disagg.py): the failure first fails P's request (no token,
-    kv_transfer_failed); the first token first ends it normally (one token, "length"), and
-    the later failure only reaches D. Either way D fails its half with kv_transfer_failed,
-    which through the router is the client's final (after P's first token, if it went out),
-    and both instances free every block."""
+    tests/engine/test_engine_disagg.py): the failure first fails P's request
+    (kv_transfer_failed; after its first token if that was sampled while P waited for the
+    report, which it does toward a peer no transfer reached yet); the first token first, to a
+    proven peer, ends it normally (one token, "length"), and the later failure only reaches D.
+    Either way D fails its half with kv_transfer_failed, which through the router is the
+    client's final (after P's first token, if it went out), and both instances free every
+    block."""
     prompt = some_prompts(vocab, seed=3)[2]
     num_blocks = stats(cluster["dec"])["kv_blocks_total"]
     ctx = zmq.Context()
@@ -216,7 +218,7 @@ def test_without_fallback_the_prefill_request_fails(cluster, vocab):
         pre.send(prefill_leg("r0", prompt, kv, kv.endpoint, block_offset=num_blocks))
         toks, final = pre.until_final()
         if final.error is not None:  # the failed report came first
-            assert toks == [] and final.error.code == "kv_transfer_failed", final
+            assert len(toks) <= 1 and final.error.code == "kv_transfer_failed", final
         else:  # the first token came first: P's request ended with it, as a sent one does
             assert len(toks) == 1 and final.finish_reason == "length", final
         _, dfinal = dec.until_final()
