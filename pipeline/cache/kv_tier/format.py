@@ -1,0 +1,107 @@
+"""KV disk tier: the file format of one block, and the names files and namespaces get.
+
+Owns the header layout (``Header``, ``pack_header``, ``parse_header``), the key's normal
+form (``key_bytes``) and the namespace of a layout (``namespace``). Owns no state.
+
+A file is ``header | payload``. The header, little-endian::
+
+    magic "PLKVBLK\\0" | version u32 | header_len u32 | namespace 16s | key_len u32 |
+    key 64s | num_layers u32 | block_size u32 | num_kv_heads u32 | head_dim u32 |
+    dtype 16s | block_bytes u64 | payload_len u64 | row checksums (2 * num_layers) u32 |
+    header crc32 u32 | zero padding to a multiple of 64
+
+The payload is the block's rows layer-major, ``[num_layers][K, V][block_bytes]``, so a layer
+range is one contiguous range of the file. Each row has its own checksum
+(``pipeline._ext.kv_io.checksum``: CRC-32C over four stripes), so a layer range is verified
+without reading the rest. The namespace is a digest of the fields two instances must share
+(``KVLayout.MUST_MATCH``, ``block_bytes``): instances of different models or layouts on one
+directory never see each other's files, and a file moved under another namespace's name is
+refused by its header.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+from dataclasses import dataclass
+
+from pipeline.messages.kv_layout import MUST_MATCH, KVLayout
+
+MAGIC = b"PLKVBLK\0"
+VERSION = 1
+MAX_KEY = 64
+_FIXED = struct.Struct("<8sII16sI64sIIII16sQQ")
+_ALIGN = 64
+
+
+def key_bytes(key: bytes | int) -> bytes:
+    """The normal form of a block key: the prefix cache's chained hash (bytes, as
+    ``KVCacheManager`` makes them) or an int hash (vLLM style) as 16 big-endian bytes."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        if not 0 <= key < 1 << 128:
+            raise ValueError(f"block key int {key} must be in [0, 2**128)")
+        return key.to_bytes(16, "big")
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        b = bytes(key)
+        if not 1 <= len(b) <= MAX_KEY:
+            raise ValueError(f"block key is {len(b)} bytes, must be 1..{MAX_KEY}")
+        return b
+    raise TypeError(f"block key must be bytes or int, got {type(key).__name__}")
+
+
+def namespace(layout: KVLayout) -> bytes:
+    """16-byte digest of what must match for a block to be reused (num_blocks excluded)."""
+    fields = "\0".join(f"{f}={getattr(layout, f)!r}" for f in MUST_MATCH)
+    return hashlib.blake2b(f"{fields}\0block_bytes={layout.block_bytes}".encode(),
+                           digest_size=16).digest()
+
+
+def header_len(layout: KVLayout) -> int:
+    n = _FIXED.size + 4 * 2 * layout.num_layers + 4
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def file_len(layout: KVLayout) -> int:
+    return header_len(layout) + layout.bytes_per_block
+
+
+def pack_header(layout: KVLayout, ns: bytes, key: bytes, row_crcs: bytes) -> bytes:
+    """The header of ``key``'s file; ``row_crcs``: the 2 * num_layers u32 checksums."""
+    hl = header_len(layout)
+    fixed = _FIXED.pack(MAGIC, VERSION, hl, ns, len(key), key, layout.num_layers,
+                        layout.block_size, layout.num_kv_heads, layout.head_dim,
+                        layout.dtype.encode(), layout.block_bytes, layout.bytes_per_block)
+    body = fixed + row_crcs
+    return (body + struct.pack("<I", zlib.crc32(body))).ljust(hl, b"\0")
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    row_crcs: memoryview  # u32 per row, layer-major
+    header_len: int
+
+
+def parse_header(raw: bytes, layout: KVLayout, ns: bytes, key: bytes) -> Header | None:
+    """The header if ``raw`` is a valid header of ``key``'s block in this layout, else None
+    (wrong magic, version, namespace, key or field, a bad header crc, a short read)."""
+    hl = header_len(layout)
+    if len(raw) < hl:
+        return None
+    try:
+        (magic, version, hlen, fns, klen, fkey, nl, bs, nh, hd, dt, bb,
+         plen) = _FIXED.unpack_from(raw)
+    except struct.error:
+        return None
+    nrows = 2 * layout.num_layers
+    end = _FIXED.size + 4 * nrows
+    if (magic != MAGIC or version != VERSION or hlen != hl or fns != ns
+            or klen != len(key) or fkey[:klen] != key
+            or (nl, bs, nh, hd, bb, plen) != (layout.num_layers, layout.block_size,
+                                              layout.num_kv_heads, layout.head_dim,
+                                              layout.block_bytes, layout.bytes_per_block)
+            or dt.rstrip(b"\0") != layout.dtype.encode()):
+        return None
+    (crc,) = struct.unpack_from("<I", raw, end)
+    if zlib.crc32(memoryview(raw)[:end]) != crc:
+        return None
+    return Header(memoryview(raw)[_FIXED.size:end], hl)
