@@ -2,10 +2,12 @@
 """Hot path of the KV disk tier (pipeline/cache/kv_tier): a block's rows to and from a file.
 
 Owns no state. A block of a KV pool is ``pool[:, :, block_id, :]``: ``2 * num_layers`` rows
-of ``block_bytes`` each, strided in the pool and contiguous in the file. ``pread_rows`` and
-``pwrite_rows`` move them with one preadv/pwritev (scatter/gather, straight into or out of
-the pool, no staging copy); ``row_checksums`` gives each row's checksum. All three release
-the GIL.
+of ``block_bytes`` each, strided in the pool and contiguous in the file.
+``pwrite_rows`` writes them with one pwritev (gathered straight out of the pool);
+``copy_rows`` scatters a block read whole into a staging buffer into the pool, checksumming
+each row while it is in cache and copying it with streaming stores (a direct preadv into the
+pool's 2 * num_layers strided rows measured slower: docs/kv_tier.md); ``row_checksums``
+gives each row's checksum. All release the GIL.
 
 The checksum is CRC-32C (Castagnoli) over four stripes of the row, combined: with one
 stream the crc32 instruction is latency bound (~3 cycles per 8 bytes, about the speed of a
@@ -19,7 +21,7 @@ SSE4.2 is absent compute the same values.
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from posix.types cimport off_t
 from libc.errno cimport errno
-from libc.string cimport strerror
+from libc.string cimport memcpy, strerror
 
 cdef extern from "<sys/uio.h>" nogil:
     struct iovec:
@@ -67,6 +69,31 @@ cdef extern from *:
         while (n--) c = kvio_crc_u8(c, *p++);
         return c;
     }
+    #if defined(__AVX512F__)
+    #include <immintrin.h>
+    #endif
+    /* Copy into the pool with streaming stores (the destination is overwritten whole: not
+       read for ownership first, and the loaded KV does not evict the cache); the unaligned
+       head and tail of the destination by memcpy. */
+    static void kvio_copy_nt(uint8_t *d, const uint8_t *s, size_t n) {
+    #if defined(__AVX512F__)
+        size_t head = (size_t)(-(uintptr_t)d & 63);
+        if (n >= head + 64) {
+            memcpy(d, s, head);
+            d += head; s += head; n -= head;
+            size_t body = n & ~(size_t)63;
+            for (size_t i = 0; i < body; i += 64)
+                _mm512_stream_si512((__m512i *)(d + i), _mm512_loadu_si512((const void *)(s + i)));
+            d += body; s += body; n -= body;
+        }
+    #endif
+        memcpy(d, s, n);
+    }
+    static void kvio_fence(void) {
+    #if defined(__AVX512F__)
+        _mm_sfence();
+    #endif
+    }
     static uint32_t kvio_crc32c(const uint8_t *p, size_t n) {
         return ~kvio_crc_run(0xFFFFFFFFu, p, n);
     }
@@ -87,6 +114,8 @@ cdef extern from *:
     }
     """
     void kvio_init_table() nogil
+    void kvio_copy_nt(uint8_t *d, const uint8_t *s, size_t n) nogil
+    void kvio_fence() nogil
     uint32_t kvio_crc32c(const uint8_t *p, size_t n) nogil
     uint32_t kvio_crc32c_x4(const uint8_t *p, size_t n) nogil
 
@@ -134,6 +163,27 @@ def row_checksums(const uint8_t[:, :, :] rows, uint32_t[::1] out) -> None:
                 out[l * nk + k] = kvio_crc32c_x4(&rows[l, k, 0], <size_t>n)
 
 
+def copy_rows(const uint8_t[::1] src, uint8_t[:, :, :] dst, uint32_t[::1] out) -> None:
+    """Scatter ``src`` (a block's rows, contiguous as in the file) into ``dst`` (the block in
+    the pool, ``[layers, 2, block_bytes]``), ``out[r]`` each row's checksum on the way: the
+    row is checksummed while it sits in cache from the read, then copied once."""
+    cdef Py_ssize_t nl = dst.shape[0], nk = dst.shape[1], n = dst.shape[2], l, k, r
+    _check_rows(dst.strides[2])
+    if src.shape[0] != nl * nk * n or out.shape[0] != nl * nk:
+        raise ValueError(f"copy_rows: {src.shape[0]} bytes and {out.shape[0]} checksum slots "
+                         f"for {nl * nk} rows of {n} bytes")
+    if n == 0 or nl * nk == 0:
+        out[:] = 0
+        return
+    with nogil:
+        for l in range(nl):
+            for k in range(nk):
+                r = l * nk + k
+                out[r] = kvio_crc32c_x4(&src[r * n], <size_t>n)
+                kvio_copy_nt(&dst[l, k, 0], &src[r * n], <size_t>n)
+        kvio_fence()
+
+
 cdef Py_ssize_t _rows_io(int fd, uint8_t *base, Py_ssize_t nl, Py_ssize_t nk, Py_ssize_t s0,
                          Py_ssize_t s1, size_t n, off_t off, bint write) noexcept nogil:
     # Returns the bytes moved, or -1 on a system error (errno is set).
@@ -157,21 +207,6 @@ cdef Py_ssize_t _rows_io(int fd, uint8_t *base, Py_ssize_t nl, Py_ssize_t nk, Py
                 cnt = 0
                 want = 0
     return total
-
-
-def pread_rows(int fd, Py_ssize_t offset, uint8_t[:, :, :] rows not None) -> int:
-    """Read ``rows`` (a block: ``[layers, 2, block_bytes]``) from ``fd`` at ``offset``; the
-    bytes read (less than ``rows.nbytes`` for a short file). OSError on a system error."""
-    cdef Py_ssize_t got
-    _check_rows(rows.strides[2])
-    if rows.shape[0] * rows.shape[1] * rows.shape[2] == 0:
-        return 0
-    with nogil:
-        got = _rows_io(fd, &rows[0, 0, 0], rows.shape[0], rows.shape[1], rows.strides[0],
-                       rows.strides[1], <size_t>rows.shape[2], <off_t>offset, False)
-    if got < 0:
-        raise OSError(errno, "preadv: " + strerror(errno).decode())
-    return got
 
 
 def pwrite_rows(int fd, Py_ssize_t offset, const uint8_t[:, :, :] rows not None) -> int:
