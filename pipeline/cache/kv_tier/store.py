@@ -95,7 +95,7 @@ class DiskTier:
         k = fmt.key_bytes(key)
         path = os.path.join(self.dir, k.hex())
         try:
-            os.utime(path)
+            _stamp(path)
             return False
         except FileNotFoundError:
             pass
@@ -111,6 +111,7 @@ class DiskTier:
                 os.ftruncate(fd, self.file_bytes)
                 ok = (os.pwrite(fd, header, 0) == len(header)
                       and kv_io.pwrite_rows(fd, self._hlen, src) == src.nbytes)
+                _stamp(fd)
             finally:
                 os.close(fd)
             if ok:
@@ -167,7 +168,7 @@ class DiskTier:
                 kv_io.copy_rows(stage[hl + lo * rb:hl + hi * rb], dst[lo:hi], crcs)
                 if hdr.row_crcs[8 * lo:8 * hi] == crcs.tobytes():
                     if lo == 0:
-                        os.utime(fd)  # recency, once per block (its first layers)
+                        _stamp(fd)  # recency, once per block (its first layers)
                     self.num_loaded += 1
                     return True
             self._remove_bad(fd, path)
@@ -207,3 +208,10 @@ class DiskTier:
                              f"(pool[:, :, block_id, :]), got {got}")
         if a.strides[2] != 1:
             raise ValueError(f"{name}: each row must be contiguous, strides {a.strides}")
+
+
+def _stamp(f: int | str) -> None:
+    # Explicit nanoseconds: a plain utime takes the kernel's coarse clock (a tick), and LRU
+    # order between uses in one tick would be lost.
+    t = time.time_ns()
+    os.utime(f, ns=(t, t))
