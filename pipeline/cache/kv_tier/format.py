@@ -81,7 +81,7 @@ class Header:
     header_len: int
 
 
-def parse_header(raw: bytes, layout: KVLayout, ns: bytes, key: bytes) -> Header | None:
+def parse_header(raw: bytes | memoryview, layout: KVLayout, ns: bytes, key: bytes) -> Header | None:
     """The header if ``raw`` is a valid header of ``key``'s block in this layout, else None
     (wrong magic, version, namespace, key or field, a bad header crc, a short read)."""
     hl = header_len(layout)

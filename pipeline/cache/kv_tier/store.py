@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline._ext import kv_io
+from pipeline._ext.kv_io import copy_rows, pwrite_rows, row_checksums
 from pipeline.cache.kv_tier import format as fmt
 from pipeline.cache.kv_tier.budget import TMP_PREFIX, Budget
 from pipeline.messages.kv_layout import KVLayout
@@ -100,7 +100,7 @@ class DiskTier:
         except FileNotFoundError:
             pass
         crcs = np.empty(2 * self.layout.num_layers, dtype=np.uint32)
-        kv_io.row_checksums(src, crcs)
+        row_checksums(src, crcs)
         header = fmt.pack_header(self.layout, self.ns, k, crcs.tobytes())
         self.budget.reserve(self.file_bytes)
         tmp = os.path.join(self.dir, f"{TMP_PREFIX}{os.getpid()}.{os.urandom(6).hex()}")
@@ -110,7 +110,7 @@ class DiskTier:
                 # Final size first: a concurrent eviction scan counts it whole.
                 os.ftruncate(fd, self.file_bytes)
                 ok = (os.pwrite(fd, header, 0) == len(header)
-                      and kv_io.pwrite_rows(fd, self._hlen, src) == src.nbytes)
+                      and pwrite_rows(fd, self._hlen, src) == src.nbytes)
                 _stamp(fd)
             finally:
                 os.close(fd)
@@ -165,7 +165,7 @@ class DiskTier:
             hdr = fmt.parse_header(stage[:hl], self.layout, self.ns, k) if ok else None
             if hdr is not None:
                 crcs = np.empty(2 * (hi - lo), dtype=np.uint32)
-                kv_io.copy_rows(stage[hl + lo * rb:hl + hi * rb], dst[lo:hi], crcs)
+                copy_rows(stage[hl + lo * rb:hl + hi * rb], dst[lo:hi], crcs)
                 if hdr.row_crcs[8 * lo:8 * hi] == crcs.tobytes():
                     if lo == 0:
                         _stamp(fd)  # recency, once per block (its first layers)
@@ -178,14 +178,14 @@ class DiskTier:
         finally:
             os.close(fd)
 
-    def _stage(self) -> np.ndarray:
+    def _stage(self) -> memoryview:
         """This thread's staging buffer, one file long, its rows 64-byte aligned (the header
         length is a multiple of 64) for the streaming copy."""
         stage = getattr(self._local, "stage", None)
         if stage is None:
             raw = np.empty(self.file_bytes + 64, dtype=np.uint8)
             off = -raw.ctypes.data % 64
-            stage = self._local.stage = raw[off:off + self.file_bytes]
+            stage = self._local.stage = memoryview(raw[off:off + self.file_bytes])  # type: ignore[arg-type]
         return stage
 
     def _remove_bad(self, fd: int, path: str) -> None:
