@@ -32,7 +32,7 @@ LAYERS: dict[str, set[str]] = {
     "tokenizer": STAGE_BASE | {"structured_outputs"},
     "engine": STAGE_BASE,
     "output": STAGE_BASE,
-    "cache": STAGE_BASE,
+    "cache": STAGE_BASE | {"_ext"},  # kv_tier: the disk tier's file I/O and checksum (kv_io)
     "worker": STAGE_BASE | {"models", "layers", "structured_outputs"},
     "layers": {"_ext", "config"},
     "models": {"layers", "config"},
