@@ -96,20 +96,26 @@ class _Child:
 
     def compile(self, spec: bytes, budget_s: float) -> list:
         """[True, grammar bytes] or [False, refusal]; _Timeout (the process killed) past
-        ``budget_s``; RuntimeError if the process died."""
-        if self.proc is None or self.proc.poll() is not None:
-            self.proc = self._start()
-        proc = self.proc
-        assert proc.stdin is not None and proc.stdout is not None
-        try:
-            _write_frame(proc.stdin, spec)
-            return msgspec.msgpack.decode(_read_frame(proc.stdout.fileno(), time.monotonic() + budget_s))
-        except _Timeout:
-            self.kill(proc)
-            raise
-        except (EOFError, BrokenPipeError):
-            self.kill(proc)
-            raise RuntimeError(f"the grammar compile process died (exit code {proc.returncode})") from None
+        ``budget_s``; RuntimeError if the process died twice. Once is not the spec's doing
+        for sure: a process dies with the thread that started it (PR_SET_PDEATHSIG), and a
+        thread may end between two compiles, so a death is tried again on a fresh process."""
+        for attempt in (1, 2):
+            if self.proc is None or self.proc.poll() is not None:
+                self.proc = self._start()
+            proc = self.proc
+            assert proc.stdin is not None and proc.stdout is not None
+            try:
+                _write_frame(proc.stdin, spec)
+                return msgspec.msgpack.decode(_read_frame(proc.stdout.fileno(), time.monotonic() + budget_s))
+            except _Timeout:
+                self.kill(proc)
+                raise
+            except (EOFError, BrokenPipeError):
+                self.kill(proc)
+                if attempt == 2:
+                    raise RuntimeError(f"the grammar compile process died (exit code "
+                                       f"{proc.returncode})") from None
+        raise AssertionError("unreachable")
 
     def kill(self, proc: subprocess.Popen | None = None) -> None:
         proc = proc or self.proc

@@ -106,3 +106,20 @@ def test_a_slow_grammar_delays_nobody_and_is_refused_for_the_budget(tp):
     assert e["code"] == "invalid_request", e
     assert e["message"].startswith(f"structured_outputs.json: did not compile within {COMPILE_BUDGET_S:g} s"), e
     assert by_id["after"]["error"] is None and by_id["after"]["text"] in ("yes", "no")
+
+
+def test_a_compile_process_gone_with_the_thread_that_started_it_is_replaced():
+    """A compile process dies with the thread that started it (PR_SET_PDEATHSIG): a compile
+    from another thread afterwards still gets its answer, however the death and the next
+    compile interleave (a fresh process either way)."""
+    svc = GrammarService(MODEL, 2048, EOS, budget_s=60)
+    try:
+        for i in range(3):
+            so = StructuredOutputsParams(regex=f"[a-z]{{1,{i + 2}}}")
+            t = threading.Thread(target=lambda so=so: svc.compile(so))
+            t.start()
+            t.join()  # its processes are SIGKILLed now, or about to be
+            again = StructuredOutputsParams(regex=f"x[0-9]{{1,{i + 2}}}")  # not in the cache
+            assert isinstance(svc.compile(again), bytes)
+    finally:
+        svc.close()
