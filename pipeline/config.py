@@ -25,6 +25,30 @@ CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bflo
            "distributed_backend": ("auto", "nccl", "gloo")}
 
 
+DEFAULT_KV_OFFLOAD_SIZE = 16 << 30
+SIZE_FIELDS = ("kv_cache_memory", "kv_offload_size", "kv_offload_host")
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 1 << 10, "m": 10**6, "mb": 10**6,
+          "mib": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12,
+          "tib": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``20GiB``, ``512MB``, ``1.5G`` or a plain count (ValueError naming the text)."""
+    if isinstance(text, int):
+        return text
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("kmgtib")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value < 0 or value != value or value == float("inf"):
+        raise ValueError(f"{text!r} is not a size: a number of bytes with an optional unit "
+                         f"(KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 20GiB")
+    return int(value * _UNITS[unit])
+
+
 def _flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
@@ -82,9 +106,20 @@ class CacheConfig(msgspec.Struct, kw_only=True):
     kv_cache_memory: int = 0  # bytes on CPU; 0: sized to the model (worker/kv_sizing.py)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # A second KV tier (docs/kv_tier.md): files under kv_offload_dir, kept to kv_offload_size
+    # bytes (0: DEFAULT_KV_OFFLOAD_SIZE); kv_offload_host: pinned host memory (CUDA only).
+    kv_offload_dir: str = ""
+    kv_offload_size: int = 0
+    kv_offload_host: int = 0
 
     def check(self) -> None:
-        _check_ranges(self, (("num_blocks", 0, None), ("kv_cache_memory", 0, None)))
+        _check_ranges(self, (("num_blocks", 0, None), ("kv_cache_memory", 0, None),
+                             ("kv_offload_size", 0, None), ("kv_offload_host", 0, None)))
+        if self.kv_offload_size and not self.kv_offload_dir:
+            raise ValueError("--kv-offload-size sizes the tier under --kv-offload-dir, which is not set")
+        if self.kv_offload_dir and not self.enable_prefix_caching:
+            raise ValueError("--kv-offload-dir keys its files by the prefix cache's block hashes: "
+                             "it needs prefix caching (drop --no-enable-prefix-caching)")
         bs = self.block_size
         if bs and not (0 < bs <= MAX_BLOCK_SIZE and bs & (bs - 1) == 0):
             raise ValueError(f"{_flag('block_size')} must be 0 (automatic) or a power of two up to "
@@ -196,6 +231,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         top = {}
         for name, v in fields.items():
             g = FIELD_GROUP.get(name)
+            if name in SIZE_FIELDS and isinstance(v, str):
+                try:
+                    v = parse_size(v)
+                except ValueError as e:
+                    raise ValueError(f"{_flag(name)}: {e}") from None
             if g is not None:
                 groups[g][name] = v
             elif name in TOP_FIELDS:
@@ -233,6 +273,19 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(f"--curve-keys {self.curve_keys}: missing {', '.join(missing)} "
                                  "(make the keys with `pipeline keys DIR`)")
         pd, par = self.kv_transfer_config, self.parallel_config
+        cc = self.cache_config
+        if cc.kv_offload_dir and pd.role != "mixed":
+            raise ValueError(f"--kv-offload-dir with --role {pd.role}: the KV tier runs on mixed "
+                             f"instances only for now (one KV connector per instance)")
+        if cc.kv_offload_dir and self.model_config.device == "cuda":
+            raise ValueError("--kv-offload-dir with --device cuda: the disk tier moves blocks "
+                             "between files and a pool in host memory; from GPU memory it is not "
+                             "built yet (docs/kv_tier.md)")
+        if cc.kv_offload_host:
+            raise ValueError("--kv-offload-host (a tier in pinned host memory) is for a KV cache "
+                             "on CUDA; on CPU the pool already is host memory (give it more with "
+                             "--kv-cache-memory), and the CUDA tier is not built yet: use "
+                             "--kv-offload-dir")
         if pd.kv_listen:  # the decode side's KV listener: who reaches it writes into the cache
 
             check_bind("--kv-listen", pd.kv_listen, self.curve_keys, self.allow_insecure_network)

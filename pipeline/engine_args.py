@@ -9,12 +9,14 @@ import os
 
 from pipeline.config import (
     CHOICES,
+    DEFAULT_KV_OFFLOAD_SIZE,
     FIELD_GROUP,
     GROUPS,
     INT4_GROUP_SIZES,
     MAX_BLOCK_SIZE,
     MAX_CHAT_TEMPLATE_BYTES,
     EngineConfig,
+    parse_size,
 )
 
 
@@ -27,6 +29,13 @@ class _Defaults:
 
 
 GROUP_DEFAULTS = {g: cls() for g, cls in GROUPS.items()}
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -44,11 +53,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help=f"tokens per KV block: a power of two up to {MAX_BLOCK_SIZE} (0: 16 on CPU, 64 on GPU)")
     p.add_argument("--num-blocks", type=int, default=d.num_blocks)
-    p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
+    p.add_argument("--kv-cache-memory", type=_size, default=d.kv_cache_memory,
                    help="bytes of KV cache (CPU). Default: as much as the weights take, at least 64 MiB "
                         "and one max_model_len sequence, at most what max_num_seqs sequences of "
                         "max_model_len fill and half the free memory; pages are allocated as used")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    p.add_argument("--kv-offload-dir", default=d.kv_offload_dir,
+                   help="a second KV tier: prefix blocks kept in files under this directory, across "
+                        "restarts and shared by the instances of this host (docs/kv_tier.md)")
+    p.add_argument("--kv-offload-size", type=_size, default=d.kv_offload_size,
+                   help=f"bytes the --kv-offload-dir tier keeps, e.g. 20GiB (0: "
+                        f"{DEFAULT_KV_OFFLOAD_SIZE >> 30} GiB)")
+    p.add_argument("--kv-offload-host", type=_size, default=d.kv_offload_host,
+                   help="a KV tier in pinned host memory: for a KV cache on CUDA (not built yet)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)

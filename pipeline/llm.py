@@ -77,8 +77,12 @@ class LLM:
                     worker = self.worker = ModelRunner(self.config)  # close() releases it if load fails
                     worker.load()
             self.worker = worker
+            self._tier: Any = None
+            hash_key, connector = None, None
+            if self.config.cache_config.kv_offload_dir:
+                hash_key, connector = self._start_tier(worker)
             self.scheduler = Scheduler(self.config, worker.num_blocks, worker.block_size,
-                                       worker.max_model_len)
+                                       worker.max_model_len, hash_key, connector=connector)
             if not skip_tokenizer_init:
                 self._init_tokenizer(Path(model))
             self.prompts = PromptReader(self.tokenizer, worker, worker.max_model_len)
@@ -86,6 +90,25 @@ class LLM:
             if owned:  # release the KV cache (shared memory) of a half-built engine
                 self.close()
             raise
+
+    def _start_tier(self, worker: Any) -> tuple[bytes, Any]:
+        """The KV tier (--kv-offload-dir) on a thread of this process: its hash key and the
+        engine's connector."""
+        import msgspec
+        import torch
+
+        from pipeline.cache.kv_tier.mover import InProcessTier
+        from pipeline.cache.kv_tier.store import DiskTier
+        from pipeline.config import DEFAULT_KV_OFFLOAD_SIZE
+        from pipeline.engine.kv_connector.tier import TierConnector, tier_hash_key
+
+        cc = self.config.cache_config
+        kvc = worker.kv_cache
+        layout = msgspec.structs.replace(kvc.layout, model_hash=worker.kv_tier_id())
+        pool = layout.pool(kvc.buffer.reshape(-1).view(torch.uint8).numpy())
+        self._tier = InProcessTier(DiskTier(cc.kv_offload_dir, cc.kv_offload_size or DEFAULT_KV_OFFLOAD_SIZE,
+                                            layout), pool)
+        return tier_hash_key(cc.kv_offload_dir), lambda s: TierConnector(s, cc.kv_offload_dir, layout)
 
     def _init_tokenizer(self, model_dir: Path) -> None:
         from pipeline.output.detokenizer import DetokenizerTable
@@ -164,6 +187,9 @@ class LLM:
         return self.scheduler.stats().as_dict()
 
     def close(self) -> None:
+        if getattr(self, "_tier", None) is not None:
+            self._tier.close()  # its queued saves written first: a restart finds them
+            self._tier = None
         if self.worker is not None:
             self.worker.close()
             self.worker = None
@@ -225,8 +251,10 @@ class LLM:
                 self.scheduler.abort_requests(stopped, reason="stop")  # answers are out already)
 
         assert self.worker is not None  # generate/chat checked it
-        core = EngineCore(self.scheduler, LocalExecutor(self.worker), outputs)
-        core.run_until_done()
+        tier = self._tier
+        core = EngineCore(self.scheduler, LocalExecutor(self.worker), outputs,
+                          send_kv=None if tier is None else tier.submit)
+        core.run_until_done(None if tier is None else tier.poll)
 
     def _abort(self, rids: list[str]) -> None:
         self.scheduler.abort_requests(rids)

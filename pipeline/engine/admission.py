@@ -80,6 +80,8 @@ class Admission:
                 # the request waits for them outside the batch, holding its blocks.
                 n_ext = min(conn.get_num_new_matched_tokens(req, n_hit),
                             req.num_tokens - 1 - n_hit)
+                if n_ext < 0:
+                    break  # its next blocks are being loaded for another request: soon a pool hit
                 if n_ext > 0:
                     if not self._load_external(req, computed, n_hit, n_ext, reserve):
                         break
@@ -132,7 +134,7 @@ class Admission:
         if new is None:
             return False
         sched.waiting.pop()
-        kv.record_lookup(req.num_tokens, n_hit + n_ext)
+        kv.record_lookup(req.num_tokens, n_hit)  # the pool's hit; the connector counts its own
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = n_hit + n_ext
             req.first_scheduled_time = time.time()

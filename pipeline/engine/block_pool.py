@@ -92,10 +92,9 @@ class BlockPool:
         self.cached: dict[bytes, KVBlock] = {}
         self.num_cached_free = 0  # free blocks that still carry a hash (evictable)
         self.num_evictions = 0
-        # Called with each cached block as it is evicted, its hash still on it (a KV connector
-        # saving blocks as they leave the pool: a second KV tier). Its KV is intact until the
-        # step that reuses the block runs.
-        self.on_evict: Callable[[KVBlock], None] | None = None
+        # Called with each block as it is published in the prefix cache, its KV computed and
+        # its owner holding it (a KV connector saving blocks to a second KV tier).
+        self.on_cached: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -119,8 +118,6 @@ class BlockPool:
         return out
 
     def _evict(self, b: KVBlock) -> None:
-        if self.on_evict is not None:
-            self.on_evict(b)
         if self.cached.get(b.block_hash) is b:  # type: ignore[arg-type]
             del self.cached[b.block_hash]  # type: ignore[arg-type]
         b.block_hash = b.block_key = None
@@ -166,6 +163,8 @@ class BlockPool:
             return False
         b.block_hash, b.block_key = block_hash, block_key
         self.cached[block_hash] = b
+        if self.on_cached is not None:
+            self.on_cached(b)
         return True
 
     def check(self) -> list[str]:

@@ -159,6 +159,7 @@ class EngineCore:
             why = self.send_kv(plan) if self.send_kv is not None else "no cache messager"
             if why is not None:
                 outs += conn.drop_plan(plan, why)
+        self.flush_kv()  # what schedule() owes the messager now (a KV tier's loads)
         return outs
 
     def flush_kv(self) -> None:
@@ -170,7 +171,18 @@ class EngineCore:
         for f in conn.take_kv_finishes():
             self.send_kv(f)
 
-    def run_until_done(self) -> None:
-        """Step until no request is left (in process: every input is already queued)."""
-        while self.has_work():
-            self.step()
+    def run_until_done(self, recv_kv: Callable[[float], Any] | None = None) -> None:
+        """Step until no request is left (in process: every input is already queued).
+        ``recv_kv(timeout)``: the next message of an in-process cache messager (a KV tier's
+        reports) or None; with it, requests the connector holds (loading) are waited for."""
+        if recv_kv is None:
+            while self.has_work():
+                self.step()
+            return
+        while self.has_work() or self.sched.requests:
+            while (msg := recv_kv(0)) is not None:
+                self.on_kv_message(msg)
+            if not self.step():
+                msg = recv_kv(1.0)  # nothing could run: a report frees blocks or lands a load
+                if msg is not None:
+                    self.on_kv_message(msg)

@@ -100,9 +100,9 @@ class Scheduler:
         self.results = StepResults(self)
         self.clock = clock
         self.connector = connector(self) if connector is not None else make_connector(self)
-        if self.connector is not None and self.connector.saves_evicted:
-            self.kv.pool.on_evict = self.connector.on_evict
-        self.async_scheduling = async_scheduling and self.connector is None
+        if self.connector is not None and self.connector.saves_cached:
+            self.kv.pool.on_cached = self.connector.on_cached
+        self.async_scheduling = async_scheduling and (self.connector is None or self.connector.allows_async)
 
     # -- admission and abort ------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:

@@ -29,4 +29,5 @@ def scheduler_stats(sched: Scheduler) -> EngineStats:
         prompt_tokens=sched.num_prompt_tokens, computed_tokens=sched.results.num_computed_tokens,
         generation_tokens=sched.results.num_generated_tokens,
         stale_results_dropped=sched.results.num_stale_results,
-        reserve_blocks_per_running=sched.admission.reserve_per_running, **(conn.stats() if conn else {}))
+        reserve_blocks_per_running=sched.admission.reserve_per_running,
+        **(conn.stats() if conn else {}))  # type: ignore[arg-type]

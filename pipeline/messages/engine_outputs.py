@@ -76,6 +76,22 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_reservation_timeouts: int = 0
     kv_transfer_leased_blocks: int = 0
     kv_transfers_failed: int = 0
+    # A KV tier (--kv-offload-dir): prompt tokens found there (beyond the pool's hit) and
+    # loaded intact, blocks that failed their load (computed again), load bytes and time,
+    # requests that waited for a load and how long in all, blocks written and their bytes and
+    # time, blocks held for a save now, requests loading now.
+    kv_tier_hit_tokens: int = 0
+    kv_tier_loaded_tokens: int = 0
+    kv_tier_failed_blocks: int = 0
+    kv_tier_load_bytes: int = 0
+    kv_tier_load_seconds: float = 0.0
+    kv_tier_load_waits: int = 0
+    kv_tier_load_wait_seconds: float = 0.0
+    kv_tier_saved_blocks: int = 0
+    kv_tier_save_bytes: int = 0
+    kv_tier_save_seconds: float = 0.0
+    kv_tier_saving_blocks: int = 0
+    kv_tier_loading_requests: int = 0
     # Set by the engine stage (zero in-process): steps that ran tokens, their wall time and
     # the worker's share of it.
     engine_steps: int = 0

@@ -10,6 +10,7 @@ allocation ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_d
 """
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -70,6 +71,13 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
                  for f in MUST_MATCH if getattr(self, f) != getattr(peer, f)]
         if diffs:
             raise LayoutMismatch("KV layout mismatch, refusing to transfer: " + "; ".join(diffs))
+
+    def tier_namespace(self) -> bytes:
+        """16-byte digest of what must match for a KV tier's block to be reused here
+        (num_blocks excluded): the subdirectory of a tier's files (cache/kv_tier/format.py)."""
+        fields = "\0".join(f"{f}={getattr(self, f)!r}" for f in MUST_MATCH)
+        return hashlib.blake2b(f"{fields}\0block_bytes={self.block_bytes}".encode(),
+                               digest_size=16).digest()
 
     def pool(self, buf: object) -> np.ndarray:
         """uint8 view `[num_layers, 2, num_blocks, block_bytes]` over a pool's memory."""

@@ -25,3 +25,5 @@ class Tag(enum.IntEnum):
     KV_FINISH = 12
     TRANSFER_REPORT = 13
     KV_READY = 14
+    TIER_PLAN = 15
+    TIER_REPORT = 16

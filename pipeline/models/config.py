@@ -228,3 +228,24 @@ def model_hash(model_dir: str | Path) -> str:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     canon = json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.blake2b(canon, digest_size=16).hexdigest()
+
+
+SAMPLE_BYTES = 1 << 16  # of a weight file, at each of three places (weights_id)
+
+
+def weights_id(model_dir: str | Path, numerics: str) -> str:
+    """A digest of the model a KV tier's blocks were computed by, for files that outlive the
+    process: the config (``model_hash``), each weight file's name and size and three 64 KiB
+    samples of its bytes (two checkpoints of one config, as a fine-tune and its base, differ
+    there), and ``numerics``: what else changes the KV (dtype, quantization, ranks). Reads
+    ~200 KiB a file, not the weights."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(model_hash(model_dir).encode() + b"\0" + numerics.encode() + b"\0")
+    for f in sorted(Path(model_dir).glob("*.safetensors")) + sorted(Path(model_dir).glob("*.bin")):
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            for off in (0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)):
+                fh.seek(off)
+                h.update(fh.read(SAMPLE_BYTES))
+    return h.hexdigest()

@@ -26,6 +26,7 @@ from pipeline.ipc.ring import Ring
 from pipeline.messages.answers import RequestDelta, RequestResult
 from pipeline.messages.engine_outputs import EngineOutputs, EngineStats
 from pipeline.messages.kv import KVFinish, KVReady, TransferPlan, TransferReport
+from pipeline.messages.kv_tier import TierPlan, TierReport
 from pipeline.messages.requests import (
     MAX_REQUEST_BYTES,
     AbortRequest,
@@ -52,6 +53,7 @@ class RingDecl:
     limit: Callable[[Sizes], int] | None  # the largest message in bytes; None: layer signal
     kind: Literal["ring", "broadcast", "layer_signal"] = "ring"
     roles: frozenset[str] = ROLES  # the instance roles that create it
+    tier: bool = False  # also created by an instance with a KV tier (--kv-offload-dir)
     # False: carries what a client sent, not yet checked by the tokenizer stage.
     trusted: bool = True
 
@@ -78,11 +80,14 @@ RINGS: tuple[RingDecl, ...] = (
     # Disaggregation only. Prefill: the engine's transfer plans and the messager's reports;
     # worker rank 0 publishes each layer's "KV written" on the layer signal, sized by the
     # gateway in layers (every rank's when the ranks share one KV segment, worker.kv_cache).
+    # A KV tier (mixed role): the engine's TierPlans (loads, saves) and the messager's reports.
     RingDecl("kv_plans", "engine", "messager",
-             {Tag.TRANSFER_PLAN: TransferPlan, Tag.KV_FINISH: KVFinish}, Sizes.kv_plan,
-             roles=PREFILL),
-    RingDecl("kv_reports", "messager", "engine", {Tag.TRANSFER_REPORT: TransferReport},
-             lambda s: max(1 * MiB, s.config.scheduler_config.max_num_seqs * 2 * KiB), roles=PREFILL),
+             {Tag.TRANSFER_PLAN: TransferPlan, Tag.KV_FINISH: KVFinish, Tag.TIER_PLAN: TierPlan},
+             Sizes.kv_plan, roles=PREFILL, tier=True),
+    RingDecl("kv_reports", "messager", "engine",
+             {Tag.TRANSFER_REPORT: TransferReport, Tag.TIER_REPORT: TierReport},
+             lambda s: max(1 * MiB, s.config.scheduler_config.max_num_seqs * 2 * KiB), roles=PREFILL,
+             tier=True),
     RingDecl("layers", "worker", "messager", {}, None, kind="layer_signal", roles=PREFILL),
     # Decode: one KVReady per request, its error clipped to 8 KiB.
     RingDecl("kv_ready", "messager", "engine", {Tag.KV_READY: KVReady}, lambda s: 64 * KiB,
@@ -103,17 +108,22 @@ def _check_role(role: str) -> None:
         raise ValueError(f"instance role={role!r} must be one of {sorted(ROLES)}")
 
 
-def ring_names(role: str) -> list[str]:
-    """Every ring (and the layer signal) an instance of ``role`` creates: StageSpec.rings' keys."""
+def _has(r: RingDecl, role: str, tier: bool) -> bool:
+    return role in r.roles or (tier and r.tier)
+
+
+def ring_names(role: str, tier: bool = False) -> list[str]:
+    """Every ring (and the layer signal) an instance of ``role`` (``tier``: with a KV tier)
+    creates: StageSpec.rings' keys."""
     _check_role(role)
-    return [r.name for r in RINGS if role in r.roles]
+    return [r.name for r in RINGS if _has(r, role, tier)]
 
 
-def ring_roles(role: str) -> dict[str, tuple[str, str]]:
+def ring_roles(role: str, tier: bool = False) -> dict[str, tuple[str, str]]:
     """The single-producer/single-consumer rings of an instance of ``role`` (mixed | prefill |
-    decode): ring role -> (producer, consumer)."""
+    decode; ``tier``: with a KV tier): ring role -> (producer, consumer)."""
     _check_role(role)
-    return {r.name: (r.producer, r.consumer) for r in RINGS if r.kind == "ring" and role in r.roles}
+    return {r.name: (r.producer, r.consumer) for r in RINGS if r.kind == "ring" and _has(r, role, tier)}
 
 
 def message_limits(config: EngineConfig, max_model_len: int) -> dict[str, int]:

@@ -28,6 +28,9 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     kv: KVLayout
     kv_segment: str | None = None
     kv_cuda_ipc: bytes = b""
+    # A KV tier's (--kv-offload-dir) model identity: the weights and the settings that change
+    # the KV (``RankModel.kv_tier_id``); "" without a tier.
+    kv_tier_id: str = ""
 
 
 class StageSpec(msgspec.Struct, kw_only=True):

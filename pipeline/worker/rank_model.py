@@ -23,7 +23,7 @@ import torch
 from pipeline.config import EngineConfig
 from pipeline.layers import ops
 from pipeline.layers.int4 import PACKED
-from pipeline.models.config import load_model_config, model_hash
+from pipeline.models.config import load_model_config, model_hash, weights_id
 from pipeline.models.llama import CausalLM
 from pipeline.models.loader import load_weights
 from pipeline.models.parallel import TPGroup, TPShard
@@ -89,6 +89,7 @@ class RankModel:
         self.num_blocks = 0
         self.kv_cache_bytes = 0
         self.weight_bytes = 0
+        self.weight_format = ""  # set by load()
         self.model: CausalLM | None = None
         self.kv_cache: KVCache | None = None
 
@@ -110,6 +111,16 @@ class RankModel:
             "block_size": str(self.block_size), "max_model_len": str(self.max_model_len),
             "max_num_seqs": str(cfg.scheduler_config.max_num_seqs), "device": self.device.type})
 
+    def kv_tier_id(self) -> str:
+        """What a KV tier's files are kept under (``ModelInfo.kv_tier_id``): the weights and
+        every setting that changes the KV they compute; "" without a tier."""
+        cfg = self.config
+        if not cfg.cache_config.kv_offload_dir:
+            return ""
+        mc = cfg.model_config
+        return weights_id(mc.model, f"{self.weight_format}|{mc.quantization_group_size}|"
+                                    f"tp{cfg.parallel_config.tensor_parallel_size}|{self.device.type}")
+
     def load(self) -> None:
         mc = self.model_config
         t0 = time.perf_counter()
@@ -121,6 +132,7 @@ class RankModel:
                            self.config.model_config.quantization_group_size, self.device,
                            ops.backend(self.device) is not None)
         fmt = plan.fmt
+        self.weight_format = fmt or str(self.dtype)
         with torch.device("meta"):
             model = CausalLM(self.shard.model_config(mc) if self.shard else mc, self.max_model_len)
         load_weights(model, self.config.model_config.model, plan, shard=self.shard)

@@ -64,7 +64,8 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
         info = ModelInfo(max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
                          eos_token_ids=list(runner.eos_token_ids),
                          kv=msgspec.structs.replace(kv, model_hash=model_hash(cfg.model_config.model)),
-                         kv_segment=runner.kv_cache.shm_name, kv_cuda_ipc=kv_cuda_ipc)
+                         kv_segment=runner.kv_cache.shm_name, kv_cuda_ipc=kv_cuda_ipc,
+                         kv_tier_id=runner.kv_tier_id() if spec.rank == 0 else "")
         ready(msgspec.structs.asdict(info))
         while True:
             t_wait = time.perf_counter()

@@ -1,7 +1,7 @@
 """KV disk tier: the file format of one block, and the names files and namespaces get.
 
 Owns the header layout (``Header``, ``pack_header``, ``parse_header``), the key's normal
-form (``key_bytes``) and the namespace of a layout (``namespace``). Owns no state.
+form (``key_bytes``); the namespace of a layout is ``KVLayout.tier_namespace``. Owns no state.
 
 A file is ``header | payload``. The header, little-endian::
 
@@ -20,12 +20,11 @@ refused by its header.
 """
 from __future__ import annotations
 
-import hashlib
 import struct
 import zlib
 from dataclasses import dataclass
 
-from pipeline.messages.kv_layout import MUST_MATCH, KVLayout
+from pipeline.messages.kv_layout import KVLayout
 
 MAGIC = b"PLKVBLK\0"
 VERSION = 1
@@ -47,13 +46,6 @@ def key_bytes(key: bytes | int) -> bytes:
             raise ValueError(f"block key is {len(b)} bytes, must be 1..{MAX_KEY}")
         return b
     raise TypeError(f"block key must be bytes or int, got {type(key).__name__}")
-
-
-def namespace(layout: KVLayout) -> bytes:
-    """16-byte digest of what must match for a block to be reused (num_blocks excluded)."""
-    fields = "\0".join(f"{f}={getattr(layout, f)!r}" for f in MUST_MATCH)
-    return hashlib.blake2b(f"{fields}\0block_bytes={layout.block_bytes}".encode(),
-                           digest_size=16).digest()
 
 
 def header_len(layout: KVLayout) -> int:

@@ -46,7 +46,7 @@ class DiskTier:
                              f"plus the header)")
         self.root = os.fspath(root)
         os.makedirs(self.root, exist_ok=True)
-        self.ns = fmt.namespace(layout)
+        self.ns = layout.tier_namespace()
         self.dir = os.path.join(self.root, self.ns.hex())
         os.makedirs(self.dir, exist_ok=True)
         self.budget = Budget(self.root, size_bytes)

@@ -15,7 +15,8 @@ The scheduler calls a connector at fixed points, and only there:
   request with its blocks allocated (``update_state_after_alloc``) and holds it, as the
   decode connector holds a reservation, until the load is in (``on_message``), so a request
   waiting for a load never delays the running batch;
-- ``on_evict`` (``saves_evicted``): each cached block as the pool evicts it, to save it;
+- ``on_cached`` (``saves_cached``): each block as the pool's prefix cache takes it (its KV
+  computed), to save it to a second KV tier;
 - each step: ``build_connector_meta`` at the end of ``schedule()`` (the prefill connector's
   TransferPlan, the blocks to save), ``on_token`` for each sampled token of a request it has
   a say in (the prefill role's first token ends the request);
@@ -86,7 +87,9 @@ class KVConnector:
         """The scheduler refused ``er`` (``why``)."""
 
     def get_num_new_matched_tokens(self, req: Request, num_computed: int) -> int:
-        """Tokens beyond ``num_computed`` (the pool's prefix hit) this connector can load."""
+        """Tokens beyond ``num_computed`` (the pool's prefix hit) this connector can load;
+        -1: not now (they are being loaded for another request: admission waits for them to
+        become a pool hit)."""
         return 0
 
     def update_state_after_alloc(self, req: Request, blocks: list[KVBlock], num_external: int) -> None:
@@ -94,12 +97,14 @@ class KVConnector:
         tokens this connector loads; it holds the request (WAITING_FOR_KV) until the load is
         in: then ``num_computed_tokens`` += ``num_external``, and ``Scheduler.resume``."""
 
-    # Whether ``on_evict`` gets every cached block the pool evicts (BlockPool.on_evict).
-    saves_evicted = False
+    # Whether ``on_cached`` gets every block the prefix cache takes (BlockPool.on_cached).
+    saves_cached = False
+    # Whether the engine may schedule a step while the previous one runs (engine.inflight).
+    allows_async = False
 
-    def on_evict(self, block: KVBlock) -> None:
-        """A cached block leaves the pool (its hash still on it; its KV intact until the step
-        that reuses it runs, so a save must be ordered before that step)."""
+    def on_cached(self, block: KVBlock) -> None:
+        """``block`` entered the prefix cache: its KV computed, its owner holding it (a
+        save takes a reference of its own until the block's bytes are read)."""
 
     # -- each step -------------------------------------------------------------------------
     def build_connector_meta(self, step: int, num_sched: dict[str, int], admitted: bool) -> None:
@@ -139,7 +144,7 @@ class KVConnector:
         """What the cache messager reports; the outputs to emit."""
         raise ValueError(f"{type(msg).__name__} is not for a {self.role or 'mixed'} instance")
 
-    def take_plan(self) -> TransferPlan | None:
+    def take_plan(self) -> TransferPlan | Any | None:
         """The last schedule()'s plan: to the cache messager before the step, or ``drop_plan``."""
         return None
 
@@ -175,6 +180,6 @@ class KVConnector:
     def check(self) -> list[str]:
         return []
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """EngineStats fields."""
         return {}

@@ -172,7 +172,7 @@ class DecodeConnector(KVConnector):
                  if rid in requests]
         return errs
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         res = self.reservations
         return {"kv_reserved_requests": len(res.reserved),
                 "kv_reserved_blocks": res.num_reserved_blocks,  # quarantined ones too

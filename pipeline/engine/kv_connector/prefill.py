@@ -274,6 +274,6 @@ class PrefillConnector(KVConnector):
                  if rid not in requests]
         return errs
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         return {"kv_transfer_leased_blocks": self.transfers.num_leased_blocks,
                 "kv_transfers_failed": self.num_kv_transfers_failed}

@@ -1,0 +1,283 @@
+"""Engine stage, a second KV tier (``--kv-offload-dir``): prefix blocks kept in files that
+outlive the pool and the process, loaded back instead of computed again.
+
+Owns / State: the loads in flight (per request: its blocks and keys; ``orphans``: the blocks of
+a load whose request ended, held until the messager is done writing them), the saves in
+flight (blocks it holds a reference on until the messager has read them), the plans not sent
+yet, and the counters. The files are the cache messager's (``cache.kv_tier``); here only a
+``stat`` per key says which exist (``TierIndex``).
+
+- Saves (write-through): every block the prefix cache takes (``on_cached``: its KV computed)
+  is held by one more reference and sent to the messager, which writes it unless its file
+  exists; the reference drops when the messager reports the block read. Saving at compute
+  time rather than at eviction means a block is on disk by the time the pool evicts it, with
+  no step ever waiting for a write, and a restart or a second instance finds it; on a 2-core
+  CPU the write costs the messager ~45 us per block (docs/kv_tier.md).
+- Loads: at admission, the request's chain keys beyond the pool's hit are looked up; its
+  blocks are taken (``update_state_after_alloc``) and it waits outside the batch
+  (WAITING_FOR_KV) until the messager reports how many leading blocks arrived intact; those
+  count as computed (and enter the prefix cache), the rest are computed again. A request whose
+  next key is being loaded for another one waits for it to land (then it is a pool hit), so
+  32 requests sharing a prefix read it once.
+- Preemption recomputes nothing the tier holds: a preempted request's full blocks were saved
+  when computed, so its re-admission is a pool hit or a tier load (docs/kv_tier.md: the rule).
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pipeline.engine.block_pool import KVBlock
+from pipeline.engine.kv_connector.base import KVConnector
+from pipeline.engine.request import Request, RequestStatus
+from pipeline.messages import EngineOutput
+from pipeline.messages.kv_layout import KVLayout
+from pipeline.messages.kv_tier import TierLoad, TierPlan, TierReport, bytes_ids, ids_bytes
+
+if TYPE_CHECKING:
+    from pipeline.engine.scheduler import Scheduler
+
+HASH_KEY_FILE = ".hash_key"
+# Keys one TierPlan carries at most (~23 bytes each): far below the kv_plans ring's messages.
+MAX_PLAN_KEYS = 16384
+
+
+def tier_hash_key(root: str) -> bytes:
+    """The prefix cache's hash key shared by every instance (and restart) on tier ``root``:
+    a file of 32 random bytes made once (mode 0600; created whole by link, so two instances
+    starting at once agree on one). Block hashes are the tier's file names."""
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, HASH_KEY_FILE)
+    for _ in range(3):
+        try:
+            with open(path, "rb") as f:
+                key = f.read()
+            if len(key) == 32:
+                return key
+            raise ValueError(f"{path}: {len(key)} bytes, a tier's hash key is 32 (remove it to "
+                             f"start the tier afresh)")
+        except FileNotFoundError:
+            tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, os.urandom(32))
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, path)  # fails if another instance made it first: read theirs
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+    raise RuntimeError(f"{path}: could not be read or made")
+
+
+class TierIndex:
+    """Which leading keys of a chain have a file (one ``stat`` each, nothing read): the
+    engine's only look at the tier's directory."""
+
+    def __init__(self, root: str, layout: KVLayout) -> None:
+        self.dir = os.path.join(root, layout.tier_namespace().hex())
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        for k in keys:
+            try:
+                os.stat(os.path.join(self.dir, k.hex()))
+            except OSError:
+                break
+            n += 1
+        return n
+
+
+@dataclass(slots=True)
+class _Load:
+    req: Request
+    blocks: list[KVBlock]
+    keys: list[bytes]
+    t0: float = field(default_factory=time.monotonic)
+
+
+class TierConnector(KVConnector):
+    role = "tier"
+    saves_cached = True
+    allows_async = True  # loads and saves follow confirmed state; nothing runs ahead of them
+
+    def __init__(self, sched: Scheduler, root: str, layout: KVLayout) -> None:
+        super().__init__(sched)
+        self.index = TierIndex(root, layout)
+        self.bs = sched.block_size
+        self.loading: dict[str, _Load] = {}
+        self.orphans: dict[str, _Load] = {}
+        self.loading_keys: dict[bytes, str] = {}  # key -> the request loading it
+        self.saving: dict[int, KVBlock] = {}  # block id -> block (one reference held)
+        self.resumed: set[str] = set()  # loaded, waiting for admission with their blocks
+        self._loads: list[TierLoad] = []
+        self._save_ids: list[int] = []
+        self._save_keys: list[bytes] = []
+        self._landing = False  # a load's blocks entering the cache: on disk already
+        self.num_hit_tokens = self.num_loaded_tokens = self.num_failed_blocks = 0
+        self.num_load_bytes = self.num_saved_blocks = self.num_save_bytes = 0
+        self.load_seconds = self.save_seconds = self.load_wait_seconds = 0.0
+        self.num_load_waits = 0
+
+    # -- saves -----------------------------------------------------------------------------
+    def on_cached(self, block: KVBlock) -> None:
+        if self._landing or block.block_id in self.saving:
+            return
+        assert block.block_hash is not None
+        self.sched.kv.pool.touch([block])  # the messager reads it: no step may reuse it
+        self.saving[block.block_id] = block
+        self._save_ids.append(block.block_id)
+        self._save_keys.append(block.block_hash)
+
+    # -- loads -----------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, req: Request, num_computed: int) -> int:
+        i0 = num_computed // self.bs
+        limit = min(len(req.block_hashes), (req.num_tokens - 1) // self.bs)
+        if i0 >= limit:
+            return 0
+        keys = req.block_hashes[i0:limit]
+        if keys[0] in self.loading_keys:
+            return -1
+        n = self.index.lookup(keys)
+        for i in range(n):  # another request's load covers the rest: take only up to it
+            if keys[i] in self.loading_keys:
+                n = i
+                break
+        return n * self.bs
+
+    def update_state_after_alloc(self, req: Request, blocks: list[KVBlock], num_external: int) -> None:
+        n = num_external // self.bs
+        i0 = req.num_computed_tokens // self.bs
+        keys = req.block_hashes[i0:i0 + n]
+        assert len(blocks) == n == len(keys), (len(blocks), n, len(keys))
+        self.loading[req.req_id] = _Load(req, list(blocks), list(keys))
+        for k in keys:
+            self.loading_keys[k] = req.req_id
+        self._loads.append(TierLoad(req.req_id, ids_bytes([b.block_id for b in blocks]), list(keys)))
+        self.num_hit_tokens += num_external
+
+    # -- to and from the cache messager ----------------------------------------------------
+    def take_plan(self) -> None:
+        return None  # everything goes by take_kv_finishes: before and after each step
+
+    def take_kv_finishes(self) -> list[Any]:
+        """The TierPlans owed to the messager: loads first, each plan within MAX_PLAN_KEYS."""
+        plans: list[Any] = []
+        loads, self._loads = self._loads, []
+        while loads:
+            batch: list[TierLoad] = []
+            n = 0
+            while loads and (not batch or n + len(loads[0].keys) <= MAX_PLAN_KEYS):
+                n += len(loads[0].keys)
+                batch.append(loads.pop(0))
+            plans.append(TierPlan(batch, b"", []))
+        ids, keys = self._save_ids, self._save_keys
+        self._save_ids, self._save_keys = [], []
+        for i in range(0, len(ids), MAX_PLAN_KEYS):
+            plans.append(TierPlan([], ids_bytes(ids[i:i + MAX_PLAN_KEYS]), keys[i:i + MAX_PLAN_KEYS]))
+        return plans
+
+    def on_message(self, msg: Any) -> list[EngineOutput]:
+        if not isinstance(msg, TierReport):
+            return super().on_message(msg)
+        pool = self.sched.kv.pool
+        for bid in bytes_ids(msg.saved_block_ids):
+            b = self.saving.pop(bid, None)
+            if b is not None:
+                pool.free_blocks([b])
+        self.num_saved_blocks += msg.num_written
+        self.num_save_bytes += msg.bytes_written
+        self.save_seconds += msg.save_seconds
+        for ld in msg.loaded:
+            self._land(ld.req_id, ld.num_ok)
+            self.num_load_bytes += ld.bytes
+            self.load_seconds += ld.seconds
+        return []
+
+    def _land(self, req_id: str, num_ok: int) -> None:
+        orphan = self.orphans.pop(req_id, None)
+        load = self.loading.pop(req_id, None) if orphan is None else orphan
+        if load is None:
+            return
+        for k in load.keys:
+            if self.loading_keys.get(k) == req_id:
+                del self.loading_keys[k]
+        if orphan is not None:  # its request ended: the messager is done with the blocks
+            self.sched.kv.pool.free_blocks(reversed(orphan.blocks))
+            return
+        req, n = load.req, len(load.blocks)
+        num_ok = max(0, min(num_ok, n))
+        self.num_failed_blocks += n - num_ok
+        self.num_loaded_tokens += num_ok * self.bs
+        self.num_hit_tokens -= (n - num_ok) * self.bs
+        self.num_load_waits += 1
+        self.load_wait_seconds += time.monotonic() - load.t0
+        req.num_computed_tokens += num_ok * self.bs
+        req.num_cached_tokens -= (n - num_ok) * self.bs
+        self._landing = True
+        try:
+            self.sched.kv.cache_computed_blocks(req)
+        finally:
+            self._landing = False
+        self.resumed.add(req_id)
+        self.sched.resume(req)
+
+    # -- leaving ---------------------------------------------------------------------------
+    def detach(self, req: Request) -> bool:
+        load = self.loading.pop(req.req_id, None)
+        if load is None:
+            return False
+        # The messager may be writing into its blocks: they stay held until its report.
+        load.blocks = req.blocks
+        self.orphans[req.req_id] = load
+        req.blocks = []
+        req.num_cached_blocks = 0
+        return True
+
+    def request_finished(self, req: Request, why: str) -> None:
+        self.resumed.discard(req.req_id)
+
+    def on_preempt(self, req: Request) -> None:
+        self.resumed.discard(req.req_id)
+
+    # -- accounting ------------------------------------------------------------------------
+    @property
+    def num_held(self) -> int:
+        return len(self.loading)
+
+    def may_hold_blocks(self, req: Request) -> bool:
+        st = req.status
+        return (st == RequestStatus.RUNNING or st == RequestStatus.WAITING_FOR_KV
+                or (st == RequestStatus.WAITING and req.req_id in self.resumed))
+
+    def held_block_ids(self) -> Counter[int]:
+        held: Counter[int] = Counter(self.saving)
+        for load in self.orphans.values():
+            held.update(b.block_id for b in load.blocks)
+        return held
+
+    def check(self) -> list[str]:
+        errs = [f"loading request {rid} is {ld.req.status.name}" for rid, ld in self.loading.items()
+                if ld.req.status != RequestStatus.WAITING_FOR_KV]
+        errs += [f"saving block {bid} has ref_cnt 0" for bid, b in self.saving.items() if b.ref_cnt < 1]
+        return errs
+
+    def stats(self) -> dict[str, int | float]:
+        return {"kv_tier_hit_tokens": self.num_hit_tokens,
+                "kv_tier_loaded_tokens": self.num_loaded_tokens,
+                "kv_tier_failed_blocks": self.num_failed_blocks,
+                "kv_tier_load_bytes": self.num_load_bytes,
+                "kv_tier_load_seconds": self.load_seconds,
+                "kv_tier_load_waits": self.num_load_waits,
+                "kv_tier_load_wait_seconds": self.load_wait_seconds,
+                "kv_tier_saved_blocks": self.num_saved_blocks,
+                "kv_tier_save_bytes": self.num_save_bytes,
+                "kv_tier_save_seconds": self.save_seconds,
+                "kv_tier_saving_blocks": len(self.saving),
+                "kv_tier_loading_requests": len(self.loading)}
