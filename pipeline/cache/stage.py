@@ -1,9 +1,11 @@
-"""Cache messager stage process: ships a prefill instance's KV to decode instances, or takes
-it in on a decode instance (prefill/decode disaggregation, seed 000).
+"""Cache messager stage process: ships a prefill instance's KV to decode instances, takes
+it in on a decode instance (prefill/decode disaggregation, seed 000), or moves blocks
+between the pool and a KV tier's files.
 
-`run(spec, ready)` runs one of two loops, by ``spec.config.role``: `prefill.PrefillMessager`
-(plans from the engine, shipped layer by layer to the decode peers) or
-`decode.DecodeMessager` (a receiver turning done messages into ``KVReady`` for the engine).
+`run(spec, ready)` runs one of three loops: `tier.TierMessager` with ``--kv-offload-dir``,
+else by ``spec.config.role`` `prefill.PrefillMessager` (plans from the engine, shipped layer
+by layer to the decode peers) or `decode.DecodeMessager` (a receiver turning done messages
+into ``KVReady`` for the engine).
 Both need the worker's KV pool exported (`stage_spec.model_of`): in shared memory
 (``spec.model.kv_segment``, CPU) or by CUDA IPC (``spec.model.kv_cuda_ipc``, CUDA).
 
@@ -16,6 +18,7 @@ import sys
 
 from pipeline.cache.decode import DecodeMessager
 from pipeline.cache.prefill import PrefillMessager
+from pipeline.cache.tier import TierMessager
 from pipeline.runtime.process import ReadyFn, log
 from pipeline.runtime.spec import StageSpec
 
@@ -33,10 +36,15 @@ def _log_to_stderr(spec: StageSpec) -> None:
 
 def run(spec: StageSpec, ready: ReadyFn) -> None:
     role = spec.config.kv_transfer_config.role
-    loop: PrefillMessager | DecodeMessager
-    if role == "prefill":
-        loop = PrefillMessager(spec)
+    loop: PrefillMessager | DecodeMessager | TierMessager
+    if spec.config.cache_config.kv_offload_dir:
+        loop = TierMessager(spec)
         info: dict = {}
+        what = f"KV tier in {spec.config.cache_config.kv_offload_dir}"
+        role = "tier"
+    elif role == "prefill":
+        loop = PrefillMessager(spec)
+        info = {}
         what = f"kv_transfer {spec.config.kv_transfer_config.kv_transfer}"
     elif role == "decode":
         loop = DecodeMessager(spec)
@@ -44,7 +52,7 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
         what = f"listening on {loop.endpoint}"
     else:
         raise ValueError(f"cache messager: config.role={role!r}: only prefill and decode "
-                         f"instances run one")
+                         f"instances, and those with a KV tier, run one")
     _log_to_stderr(spec)
     try:
         log(spec, f"cache messager ({role}) ready: {loop.layout.num_layers} layers x "

@@ -3,12 +3,13 @@
 Inputs (wait_any on one doorbell): new requests and client aborts from the tokenizer stage,
 stop-string hits from the token processor, sampled tokens from worker rank 0, and the cache
 messager's reports (prefill role: TransferReports on ring kv_reports; decode role: KVReady on
-ring kv_ready). Outputs: each step's SchedulerOutput to the workers (broadcast ring; the
-core's executor), EngineOutputs to the token processor, the KV connector's TransferPlans and
-KVFinish messages to the cache messager (ring kv_plans) and an EngineStats snapshot to the
-gateway a few times a second. Only this process allocates, frees or caches KV blocks. When
-idle it audits the block table and logs violations with the ids; an idle loop waits no later
-than the connector's next deadline (reservations, quarantine, sends).
+ring kv_ready; a KV tier: TierReports on kv_reports). Outputs: each step's SchedulerOutput to
+the workers (broadcast ring; the core's executor), EngineOutputs to the token processor, the
+KV connector's TransferPlans, KVFinish and TierPlan messages to the cache messager (ring
+kv_plans) and an EngineStats snapshot to the gateway a few times a second. Only this process
+allocates, frees or caches KV blocks. When idle it audits the block table and logs violations
+with the ids; an idle loop waits no later than the connector's next deadline (reservations,
+quarantine, sends).
 
 Async scheduling in the mixed role only (``EngineCore``: depth 2). The other roles stay
 synchronous: a prefill-role step's TransferPlan is made from its requests' confirmed state
@@ -23,6 +24,7 @@ import traceback
 import msgspec
 
 from pipeline.engine.core import EngineCore
+from pipeline.engine.kv_connector.tier import TierConnector, tier_hash_key
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.step_log import StepLog
 from pipeline.ipc.ring import wait_any
@@ -70,17 +72,24 @@ class EngineLoop:
         role = spec.config.kv_transfer_config.role
         # Async scheduling in the mixed role only (the module docstring says why).
         self.async_scheduling = role == "mixed"
+        tier_dir = spec.config.cache_config.kv_offload_dir
+        hash_key, connector = None, None
+        if tier_dir:  # a KV tier: its files are named by block hashes every instance shares
+            layout = msgspec.structs.replace(m.kv, model_hash=m.kv_tier_id)
+            hash_key = tier_hash_key(tier_dir)
+            connector = lambda s: TierConnector(s, tier_dir, layout)  # noqa: E731
         self.sched = Scheduler(spec.config, m.kv.num_blocks, m.kv.block_size, m.max_model_len,
-                               async_scheduling=self.async_scheduling)
+                               hash_key, async_scheduling=self.async_scheduling, connector=connector)
         self.requests = rings.attach(spec, "requests")  # tokenizer -> engine
         self.stops = rings.attach(spec, "stops")  # token processor -> engine
         self.results = rings.attach(spec, "results")  # worker rank 0 -> engine
         self.steps = rings.attach(spec, "steps", "writer")  # engine -> workers
         self.outputs = rings.attach(spec, "outputs", "writer")  # engine -> token processor
         self.stats_ring = rings.attach(spec, "stats", "writer")  # engine -> gateway
-        # Disaggregation: engine <-> this instance's cache messager.
-        self.kv_plans = rings.attach(spec, "kv_plans", "writer") if role == "prefill" else None
-        self.kv_reports = rings.attach(spec, "kv_reports") if role == "prefill" else None
+        # Disaggregation, a KV tier: engine <-> this instance's cache messager.
+        plans = role == "prefill" or bool(tier_dir)
+        self.kv_plans = rings.attach(spec, "kv_plans", "writer") if plans else None
+        self.kv_reports = rings.attach(spec, "kv_reports") if plans else None
         self.kv_ready = rings.attach(spec, "kv_ready") if role == "decode" else None
         self.wait_rings = [c.ring for c in (self.requests, self.stops, self.kv_reports,
                                             self.kv_ready) if c is not None]

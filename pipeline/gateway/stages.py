@@ -95,7 +95,8 @@ class GatewayStages:
             # and for those built from the worker's ModelInfo (NEEDS_MODEL) once rank 0 sent it.
             self._names = self._ring_names()
             pd = self.config.kv_transfer_config.role != "mixed"
-            kinds = ["engine", "tokenizer", "output"] + (["messager"] if pd else [])
+            tier = bool(self.config.cache_config.kv_offload_dir)
+            kinds = ["engine", "tokenizer", "output"] + (["messager"] if pd or tier else [])
             if self.config.parallel_config.tensor_parallel_size > 1 and not self.config.parallel_config.master_port:
                 # One host: the ranks meet on loopback at a port free now.
                 self.config = self.config.replace(master_port=free_tcp_port())
@@ -117,13 +118,15 @@ class GatewayStages:
     def _ring_names(self) -> dict[str, str]:
         """role -> shared-memory name of every ring (and the layer signal) of this instance."""
         assert self.instance is not None
-        return {r: self.instance.name(r) for r in ring_names(self.config.kv_transfer_config.role)}
+        return {r: self.instance.name(r) for r in ring_names(self.config.kv_transfer_config.role,
+                                                             bool(self.config.cache_config.kv_offload_dir))}
 
     def _create_rings(self, limits: dict[str, int], num_layers: int) -> None:
         assert self.instance is not None
         bells = {c: Doorbell.create(self.instance, f"bell.{c}") for c in SHARED_DOORBELLS}
         self.doorbells = list(bells.values())
-        for role, (producer, consumer) in ring_roles(self.config.kv_transfer_config.role).items():
+        for role, (producer, consumer) in ring_roles(self.config.kv_transfer_config.role,
+                                                     bool(self.config.cache_config.kv_offload_dir)).items():
             mine = "gateway" in (producer, consumer)
             self.rings[role] = Channel(Ring.create(
                 self.instance, role, capacity(limits[role]), doorbell=bells.get(consumer),
