@@ -68,6 +68,23 @@ class Metrics:
                                             registry=r)
         self.prefix_cache_hits = Counter(n + "prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
         self.preemptions = Counter(n + "num_preemptions", "Requests preempted (recompute)", registry=r)
+        # Cached prompt tokens by where they came from (pool: the prefix cache; disk: the KV
+        # tier's files, --kv-offload-dir), and the tier's traffic.
+        self.cached_by_source = Counter(n + "kv_cached_tokens", "Prompt tokens not computed, by source "
+                                        "(pool: prefix cache, disk: KV tier)", ["source"], registry=r)
+        self.tier_counters = {
+            field: Counter(n + name, doc, registry=r) for field, name, doc in (
+                ("kv_tier_load_bytes", "kv_tier_load_bytes", "Bytes loaded from the KV tier"),
+                ("kv_tier_load_seconds", "kv_tier_load_seconds", "Time the cache messager spent loading"),
+                ("kv_tier_save_bytes", "kv_tier_save_bytes", "Bytes written to the KV tier"),
+                ("kv_tier_save_seconds", "kv_tier_save_seconds", "Time the cache messager spent saving"),
+                ("kv_tier_load_waits", "kv_tier_load_waits", "Requests that waited for a KV tier load"),
+                ("kv_tier_load_wait_seconds", "kv_tier_load_wait_seconds",
+                 "Time requests waited for KV tier loads, in all"),
+                ("kv_tier_failed_blocks", "kv_tier_failed_blocks",
+                 "KV tier blocks that failed their load (corrupt, gone): computed again"))}
+        self.tier_hit_rate = Gauge(n + "kv_tier_hit_rate", "KV tier hits / prompt tokens looked up, "
+                                   "since start", registry=r)
         self.prompt_tokens = Counter(n + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter(n + "generation_tokens", "Generated tokens of finished requests", registry=r)
         self.cached_tokens = Counter(n + "cached_prompt_tokens", "Prompt tokens served from the prefix cache",
@@ -99,7 +116,7 @@ class Metrics:
             self.requests_finished.labels(reason)  # export zeros from the start
         for code in REJECTION_CODES:
             self.requests_rejected.labels(code)
-        self._last: dict[str, int] = {"queries": 0, "hits": 0, "preemptions": 0}
+        self._last: dict[str, float] = {}
         self._last_snapshot = 0.0  # timestamp of the engine snapshot last applied
         self._prefix = n
         self._server: Any = None
@@ -143,15 +160,21 @@ class Metrics:
         self.kv_blocks_used.set(e.kv_blocks_used)
         self.kv_blocks_cached.set(e.kv_blocks_cached)
         self.kv_blocks_total.set(e.kv_blocks_total)
-        for key, counter, value in (("queries", self.prefix_cache_queries, e.prefix_cache_queried_tokens),
-                                    ("hits", self.prefix_cache_hits, e.prefix_cache_hit_tokens),
-                                    ("preemptions", self.preemptions, e.num_preemptions)):
+        counts: list[tuple[str, Any, float]] = [
+            ("queries", self.prefix_cache_queries, e.prefix_cache_queried_tokens),
+            ("hits", self.prefix_cache_hits, e.prefix_cache_hit_tokens),
+            ("preemptions", self.preemptions, e.num_preemptions),
+            ("pool", self.cached_by_source.labels("pool"), e.prefix_cache_hit_tokens),
+            ("disk", self.cached_by_source.labels("disk"), e.kv_tier_loaded_tokens)]
+        counts += [(f, c, getattr(e, f)) for f, c in self.tier_counters.items()]
+        for key, counter, value in counts:
             # A restarted engine starts from zero again: count from there.
-            inc = value - self._last[key] if value >= self._last[key] else value
-            counter.inc(inc)
+            last = self._last.get(key, 0)
+            counter.inc(value - last if value >= last else value)
             self._last[key] = value
         queried = e.prefix_cache_queried_tokens
         self.prefix_cache_hit_rate.set(e.prefix_cache_hit_tokens / queried if queried else 0.0)
+        self.tier_hit_rate.set(e.kv_tier_loaded_tokens / queried if queried else 0.0)
 
     def snapshot(self) -> dict[str, Any]:
         """Plain dict (msgpack/JSON-able): name (without prefix) -> value; labelled metrics
