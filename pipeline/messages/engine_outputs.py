@@ -79,7 +79,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # A KV tier (--kv-offload-dir): prompt tokens found there (beyond the pool's hit) and
     # loaded intact, blocks that failed their load (computed again), load bytes and time,
     # requests that waited for a load and how long in all, blocks written and their bytes and
-    # time, blocks held for a save now, requests loading now.
+    # time, blocks held for a save now (and blocks not saved because too many were), requests
+    # loading now.
     kv_tier_hit_tokens: int = 0
     kv_tier_loaded_tokens: int = 0
     kv_tier_failed_blocks: int = 0
@@ -91,6 +92,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_tier_save_bytes: int = 0
     kv_tier_save_seconds: float = 0.0
     kv_tier_saving_blocks: int = 0
+    kv_tier_save_skipped: int = 0  # blocks not saved: MAX_SAVING_SHARE of the pool was held for saves
     kv_tier_loading_requests: int = 0
     # Set by the engine stage (zero in-process): steps that ran tokens, their wall time and
     # the worker's share of it.

@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 HASH_KEY_FILE = ".hash_key"
 # Keys one TierPlan carries at most (~23 bytes each): far below the kv_plans ring's messages.
 MAX_PLAN_KEYS = 16384
+# Blocks held for saves at most, as a share of the pool: past it a newly cached block is not
+# saved (counted), so a slow or full disk costs the tier hits, never the batch its blocks.
+MAX_SAVING_SHARE = 0.25
 
 
 def tier_hash_key(root: str) -> bytes:
@@ -123,11 +126,15 @@ class TierConnector(KVConnector):
         self.num_hit_tokens = self.num_loaded_tokens = self.num_failed_blocks = 0
         self.num_load_bytes = self.num_saved_blocks = self.num_save_bytes = 0
         self.load_seconds = self.save_seconds = self.load_wait_seconds = 0.0
-        self.num_load_waits = 0
+        self.num_load_waits = self.num_save_skipped = 0
+        self.max_saving = max(1, int(MAX_SAVING_SHARE * sched.kv.pool.num_blocks))
 
     # -- saves -----------------------------------------------------------------------------
     def on_cached(self, block: KVBlock) -> None:
         if self._landing or block.block_id in self.saving:
+            return
+        if len(self.saving) >= self.max_saving:
+            self.num_save_skipped += 1
             return
         assert block.block_hash is not None
         self.sched.kv.pool.touch([block])  # the messager reads it: no step may reuse it
@@ -280,4 +287,5 @@ class TierConnector(KVConnector):
                 "kv_tier_save_bytes": self.num_save_bytes,
                 "kv_tier_save_seconds": self.save_seconds,
                 "kv_tier_saving_blocks": len(self.saving),
+                "kv_tier_save_skipped": self.num_save_skipped,
                 "kv_tier_loading_requests": len(self.loading)}
