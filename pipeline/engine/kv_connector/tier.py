@@ -257,7 +257,8 @@ class TierConnector(KVConnector):
                 or (st == RequestStatus.WAITING and req.req_id in self.resumed))
 
     def held_block_ids(self) -> Counter[int]:
-        held: Counter[int] = Counter(self.saving)
+        # One reference per saving block (Counter(dict) would take its values as counts).
+        held: Counter[int] = Counter(self.saving.keys())
         for load in self.orphans.values():
             held.update(b.block_id for b in load.blocks)
         return held
