@@ -148,3 +148,25 @@ def test_abort_while_a_load_is_in_flight(tmp_path) -> None:
         # w loaded the chain itself once the orphan's load was done with.
         assert rig.conn.num_loaded_tokens == 16 and rig.conn.num_failed_blocks == 0
         rig.assert_idle()
+
+
+def test_an_id_whose_aborted_load_is_in_flight_is_refused_until_it_lands(tmp_path) -> None:
+    root = str(tmp_path)
+    seeded(root)
+    rig = Rig(root)
+    rig.add("x", A)
+    rig.core.step()
+    rig.core.abort(["x"])  # its load's report is still to come
+    n = len(rig.outs)
+    rig.add("x", B)  # the same id again, another chain on disk
+    # Its report would be taken for the orphan's (and a second abort would lose the first
+    # orphan's blocks): refused while the messager may still write into them.
+    (err,) = rig.outs[n:]
+    assert err.req_id == "x" and err.finish_reason == "error" and "x" in (err.error or "")
+    assert "x" not in rig.sched.requests and rig.sched.check_invariants() == []
+    rig.mover_takes()
+    rig.land()
+    rig.add("x", B)  # landed: the id is free again
+    rig.settle()
+    assert rig.tokens("x", n + 1) == reference(B, 4)
+    rig.assert_idle()
