@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import queue
 import random
+import time
 from array import array
 from pathlib import Path
 
@@ -156,21 +158,36 @@ def _instance(root: str, size: int, idx: list[int], barrier, q) -> None:
         llm.close()
 
 
+def collect(q, procs: list, timeout: float) -> list:
+    """One result per process; fails at once when one died without it, else at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    results: list = []
+    while len(results) < len(procs):
+        try:
+            results.append(q.get(timeout=1))
+        except queue.Empty:
+            codes = [p.exitcode for p in procs]
+            assert not [c for c in codes if c not in (None, 0)], f"an instance died: {codes}"
+            assert time.monotonic() < deadline, f"no result in {timeout}s: {codes}"
+    return results
+
+
 def test_two_processes_share_one_directory_within_its_budget(tmp_path, reference) -> None:
-    root = str(tmp_path)
-    probe = make_llm(SMALL_POOL, root)
+    probe = make_llm(SMALL_POOL, str(tmp_path / "probe"))
     file_bytes = fmt.file_len(probe._tier.mover.tier.layout)
     assert_released(probe)
-    budget = 24 * file_bytes  # below the 88 distinct blocks both runs save: eviction runs
+    root = tmp_path / "tier"
+    budget = 24 * file_bytes  # a fifth of the 120 distinct blocks the two save: eviction runs
     a = [8 * p + s for p in range(6) for s in range(4)]  # prefixes 0-5
     b = [8 * p + s for p in reversed(range(2, 8)) for s in range(2, 6)]  # 7-2: overlapping
     ctx = mp.get_context("spawn")
     q, barrier = ctx.Queue(), ctx.Barrier(2)
-    procs = [ctx.Process(target=_instance, args=(root, budget, idx, barrier, q)) for idx in (a, b)]
+    procs = [ctx.Process(target=_instance, args=(str(root), budget, idx, barrier, q))
+             for idx in (a, b)]
     for p in procs:
         p.start()
     try:
-        results = [q.get(timeout=180) for _ in procs]
+        results = collect(q, procs, timeout=180)
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -184,14 +201,14 @@ def test_two_processes_share_one_directory_within_its_budget(tmp_path, reference
         got.update(out)
     assert got == {i: reference[i] for i in a + b}
     assert sum(saved for _, saved, _, _ in results) * file_bytes > budget
-    files = [p for p in ns_dir(root).iterdir()]
+    files = list(ns_dir(str(root)).iterdir())
     assert not [p for p in files if p.name.startswith(TMP_PREFIX)]
     on_disk = sum(p.stat().st_size for p in files)
     assert 0 < on_disk <= budget
     # The shared count is never below the truth (docs/kv_tier.md): the budget holds.
-    count = int.from_bytes((tmp_path / LOCK_NAME).read_bytes()[:8], "little")
+    count = int.from_bytes((root / LOCK_NAME).read_bytes()[:8], "little")
     assert on_disk <= count <= budget
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.is_dir()) == sorted([LOCK_NAME, HASH_KEY_FILE])
+    assert sorted(p.name for p in root.iterdir() if not p.is_dir()) == sorted([LOCK_NAME, HASH_KEY_FILE])
 
 
 def test_files_corrupted_between_runs_are_misses_and_removed(tmp_path, reference) -> None:
