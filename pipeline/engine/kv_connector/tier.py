@@ -18,7 +18,9 @@ yet, and the counters. The files are the cache messager's (``cache.kv_tier``); h
   (WAITING_FOR_KV) until the messager reports how many leading blocks arrived intact; those
   count as computed (and enter the prefix cache), the rest are computed again. A request whose
   next key is being loaded for another one waits for it to land (then it is a pool hit), so
-  32 requests sharing a prefix read it once.
+  32 requests sharing a prefix read it once. A request aborted while its load is in flight
+  leaves its blocks held (``orphans``) until the report; its id is refused until then, as the
+  report names the load by request id.
 - Preemption recomputes nothing the tier holds: a preempted request's full blocks were saved
   when computed, so its re-admission is a pool hit or a tier load (docs/kv_tier.md: the rule).
 """
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.engine.block_pool import KVBlock
 from pipeline.engine.kv_connector.base import KVConnector
 from pipeline.engine.request import Request, RequestStatus
-from pipeline.messages import EngineOutput
+from pipeline.messages import EngineOutput, EngineRequest
 from pipeline.messages.kv_layout import KVLayout
 from pipeline.messages.kv_tier import TierLoad, TierPlan, TierReport, bytes_ids, ids_bytes
 
@@ -128,6 +130,13 @@ class TierConnector(KVConnector):
         self.load_seconds = self.save_seconds = self.load_wait_seconds = 0.0
         self.num_load_waits = self.num_save_skipped = 0
         self.max_saving = max(1, int(MAX_SAVING_SHARE * sched.kv.pool.num_blocks))
+
+    def check_request(self, er: EngineRequest, req_ids: set[str], num_prompt: int) -> None:
+        for rid in req_ids:
+            if rid in self.orphans:  # its load's report must free only that load's blocks
+                raise ValueError(f"request id {rid!r} is still in the engine: the KV tier load "
+                                 f"of its aborted request is in flight")
+        super().check_request(er, req_ids, num_prompt)
 
     # -- saves -----------------------------------------------------------------------------
     def on_cached(self, block: KVBlock) -> None:
@@ -264,7 +273,8 @@ class TierConnector(KVConnector):
                 or (st == RequestStatus.WAITING and req.req_id in self.resumed))
 
     def held_block_ids(self) -> Counter[int]:
-        held: Counter[int] = Counter(self.saving)
+        # One reference per saving block (Counter(dict) would take its values as counts).
+        held: Counter[int] = Counter(self.saving.keys())
         for load in self.orphans.values():
             held.update(b.block_id for b in load.blocks)
         return held
