@@ -122,15 +122,18 @@ class Admission:
 
     def _load_external(self, req: Request, computed: list[KVBlock], n_hit: int, n_ext: int,
                        reserve: int) -> bool:
-        """Blocks for ``req``'s pool hit plus ``n_ext`` tokens the connector loads, taken as
-        admission takes them; the connector holds it (WAITING_FOR_KV) until the load is in
-        and hands it back (``resume``). False: no room now."""
+        """Blocks for ``req``'s pool hit, the ``n_ext`` tokens the connector loads and the rest
+        of its tokens, taken as admission takes them; the connector holds it (WAITING_FOR_KV)
+        until the load is in and hands it back (``resume``). Its blocks are all taken now: a
+        request that waited for a load must never wait again for blocks that other loaded
+        requests hold (with nothing running, that would wait for good). False: no room now."""
         sched = self.sched
         kv = sched.kv
-        need = kv.blocks_needed(req, n_ext, computed)
+        n_all = req.num_tokens - req.num_computed_tokens - n_hit
+        need = kv.blocks_needed(req, n_all, computed)
         if sched.running and need + reserve > kv.pool.num_free_blocks:
             return False
-        new = kv.allocate_slots(req, n_ext, computed)
+        new = kv.allocate_slots(req, n_all, computed)
         if new is None:
             return False
         sched.waiting.pop()
@@ -140,6 +143,5 @@ class Admission:
             req.first_scheduled_time = time.time()
         req.status = RequestStatus.WAITING_FOR_KV
         assert sched.connector is not None
-        sched.connector.update_state_after_alloc(req, new, n_ext)
+        sched.connector.update_state_after_alloc(req, new[:n_ext // kv.block_size], n_ext)
         return True
-

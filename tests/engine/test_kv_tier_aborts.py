@@ -130,7 +130,7 @@ def test_abort_while_a_load_is_in_flight(tmp_path) -> None:
         rig.add("w", A)  # the same chain: waits while a2's load is in flight
         rig.core.step()
         a2, w = rig.sched.requests["a2"], rig.sched.requests["w"]
-        assert a2.status == RequestStatus.WAITING_FOR_KV and len(a2.blocks) == 4
+        assert a2.status == RequestStatus.WAITING_FOR_KV and len(a2.blocks) == 5  # 4 to load, 1 for the last token
         assert w.status == RequestStatus.WAITING and not w.blocks
         assert len(rig.plans) == 1 and rig.sched.check_invariants() == []
         if mover_first:

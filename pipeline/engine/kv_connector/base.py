@@ -94,8 +94,9 @@ class KVConnector:
 
     def update_state_after_alloc(self, req: Request, blocks: list[KVBlock], num_external: int) -> None:
         """``req`` got ``blocks`` (new ones, after its pool hit) for the ``num_external``
-        tokens this connector loads; it holds the request (WAITING_FOR_KV) until the load is
-        in: then ``num_computed_tokens`` += ``num_external``, and ``Scheduler.resume``."""
+        tokens this connector loads (and more after them, for the rest of its tokens); it
+        holds the request (WAITING_FOR_KV) until the load is in: then
+        ``num_computed_tokens`` += ``num_external``, and ``Scheduler.resume``."""
 
     # Whether ``on_cached`` gets every block the prefix cache takes (BlockPool.on_cached).
     saves_cached = False

@@ -129,7 +129,7 @@ class TierConnector(KVConnector):
         self.num_load_bytes = self.num_saved_blocks = self.num_save_bytes = 0
         self.load_seconds = self.save_seconds = self.load_wait_seconds = 0.0
         self.num_load_waits = self.num_save_skipped = 0
-        self.max_saving = max(1, int(MAX_SAVING_SHARE * sched.kv.pool.num_blocks))
+        self.max_saving = min(sched.kv.pool.num_blocks, max(16, int(MAX_SAVING_SHARE * sched.kv.pool.num_blocks)))
 
     def check_request(self, er: EngineRequest, req_ids: set[str], num_prompt: int) -> None:
         for rid in req_ids:
@@ -249,10 +249,11 @@ class TierConnector(KVConnector):
         load = self.loading.pop(req.req_id, None)
         if load is None:
             return False
-        # The messager may be writing into its blocks: they stay held until its report.
-        load.blocks = req.blocks
+        # The messager may be writing into the blocks it loads: they stay held until its
+        # report; the request's other blocks (its pool hit, the rest) are freed with it.
+        targets = {b.block_id for b in load.blocks}
         self.orphans[req.req_id] = load
-        req.blocks = []
+        req.blocks = [b for b in req.blocks if b.block_id not in targets]
         req.num_cached_blocks = 0
         return True
 
