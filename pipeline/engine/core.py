@@ -139,12 +139,12 @@ class EngineCore:
             result = self.executor.result()
             t_result = time.perf_counter()
             outs = sched.update_from_output(so, result)
-            self.emit(outs)
-            self.flush_kv()
             self.times.add(so, t0, result.execute_s)
-            if self.step_log is not None:
+            if self.step_log is not None:  # before the outputs: a last answer may end the process
                 self.step_log.finished(so, result, t_result - t_wait, time.perf_counter() - t_result,
                                        len(outs), len(sched.running), len(sched.waiting))
+            self.emit(outs)
+            self.flush_kv()
             return True
         return progressed or sent
 
