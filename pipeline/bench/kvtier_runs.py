@@ -55,7 +55,8 @@ class Env:
         if llm.scheduler.block_size != BS:
             llm.close()
             raise RuntimeError(f"block size {llm.scheduler.block_size}, the bench sizes pools for {BS}")
-        llm.generate([self.tokens(2 * BS + 3)], _sp(2), use_tqdm=False)  # warm-up
+        # Warm-up: a prefill of a few hundred tokens and a decode step, untimed.
+        llm.generate([self.tokens(min(300, max_len - 3)) for _ in range(2)], _sp(2), use_tqdm=False)
         return llm
 
     def tier_dir(self, name: str) -> str:
@@ -104,67 +105,91 @@ def drop_cache(paths: list[str]) -> None:
 
 def plain_read(paths: list[str]) -> tuple[int, float]:
     """Bytes and seconds of reading every file whole, one after the other (open, readv into a
-    preallocated buffer, close): what a load is set against."""
+    preallocated buffer, close): what a load is set against. Each file into its own part of
+    the buffer, its pages touched beforehand, as a load writes distinct pool blocks (one
+    reused buffer would stay in the CPU's cache: not a fair comparison)."""
     size = max(os.path.getsize(p) for p in paths)
-    mv = memoryview(bytearray(size))
+    mv = memoryview(bytearray(len(paths) * size))  # (zero-filled: its pages touched)
     n = 0
     t = time.perf_counter()
-    for p in paths:
+    for i, p in enumerate(paths):
         fd = os.open(p, os.O_RDONLY)
         try:
-            n += os.readv(fd, [mv])
+            n += os.readv(fd, [mv[i * size:(i + 1) * size]])
         finally:
             os.close(fd)
     return n, time.perf_counter() - t
 
 
+def touch_pool(llm: LLM, env: Env, num_blocks: int, max_len: int) -> None:
+    """Prompts that fill the whole pool, untimed: its pages touched (a fresh pool's first
+    writes fault its shared-memory pages in: that cost is the pool's, once, not the tier's)
+    and whatever it cached evicted."""
+    n = -(-num_blocks * BS // (max_len - 1))
+    timed(llm, [env.tokens(max_len - 1) for _ in range(n)], 1)
+
+
 def ttft(env: Env, prefix: int, suffix: int, rounds: int) -> dict[str, Any]:
+    """Per round and page-cache mode: the same prompt on the tier engine (its prefix loaded)
+    and on the one without (computed), in alternating order; then a plain read of the very
+    files that load read (the chain's files are the newest: a load stamps them)."""
     d = env.tier_dir("ttft")
     nb, ml = 2 * blocks(prefix + suffix + 1) + 8, prefix + suffix + 1
     prefixes = [env.tokens(prefix) for _ in range(2 * rounds)]
-    with env.llm(d, nb, ml) as fill:
+    fill_blocks = len(prefixes) * blocks(prefix + 1) + 16  # all at once: nothing evicted before its save
+    with env.llm(d, fill_blocks, ml) as fill:
         timed(fill, prefixes, 1)
     files = tier_files(d)
-    res: dict[str, Any] = {"prefix_tokens": prefix, "suffix_tokens": suffix, "files": len(files)}
+    chain = prefix // BS
+    res: dict[str, Any] = {"prefix_tokens": prefix, "suffix_tokens": suffix, "blocks": chain}
     with env.llm(None, nb, ml) as off, env.llm(d, nb, ml) as on:
-        plain_read(files)  # the fill's files warm, whatever ran since
+        touch_pool(off, env, nb, ml)
+        touch_pool(on, env, nb, ml)
         for mode, half in (("warm", prefixes[:rounds]), ("cold", prefixes[rounds:])):
-            t_on = t_off = 0.0
+            t = {"on": 0.0, "off": 0.0}
+            plain_n = plain_s = 0.0
             st = on.stats()
-            for p in half:
+            for i, p in enumerate(half):
                 prompt = p + env.tokens(suffix)
+                for side in ("on", "off") if i % 2 == 0 else ("off", "on"):
+                    if mode == "cold":
+                        drop_cache(files)
+                    elif side == "on":
+                        plain_read(files)  # every file warm, whatever ran since
+                    t[side] += timed(on if side == "on" else off, [prompt], 1)[0]
+                read = sorted(files, key=os.path.getmtime)[-chain:]
                 if mode == "cold":
-                    drop_cache(files)
-                t_on += timed(on, [prompt], 1)[0]
-                t_off += timed(off, [prompt], 1)[0]
+                    drop_cache(read)
+                n, sec = plain_read(read)
+                plain_n, plain_s = plain_n + n, plain_s + sec
             dl = delta(on, st)
-            if dl["kv_tier_loaded_tokens"] != len(half) * BS * (prefix // BS):
+            if dl["kv_tier_loaded_tokens"] != len(half) * BS * chain:
                 raise RuntimeError(f"{mode}: {dl['kv_tier_loaded_tokens']} tokens loaded from the tier, "
-                                   f"expected {len(half) * BS * (prefix // BS)}")
-            res[f"{mode}_ttft_on_ms"] = 1e3 * t_on / len(half)
-            res[f"{mode}_ttft_off_ms"] = 1e3 * t_off / len(half)
-            res[f"{mode}_ttft_ratio"] = t_off / t_on
+                                   f"expected {len(half) * BS * chain}")
+            res[f"{mode}_ttft_on_ms"] = 1e3 * t["on"] / len(half)
+            res[f"{mode}_ttft_off_ms"] = 1e3 * t["off"] / len(half)
+            res[f"{mode}_ttft_ratio"] = t["off"] / t["on"]
             res[f"{mode}_load_GBps"] = dl["kv_tier_load_bytes"] / dl["kv_tier_load_seconds"] / 1e9
             res[f"{mode}_load_wait_ms"] = 1e3 * dl["kv_tier_load_wait_seconds"] / dl["kv_tier_load_waits"]
-    plain_read(files)
-    for mode in ("warm", "cold"):
-        if mode == "cold":
-            drop_cache(files)
-        n, s = plain_read(files)
-        res[f"{mode}_plain_GBps"] = n / s / 1e9
-        res[f"{mode}_bw_ratio"] = res[f"{mode}_load_GBps"] / res[f"{mode}_plain_GBps"]
+            res[f"{mode}_plain_GBps"] = plain_n / plain_s / 1e9
+            res[f"{mode}_bw_ratio"] = res[f"{mode}_load_GBps"] / res[f"{mode}_plain_GBps"]
     return res
 
 
-def _abba(rounds: int, run_off, run_on) -> dict[str, Any]:
-    """``rounds`` pairs, alternating which side goes first; each ``run_*(r)`` returns
-    (seconds, stats delta). The totals' ratio off / on (> 1: the tier is faster)."""
+def _abba(rounds: int, run_off, run_on, warm: bool = True) -> dict[str, Any]:
+    """With ``warm`` a warm-up pair (``r`` = 0: an engine's first batch of a shape is slow),
+    then ``rounds`` pairs (``r`` from 1) alternating which side goes first; each
+    ``run_*(r)`` returns (seconds, stats delta). The totals' ratio off / on (> 1: the tier is
+    faster)."""
+    if warm:
+        run_off(0)
+        run_on(0)
     tot = {"off": 0.0, "on": 0.0}
     pairs = []
     st: dict[str, dict[str, float]] = {"off": {}, "on": {}}
-    for r in range(rounds):
+    for r in range(1, rounds + 1):
         pair = {}
-        for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
+        for side in (("off", "on") if r % 2 == 1 else ("on", "off")):
             s, dl = (run_off if side == "off" else run_on)(r)
             pair[side] = s
             tot[side] += s
@@ -197,18 +222,18 @@ def chat(env: Env, convs: int, ctx: int, user: int, out: int, turns: int, rounds
         return t
 
     data = [([env.tokens(ctx) for _ in range(convs)],
-             [[env.tokens(user) for _ in range(turns)] for _ in range(convs)]) for _ in range(rounds)]
+             [[env.tokens(user) for _ in range(turns)] for _ in range(convs)]) for _ in range(rounds + 1)]
     with env.llm(None, nb, final) as off, env.llm(env.tier_dir("chat"), nb, final) as on:
+        # (no warm-up pair: a round is long, the engines' warm-up generate is enough)
         res = _abba(rounds, lambda r: _side(off, lambda llm: work(llm, *data[r])),
-                    lambda r: _side(on, lambda llm: work(llm, *data[r])))
-    tokens = rounds * convs * turns * (user + out) + rounds * convs * ctx
+                    lambda r: _side(on, lambda llm: work(llm, *data[r])), warm=False)
     return {"convs": convs, "turns": turns, "working_set_blocks": ws, "pool_blocks": nb,
-            "working_set_over_pool": ws / nb, "prompt_and_output_tokens": tokens // rounds, **res}
+            "working_set_over_pool": ws / nb, **res}
 
 
 def noreuse(env: Env, n: int, length: int, out: int, rounds: int) -> dict[str, Any]:
     nb = blocks(length + out) * n + 16
-    data = [[env.tokens(length) for _ in range(n)] for _ in range(rounds)]
+    data = [[env.tokens(length) for _ in range(n)] for _ in range(rounds + 1)]
     with env.llm(None, nb, length + out) as off, env.llm(env.tier_dir("noreuse"), nb, length + out) as on:
         res = _abba(rounds, lambda r: _side(off, lambda llm: timed(llm, data[r], out)[0]),
                     lambda r: _side(on, lambda llm: timed(llm, data[r], out)[0]))
@@ -221,15 +246,18 @@ def shared(env: Env, n: int, prefix: int, suffix: int, out: int, rounds: int) ->
     d = env.tier_dir("shared")
     nb = blocks(prefix) + n * (blocks(suffix + out) + 1) + 16
     ml = prefix + suffix + out
-    stored = [env.tokens(prefix) for _ in range(rounds)]
-    with env.llm(d, nb, ml) as fill:
+    stored = [env.tokens(prefix) for _ in range(rounds + 1)]
+    with env.llm(d, len(stored) * blocks(prefix + 1) + 16, ml) as fill:
         timed(fill, stored, 1)
-    fresh = [env.tokens(prefix) for _ in range(rounds)]
-    tails = [[env.tokens(suffix) for _ in range(n)] for _ in range(rounds)]
+    fresh = [env.tokens(prefix) for _ in range(rounds + 1)]
+    tails = [[env.tokens(suffix) for _ in range(n)] for _ in range(rounds + 1)]
     res: dict[str, Any] = {"requests": n, "prefix_tokens": prefix}
+    def batch(pre: list[list[int]], r: int) -> list[list[int]]:
+        return [pre[r] + t for t in tails[r]]
+
     with env.llm(None, nb, ml) as off, env.llm(d, nb, ml) as on:
-        for name, pre in (("fresh", fresh), ("in_tier", stored)):
-            res[name] = _abba(
-                rounds, lambda r: _side(off, lambda llm: timed(llm, [pre[r] + t for t in tails[r]], out)[0]),
-                lambda r: _side(on, lambda llm: timed(llm, [pre[r] + t for t in tails[r]], out)[0]))
+        res["fresh"] = _abba(rounds, lambda r: _side(off, lambda llm: timed(llm, batch(fresh, r), out)[0]),
+                             lambda r: _side(on, lambda llm: timed(llm, batch(fresh, r), out)[0]))
+        res["in_tier"] = _abba(rounds, lambda r: _side(off, lambda llm: timed(llm, batch(stored, r), out)[0]),
+                               lambda r: _side(on, lambda llm: timed(llm, batch(stored, r), out)[0]))
     return res
