@@ -28,6 +28,7 @@ BENCHES = {
     "tp": "pipeline.bench.tp",
     "structured": "pipeline.bench.structured",
     "cpu": "pipeline.bench.cpu",
+    "kvtier": "pipeline.bench.kvtier",
 }
 
 

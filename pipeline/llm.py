@@ -188,11 +188,31 @@ class LLM:
 
     def close(self) -> None:
         if getattr(self, "_tier", None) is not None:
+            self._finish_saves()
             self._tier.close()  # its queued saves written first: a restart finds them
             self._tier = None
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+
+    def _finish_saves(self, timeout: float = 60.0) -> None:
+        """The KV tier's deferred saves (blocks cached past the share of the pool held for
+        saves) sent to its thread as its reports free room: no engine loop runs them once
+        ``generate`` returns, and a restart should find them."""
+        conn = getattr(getattr(self, "scheduler", None), "connector", None)
+        deferred = getattr(conn, "deferred", None)
+        end = time.monotonic() + timeout
+        try:
+            while True:
+                for plan in conn.take_kv_finishes() if conn is not None else []:
+                    self._tier.submit(plan)
+                if not deferred or time.monotonic() > end:
+                    return
+                msg = self._tier.poll(0.5)
+                if msg is not None:
+                    conn.on_message(msg)  # type: ignore[union-attr]
+        except RuntimeError:  # the tier's thread failed: nothing more will be written
+            return
 
     def __enter__(self) -> LLM:
         return self

@@ -8,9 +8,9 @@ and changes the Scheduler's queue, running list and block table through it (``sc
 Each step that preempted nothing admits waiting requests in queue order while the token
 budget, ``max_num_seqs``, the blocks (minus the reserve) and the step ring's room for new
 requests allow: a prefix-cache hit first, then the KV connector's tokens beyond it (a second
-KV tier: the request then waits for its load outside the batch, holding its blocks), then
-blocks for the chunk it computes now. A request holding blocks (its KV arrived from a peer
-or a tier) looks up nothing and needs no block to join.
+KV tier: the request then waits for its load outside the batch, holding the blocks of its
+whole sequence), then blocks for the chunk it computes now. A request holding blocks (its KV
+arrived from a peer or a tier) looks up nothing and needs no block to join.
 """
 from __future__ import annotations
 
@@ -122,20 +122,24 @@ class Admission:
 
     def _load_external(self, req: Request, computed: list[KVBlock], n_hit: int, n_ext: int,
                        reserve: int) -> bool:
-        """Blocks for ``req``'s pool hit, the ``n_ext`` tokens the connector loads and the rest
-        of its tokens, taken as admission takes them; the connector holds it (WAITING_FOR_KV)
-        until the load is in and hands it back (``resume``). Its blocks are all taken now: a
-        request that waited for a load must never wait again for blocks that other loaded
-        requests hold (with nothing running, that would wait for good). False: no room now."""
+        """Blocks for ``req``'s pool hit, the ``n_ext`` tokens the connector loads and the
+        rest of its sequence, taken as admission takes them; the connector holds it
+        (WAITING_FOR_KV) until the load is in and hands it back (``resume``). False: no room
+        now."""
         sched = self.sched
         kv = sched.kv
-        n_all = req.num_tokens - req.num_computed_tokens - n_hit
-        need = kv.blocks_needed(req, n_all, computed)
+        # Blocks for the whole sequence, not only the loaded part: a request back from its
+        # load must find room for the tokens it computes, or loads admitted while nothing
+        # ran could take the pool between them and wait for ever, each holding its blocks
+        # and none able to join (waiting requests are never preempted).
+        rest = req.num_tokens - req.num_computed_tokens - n_hit
+        need = kv.blocks_needed(req, rest, computed)
         if sched.running and need + reserve > kv.pool.num_free_blocks:
             return False
-        new = kv.allocate_slots(req, n_all, computed)
+        new = kv.allocate_slots(req, rest, computed)
         if new is None:
             return False
+        new = new[:n_ext // kv.block_size]  # the loaded blocks; the rest, computed after
         sched.waiting.pop()
         kv.record_lookup(req.num_tokens, n_hit)  # the pool's hit; the connector counts its own
         if req.num_cached_tokens < 0:
@@ -143,5 +147,6 @@ class Admission:
             req.first_scheduled_time = time.time()
         req.status = RequestStatus.WAITING_FOR_KV
         assert sched.connector is not None
-        sched.connector.update_state_after_alloc(req, new[:n_ext // kv.block_size], n_ext)
+        sched.connector.update_state_after_alloc(req, new, n_ext)
         return True
+

@@ -92,7 +92,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_tier_save_bytes: int = 0
     kv_tier_save_seconds: float = 0.0
     kv_tier_saving_blocks: int = 0
-    kv_tier_save_skipped: int = 0  # blocks not saved: MAX_SAVING_SHARE of the pool was held for saves
+    kv_tier_deferred_blocks: int = 0  # cached, waiting for a save slot (MAX_SAVING_SHARE)
+    kv_tier_save_skipped: int = 0  # deferred blocks the pool evicted before their save
     kv_tier_loading_requests: int = 0
     # Set by the engine stage (zero in-process): steps that ran tokens, their wall time and
     # the worker's share of it.

@@ -145,6 +145,32 @@ def test_a_restart_on_the_same_directory_loads_from_the_tier(tmp_path, reference
     assert st["computed_tokens"] <= computed_first - 8 * PREFIX
 
 
+def test_close_writes_the_saves_deferred_past_the_pools_share(tmp_path) -> None:
+    """A 7-block prompt cached by one step in a 16-block pool: 4 blocks are held for saves
+    (MAX_SAVING_SHARE), 3 wait. No engine loop runs once generate returns: close() sends
+    them as the first saves finish, so a restart loads the whole chain."""
+    prompt = [_rng.randrange(3, 2000) for _ in range(7 * BS)]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    first = make_llm(SMALL_POOL, str(tmp_path))
+    try:
+        first.generate([prompt], one, use_tqdm=False)
+        assert first.stats()["kv_tier_deferred_blocks"] == 3
+    finally:
+        assert_released(first)
+    assert num_block_files(tmp_path) == 7
+    second = make_llm(SMALL_POOL, str(tmp_path))
+    try:
+        second.generate([prompt + [5, 6]], one, use_tqdm=False)
+        st = second.stats()
+    finally:
+        assert_released(second)
+    assert st["kv_tier_loaded_tokens"] == 7 * BS and st["kv_tier_save_skipped"] == 0
+
+
+def num_block_files(root: Path) -> int:
+    return len(list(ns_dir(str(root)).iterdir()))
+
+
 def _instance(root: str, size: int, idx: list[int], barrier, q) -> None:
     llm = make_llm(SMALL_POOL, root, size)
     try:

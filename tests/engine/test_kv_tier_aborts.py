@@ -130,14 +130,17 @@ def test_abort_while_a_load_is_in_flight(tmp_path) -> None:
         rig.add("w", A)  # the same chain: waits while a2's load is in flight
         rig.core.step()
         a2, w = rig.sched.requests["a2"], rig.sched.requests["w"]
-        assert a2.status == RequestStatus.WAITING_FOR_KV and len(a2.blocks) == 5  # 4 to load, 1 for the last token
+        # 4 blocks loading, and the 5th for the token it computes once they are in.
+        assert a2.status == RequestStatus.WAITING_FOR_KV and len(a2.blocks) == 5
+        assert len(rig.conn.loading["a2"].blocks) == 4
         assert w.status == RequestStatus.WAITING and not w.blocks
         assert len(rig.plans) == 1 and rig.sched.check_invariants() == []
         if mover_first:
             rig.mover_takes()
         rig.core.abort(["a2"])
         assert rig.outs[-1].req_id == "a2" and rig.outs[-1].finish_reason == "abort"
-        # Its blocks stay held: the mover may be writing into them until its report.
+        # The 4 blocks being loaded stay held (the mover may be writing into them until its
+        # report); its 5th block is freed with it.
         assert rig.conn.orphans and rig.sched.kv.pool.num_free_blocks == NB - 4
         assert rig.sched.check_invariants() == []
         rig.core.step()  # w still waits: a2's keys are being loaded
@@ -172,6 +175,39 @@ def test_an_id_whose_aborted_load_is_in_flight_is_refused_until_it_lands(tmp_pat
     rig.add("x", B)  # landed: the id is free again
     rig.settle()
     assert rig.tokens("x", n + 1) == reference(B, 4)
+    rig.assert_idle()
+    rig.tier.close()
+
+
+X = list(range(1, 34))  # 33 tokens: 8 loadable blocks, 9 for the prompt
+Y = list(range(34, 50)) + list(range(1, 18))  # another chain as long
+
+
+def test_loads_never_take_the_pool_from_the_rest_of_their_prompts(tmp_path) -> None:
+    """Two requests whose loaded blocks alone fill the pool (8 + 8 of 16), each with one
+    token to compute after: admission takes the blocks of a load's whole prompt, so the
+    second waits in the queue instead of holding 8 blocks that leave the first none."""
+    root = str(tmp_path)
+    rig = Rig(root)
+    rig.add("x", X)
+    rig.settle()
+    rig.add("y", Y)
+    rig.settle()
+    # 9 full blocks a chain (prompt and output), cached 8 at once by one step: more than
+    # the quarter of the pool held for saves, the rest deferred, none skipped.
+    assert rig.conn.num_saved_blocks == 18 and rig.conn.num_save_skipped == 0
+    rig.assert_idle()
+    rig.tier.close()
+    rig = Rig(root)  # a restart: both chains on disk, the pool empty
+    rig.add("x", X)
+    rig.add("y", Y)
+    rig.core.step()
+    x, y = rig.sched.requests["x"], rig.sched.requests["y"]
+    assert x.status == RequestStatus.WAITING_FOR_KV and len(x.blocks) == 9
+    assert y.status == RequestStatus.WAITING and not y.blocks
+    rig.settle()
+    assert rig.tokens("x") == reference(X, 4) and rig.tokens("y") == reference(Y, 4)
+    assert rig.conn.num_loaded_tokens == 2 * 32 and rig.conn.num_failed_blocks == 0
     rig.assert_idle()
     rig.tier.close()
 

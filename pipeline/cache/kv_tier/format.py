@@ -57,13 +57,16 @@ def file_len(layout: KVLayout) -> int:
     return header_len(layout) + layout.bytes_per_block
 
 
+def _fixed(layout: KVLayout, ns: bytes, key: bytes, hl: int) -> bytes:
+    return _FIXED.pack(MAGIC, VERSION, hl, ns, len(key), key, layout.num_layers,
+                       layout.block_size, layout.num_kv_heads, layout.head_dim,
+                       layout.dtype.encode(), layout.block_bytes, layout.bytes_per_block)
+
+
 def pack_header(layout: KVLayout, ns: bytes, key: bytes, row_crcs: bytes) -> bytes:
     """The header of ``key``'s file; ``row_crcs``: the 2 * num_layers u32 checksums."""
     hl = header_len(layout)
-    fixed = _FIXED.pack(MAGIC, VERSION, hl, ns, len(key), key, layout.num_layers,
-                        layout.block_size, layout.num_kv_heads, layout.head_dim,
-                        layout.dtype.encode(), layout.block_bytes, layout.bytes_per_block)
-    body = fixed + row_crcs
+    body = _fixed(layout, ns, key, hl) + row_crcs
     return (body + struct.pack("<I", zlib.crc32(body))).ljust(hl, b"\0")
 
 
@@ -79,20 +82,12 @@ def parse_header(raw: bytes | memoryview, layout: KVLayout, ns: bytes, key: byte
     hl = header_len(layout)
     if len(raw) < hl:
         return None
-    try:
-        (magic, version, hlen, fns, klen, fkey, nl, bs, nh, hd, dt, bb,
-         plen) = _FIXED.unpack_from(raw)
-    except struct.error:
+    # Every fixed field at once: the bytes pack_header writes for this key and layout (its
+    # padding zeros included). One compare instead of a field-by-field unpack: this runs
+    # once per block loaded (~192 KiB in ~20 us on the 0.5B shape).
+    if raw[:_FIXED.size] != _fixed(layout, ns, key, hl):
         return None
-    nrows = 2 * layout.num_layers
-    end = _FIXED.size + 4 * nrows
-    if (magic != MAGIC or version != VERSION or hlen != hl or fns != ns
-            or klen != len(key) or fkey[:klen] != key
-            or (nl, bs, nh, hd, bb, plen) != (layout.num_layers, layout.block_size,
-                                              layout.num_kv_heads, layout.head_dim,
-                                              layout.block_bytes, layout.bytes_per_block)
-            or dt.rstrip(b"\0") != layout.dtype.encode()):
-        return None
+    end = _FIXED.size + 8 * layout.num_layers
     (crc,) = struct.unpack_from("<I", raw, end)
     if zlib.crc32(memoryview(raw)[:end]) != crc:
         return None

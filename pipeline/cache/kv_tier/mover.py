@@ -50,7 +50,10 @@ class TierMover:
         if not isinstance(msg, TierPlan):
             raise ValueError(f"{type(msg).__name__} is not for a KV tier")
         for ld in msg.loads:
-            self.send(TierReport([self.load(ld.req_id, bytes_ids(ld.block_ids), ld.keys)], b""))
+            done = self.load(ld.req_id, bytes_ids(ld.block_ids), ld.keys)
+            self.send(TierReport([done], b""))
+            if done.num_ok:  # recency after the report: the request waits for no utime
+                self.tier.touch(ld.keys[:done.num_ok])
         ids = bytes_ids(msg.save_block_ids)
         if len(ids) != len(msg.save_keys):
             raise ValueError(f"TierPlan: {len(ids)} save blocks for {len(msg.save_keys)} keys")
@@ -58,16 +61,15 @@ class TierMover:
 
     def load(self, req_id: str, block_ids: list[int], keys: list[bytes]) -> TierLoaded:
         """The leading blocks that load intact; past the first failure nothing is read (the
-        request computes the rest, and a chain is useless past a gap)."""
+        request computes the rest, and a chain is useless past a gap). Their recency is
+        the caller's (``take``: the chain touched once the report is out)."""
         t0 = time.perf_counter()
         ok = 0
         nb = self.pool.shape[2]
         for bid, key in zip(block_ids, keys):
-            if not 0 <= bid < nb or not self.tier.load(key, self.pool[:, :, bid, :]):
+            if not 0 <= bid < nb or not self.tier.load(key, self.pool[:, :, bid, :], stamp=False):
                 break
             ok += 1
-        if ok:
-            self.tier.touch(keys[:ok])
         return TierLoaded(req_id, ok, ok * self.tier.layout.bytes_per_block, time.perf_counter() - t0)
 
     def save_batch(self) -> None:

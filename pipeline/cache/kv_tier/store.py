@@ -133,11 +133,13 @@ class DiskTier:
         self.budget.release(self.file_bytes)
 
     # -- load ------------------------------------------------------------------------------
-    def load(self, key: Key, dst: np.ndarray, layers: tuple[int, int] | None = None) -> bool:
+    def load(self, key: Key, dst: np.ndarray, layers: tuple[int, int] | None = None,
+             stamp: bool = True) -> bool:
         """Read ``key``'s block into ``dst`` (``[num_layers, 2, block_bytes]`` uint8, e.g.
         ``pool[:, :, block_id, :]``); ``layers=(lo, hi)`` reads only those layers (one
         contiguous range of the file, verified on its own). True only when every byte read
-        passed its checksum; a missing file is False, a bad one False and removed."""
+        passed its checksum; a missing file is False, a bad one False and removed.
+        ``stamp=False``: its recency is left to the caller (``touch`` of the chain after)."""
         self._check_view(dst, "dst")
         nl = self.layout.num_layers
         lo, hi = layers if layers is not None else (0, nl)
@@ -150,7 +152,7 @@ class DiskTier:
         except OSError:
             return False
         hl, rb = self._hlen, self._row_bytes
-        stage = self._stage()
+        stage, all_crcs = self._stage()
         try:
             # Into a staging buffer that stays in cache, checked there, then copied into the
             # pool once (kv_io.copy_rows: streaming stores): faster than reading straight
@@ -164,10 +166,10 @@ class DiskTier:
                       == (hi - lo) * rb)
             hdr = fmt.parse_header(stage[:hl], self.layout, self.ns, k) if ok else None
             if hdr is not None:
-                crcs = np.empty(2 * (hi - lo), dtype=np.uint32)
+                crcs = all_crcs[:2 * (hi - lo)]
                 copy_rows(stage[hl + lo * rb:hl + hi * rb], dst[lo:hi], crcs)
-                if hdr.row_crcs[8 * lo:8 * hi] == crcs.tobytes():
-                    if lo == 0:
+                if hdr.row_crcs[8 * lo:8 * hi] == crcs.data.cast("B"):
+                    if lo == 0 and stamp:
                         _stamp(fd)  # recency, once per block (its first layers)
                     self.num_loaded += 1
                     return True
@@ -178,14 +180,15 @@ class DiskTier:
         finally:
             os.close(fd)
 
-    def _stage(self) -> memoryview:
+    def _stage(self) -> tuple[memoryview, np.ndarray]:
         """This thread's staging buffer, one file long, its rows 64-byte aligned (the header
-        length is a multiple of 64) for the streaming copy."""
+        length is a multiple of 64) for the streaming copy, and its row checksums' array."""
         stage = getattr(self._local, "stage", None)
         if stage is None:
             raw = np.empty(self.file_bytes + 64, dtype=np.uint8)
             off = -raw.ctypes.data % 64
-            stage = self._local.stage = memoryview(raw[off:off + self.file_bytes])  # type: ignore[arg-type]
+            stage = self._local.stage = (memoryview(raw[off:off + self.file_bytes]),  # type: ignore[arg-type]
+                                         np.empty(2 * self.layout.num_layers, dtype=np.uint32))
         return stage
 
     def _remove_bad(self, fd: int, path: str) -> None:

@@ -3,8 +3,8 @@ outlive the pool and the process, loaded back instead of computed again.
 
 Owns / State: the loads in flight (per request: its blocks and keys; ``orphans``: the blocks of
 a load whose request ended, held until the messager is done writing them), the saves in
-flight (blocks it holds a reference on until the messager has read them), the plans not sent
-yet, and the counters. The files are the cache messager's (``cache.kv_tier``); here only a
+flight (blocks it holds a reference on until the messager has read them) and those deferred,
+the plans not sent yet, and the counters. The files are the cache messager's (``cache.kv_tier``); here only a
 ``stat`` per key says which exist (``TierIndex``).
 
 - Saves (write-through): every block the prefix cache takes (``on_cached``: its KV computed)
@@ -12,7 +12,9 @@ yet, and the counters. The files are the cache messager's (``cache.kv_tier``); h
   exists; the reference drops when the messager reports the block read. Saving at compute
   time rather than at eviction means a block is on disk by the time the pool evicts it, with
   no step ever waiting for a write, and a restart or a second instance finds it; on a 2-core
-  CPU the write costs the messager ~45 us per block (docs/kv_tier.md).
+  CPU the write costs the messager ~45 us per block (docs/kv_tier.md). At most
+  MAX_SAVING_SHARE of the pool is held so; blocks cached beyond it wait unheld
+  (``deferred``) and are taken as saves finish, unless the pool evicted them first.
 - Loads: at admission, the request's chain keys beyond the pool's hit are looked up; its
   blocks are taken (``update_state_after_alloc``) and it waits outside the batch
   (WAITING_FOR_KV) until the messager reports how many leading blocks arrived intact; those
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -46,8 +48,9 @@ if TYPE_CHECKING:
 HASH_KEY_FILE = ".hash_key"
 # Keys one TierPlan carries at most (~23 bytes each): far below the kv_plans ring's messages.
 MAX_PLAN_KEYS = 16384
-# Blocks held for saves at most, as a share of the pool: past it a newly cached block is not
-# saved (counted), so a slow or full disk costs the tier hits, never the batch its blocks.
+# Blocks held for saves at most, as a share of the pool: past it a newly cached block waits
+# (``deferred``, no reference held) for a save to finish, and one the pool evicts meanwhile
+# is not saved (counted): a slow or full disk costs the tier hits, never the batch its blocks.
 MAX_SAVING_SHARE = 0.25
 
 
@@ -120,6 +123,7 @@ class TierConnector(KVConnector):
         self.orphans: dict[str, _Load] = {}
         self.loading_keys: dict[bytes, str] = {}  # key -> the request loading it
         self.saving: dict[int, KVBlock] = {}  # block id -> block (one reference held)
+        self.deferred: deque[tuple[KVBlock, bytes]] = deque()  # cached past max_saving, no reference
         self.resumed: set[str] = set()  # loaded, waiting for admission with their blocks
         self._loads: list[TierLoad] = []
         self._save_ids: list[int] = []
@@ -129,7 +133,7 @@ class TierConnector(KVConnector):
         self.num_load_bytes = self.num_saved_blocks = self.num_save_bytes = 0
         self.load_seconds = self.save_seconds = self.load_wait_seconds = 0.0
         self.num_load_waits = self.num_save_skipped = 0
-        self.max_saving = min(sched.kv.pool.num_blocks, max(16, int(MAX_SAVING_SHARE * sched.kv.pool.num_blocks)))
+        self.max_saving = max(1, int(MAX_SAVING_SHARE * sched.kv.pool.num_blocks))
 
     def check_request(self, er: EngineRequest, req_ids: set[str], num_prompt: int) -> None:
         for rid in req_ids:
@@ -142,9 +146,19 @@ class TierConnector(KVConnector):
     def on_cached(self, block: KVBlock) -> None:
         if self._landing or block.block_id in self.saving:
             return
+        assert block.block_hash is not None
         if len(self.saving) >= self.max_saving:
-            self.num_save_skipped += 1
+            # One prefill step caches up to its token budget's blocks at once (128 on a
+            # 2048-token step): skipping them would leave holes in the chains, every later
+            # block unreachable. They wait instead, holding nothing.
+            self.deferred.append((block, block.block_hash))
+            if len(self.deferred) > self.sched.kv.pool.num_blocks:  # stale entries, bounded
+                self.deferred.popleft()
+                self.num_save_skipped += 1
             return
+        self._save(block)
+
+    def _save(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         self.sched.kv.pool.touch([block])  # the messager reads it: no step may reuse it
         self.saving[block.block_id] = block
@@ -207,6 +221,12 @@ class TierConnector(KVConnector):
             b = self.saving.pop(bid, None)
             if b is not None:
                 pool.free_blocks([b])
+        while self.deferred and len(self.saving) < self.max_saving:
+            b, h = self.deferred.popleft()
+            if b.block_hash != h:  # evicted before its turn (maybe cached again: saved then)
+                self.num_save_skipped += 1
+            elif b.block_id not in self.saving:
+                self._save(b)
         self.num_saved_blocks += msg.num_written
         self.num_save_bytes += msg.bytes_written
         self.save_seconds += msg.save_seconds
@@ -298,5 +318,6 @@ class TierConnector(KVConnector):
                 "kv_tier_save_bytes": self.num_save_bytes,
                 "kv_tier_save_seconds": self.save_seconds,
                 "kv_tier_saving_blocks": len(self.saving),
+                "kv_tier_deferred_blocks": len(self.deferred),
                 "kv_tier_save_skipped": self.num_save_skipped,
                 "kv_tier_loading_requests": len(self.loading)}
