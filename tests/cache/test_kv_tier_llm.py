@@ -154,7 +154,9 @@ def test_close_writes_the_saves_deferred_past_the_pools_share(tmp_path) -> None:
     first = make_llm(SMALL_POOL, str(tmp_path))
     try:
         first.generate([prompt], one, use_tqdm=False)
-        assert first.stats()["kv_tier_deferred_blocks"] == 3
+        st = first.stats()  # (a report may have come in before generate returned)
+        assert st["kv_tier_saving_blocks"] <= 4
+        assert st["kv_tier_saved_blocks"] + st["kv_tier_saving_blocks"] + st["kv_tier_deferred_blocks"] == 7
     finally:
         assert_released(first)
     assert num_block_files(tmp_path) == 7
