@@ -119,6 +119,28 @@ def test_corrupt_file_is_a_miss_and_removed(tmp_path: str, kind: str, layers) ->
     assert tier.load(b"b", dst[:, :, 1, :]) and np.array_equal(dst[:, :, 1, :], src[:, :, 1, :])
 
 
+@pytest.mark.parametrize("kind", ["truncate", "flip_payload", "flip_header", "swap", "foreign"])
+def test_load_chain_stops_at_the_first_block_that_does_not_load(tmp_path: str, kind: str) -> None:
+    """``load_chain`` (the mover's loop) accepts and refuses exactly what ``load`` does: the
+    leading blocks up to a bad file (removed), a missing one, or an id outside the pool."""
+    src, dst = _pool(7), _pool(8)
+    tier = DiskTier(tmp_path, 10 * LAY.bytes_per_block, LAY)
+    for i, k in enumerate((b"x", b"a", b"b")):
+        tier.save(k, src[:, :, i, :])
+    assert tier.load_chain([b"x", b"a", b"b"], dst, [3, 4, 5]) == 3
+    assert np.array_equal(dst[:, :, 3:6, :], src[:, :, 0:3, :])
+    _corrupt(kind, tier, str(tmp_path))
+    assert tier.load_chain([b"x", b"a", b"b"], dst, [0, 1, 2]) == 1
+    assert not os.path.exists(tier.path(b"a")) and os.path.exists(tier.path(b"b"))
+    assert np.array_equal(dst[:, :, 0, :], src[:, :, 0, :])
+    assert tier.load_chain([b"b", b"a"], dst, [2, 1]) == 1  # a is gone now: a miss
+    assert tier.load_chain([b"x", b"b"], dst, [0, LAY.num_blocks]) == 1  # outside the pool
+    assert tier.load_chain([b"x"], dst, [-1]) == 0
+    with pytest.raises(ValueError, match="shape"):
+        tier.load_chain([b"x"], _pool(0, KVLayout(**{**{f: getattr(LAY, f) for f in LAY.__struct_fields__},
+                                                     "num_layers": 2})), [0])
+
+
 def test_restart_finds_blocks_and_models_do_not_mix(tmp_path: str) -> None:
     src, dst = _pool(5), _pool(6)
     t1 = DiskTier(tmp_path, 10 * LAY.bytes_per_block, LAY)

@@ -1,6 +1,6 @@
 """KV disk tier: the file format of one block, and the names files and namespaces get.
 
-Owns the header layout (``Header``, ``pack_header``, ``parse_header``), the key's normal
+Owns the header layout (``Header``, ``pack_header``, ``parse_header``, ``HeaderCheck``), the key's normal
 form (``key_bytes``); the namespace of a layout is ``KVLayout.tier_namespace``. Owns no state.
 
 A file is ``header | payload``. The header, little-endian::
@@ -68,6 +68,32 @@ def pack_header(layout: KVLayout, ns: bytes, key: bytes, row_crcs: bytes) -> byt
     hl = header_len(layout)
     body = _fixed(layout, ns, key, hl) + row_crcs
     return (body + struct.pack("<I", zlib.crc32(body))).ljust(hl, b"\0")
+
+
+class HeaderCheck:
+    """``parse_header`` for one layout and namespace with its key-independent bytes packed
+    once: the per-block check of a chain's loads (DiskTier.load_chain). ``row_crcs(raw,
+    key)``: the header's row checksums (bytes, u32 each), or None where ``parse_header``
+    would give None."""
+
+    # _FIXED's offsets: magic..namespace, then key_len and key, then the layout fields.
+    _KEY_AT, _KEY_END = 32, 100
+
+    def __init__(self, layout: KVLayout, ns: bytes) -> None:
+        self.header_len = hl = header_len(layout)
+        sample = _fixed(layout, ns, b"\0", hl)
+        self._head, self._tail = sample[:self._KEY_AT], sample[self._KEY_END:]
+        self._end = _FIXED.size + 8 * layout.num_layers
+        self._key = struct.Struct("<I64s")
+
+    def row_crcs(self, raw: memoryview, key: bytes) -> memoryview | None:
+        end = self._end
+        if (len(raw) < self.header_len or raw[:self._KEY_AT] != self._head
+                or raw[self._KEY_END:_FIXED.size] != self._tail
+                or raw[self._KEY_AT:self._KEY_END] != self._key.pack(len(key), key)
+                or zlib.crc32(raw[:end]) != int.from_bytes(raw[end:end + 4], "little")):
+            return None
+        return raw[_FIXED.size:end]
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,12 +64,7 @@ class TierMover:
         request computes the rest, and a chain is useless past a gap). Their recency is
         the caller's (``take``: the chain touched once the report is out)."""
         t0 = time.perf_counter()
-        ok = 0
-        nb = self.pool.shape[2]
-        for bid, key in zip(block_ids, keys):
-            if not 0 <= bid < nb or not self.tier.load(key, self.pool[:, :, bid, :], stamp=False):
-                break
-            ok += 1
+        ok = self.tier.load_chain(keys, self.pool, block_ids)
         return TierLoaded(req_id, ok, ok * self.tier.layout.bytes_per_block, time.perf_counter() - t0)
 
     def save_batch(self) -> None:
