@@ -166,7 +166,8 @@ def _abba_row(rep: Report, case: str, r: dict[str, Any], detail: str, **extra: A
             on_computed_tokens=int(on.get("computed_tokens", 0)),
             on_tier_loaded_tokens=int(on.get("kv_tier_loaded_tokens", 0)),
             on_tier_saved_blocks=int(on.get("kv_tier_saved_blocks", 0)),
-            on_tier_save_skipped=int(on.get("kv_tier_save_skipped", 0)), load=_load())
+            on_tier_save_skipped=int(on.get("kv_tier_save_skipped", 0)),
+            on_tier_save_s=round(on.get("kv_tier_save_seconds", 0.0), 3), load=_load())
 
 
 def main(args: argparse.Namespace) -> int:
