@@ -134,13 +134,11 @@ class DiskTier:
         self.budget.release(self.file_bytes)
 
     # -- load ------------------------------------------------------------------------------
-    def load(self, key: Key, dst: np.ndarray, layers: tuple[int, int] | None = None,
-             stamp: bool = True) -> bool:
+    def load(self, key: Key, dst: np.ndarray, layers: tuple[int, int] | None = None) -> bool:
         """Read ``key``'s block into ``dst`` (``[num_layers, 2, block_bytes]`` uint8, e.g.
         ``pool[:, :, block_id, :]``); ``layers=(lo, hi)`` reads only those layers (one
         contiguous range of the file, verified on its own). True only when every byte read
-        passed its checksum; a missing file is False, a bad one False and removed.
-        ``stamp=False``: its recency is left to the caller (``touch`` of the chain after)."""
+        passed its checksum; a missing file is False, a bad one False and removed."""
         self._check_view(dst, "dst")
         nl = self.layout.num_layers
         lo, hi = layers if layers is not None else (0, nl)
@@ -170,7 +168,7 @@ class DiskTier:
                 crcs = all_crcs[:2 * (hi - lo)]
                 copy_rows(stage[hl + lo * rb:hl + hi * rb], dst[lo:hi], crcs)
                 if hdr.row_crcs[8 * lo:8 * hi] == crcs.data.cast("B"):
-                    if lo == 0 and stamp:
+                    if lo == 0:
                         _stamp(fd)  # recency, once per block (its first layers)
                     self.num_loaded += 1
                     return True
