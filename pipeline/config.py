@@ -8,11 +8,12 @@ vLLM's names: ``model_config``, ``cache_config``, ``scheduler_config``, ``parall
 """
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
-from urllib.parse import urlparse
 
 import msgspec
+
+from pipeline.bind import check_bind
+from pipeline.sizes import parse_size
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "default_model")
 MAX_BLOCK_SIZE = 256
@@ -27,28 +28,6 @@ CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bflo
 
 DEFAULT_KV_OFFLOAD_SIZE = 16 << 30
 SIZE_FIELDS = ("kv_cache_memory", "kv_offload_size", "kv_offload_host")
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 1 << 10, "m": 10**6, "mb": 10**6,
-          "mib": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12,
-          "tib": 1 << 40}
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from ``20GiB``, ``512MB``, ``1.5G`` or a plain count (ValueError naming the text)."""
-    if isinstance(text, int):
-        return text
-    t = text.strip().lower().replace(" ", "")
-    num = t.rstrip("kmgtib")
-    unit = t[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        value = -1.0
-    if unit not in _UNITS or value < 0 or value != value or value == float("inf"):
-        raise ValueError(f"{text!r} is not a size: a number of bytes with an optional unit "
-                         f"(KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 20GiB")
-    return int(value * _UNITS[unit])
-
-
 def _flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
@@ -111,6 +90,11 @@ class CacheConfig(msgspec.Struct, kw_only=True):
     kv_offload_dir: str = ""
     kv_offload_size: int = 0
     kv_offload_host: int = 0
+
+    @property
+    def kv_offload_bytes(self) -> int:
+        """What the --kv-offload-dir tier keeps, its default resolved."""
+        return self.kv_offload_size or DEFAULT_KV_OFFLOAD_SIZE
 
     def check(self) -> None:
         _check_ranges(self, (("num_blocks", 0, None), ("kv_cache_memory", 0, None),
@@ -316,29 +300,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.cache_config.block_size:
             return self.cache_config.block_size
         return 64 if self.resolved_device() == "cuda" else 16
-
-
-def is_loopback(endpoint: str) -> bool:
-    u = urlparse(endpoint)
-    if u.scheme in ("ipc", "inproc"):
-        return True
-    host = (u.hostname or "").strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_bind(flag: str, endpoint: str, curve_keys: str, allow_insecure: bool) -> None:
-    """ValueError unless ``endpoint`` may be bound: on loopback (or ipc), or with CURVE keys,
-    or with --allow-insecure-network. Anyone who reaches an open port without keys is served."""
-    if curve_keys or allow_insecure or is_loopback(endpoint):
-        return
-    raise ValueError(f"{flag} {endpoint} is beyond loopback and --curve-keys is not set: anyone "
-                     "who reaches it would be let in; give --curve-keys DIR (docs/security.md), or "
-                     "--allow-insecure-network on a network you trust")
 
 
 # What a --curve-keys directory holds for an instance to be both ends of its channels.

@@ -16,8 +16,8 @@ from pipeline.config import (
     MAX_BLOCK_SIZE,
     MAX_CHAT_TEMPLATE_BYTES,
     EngineConfig,
-    parse_size,
 )
+from pipeline.sizes import parse_size
 
 
 class _Defaults:

@@ -99,14 +99,14 @@ class LLM:
 
         from pipeline.cache.kv_tier.mover import InProcessTier
         from pipeline.cache.kv_tier.store import DiskTier
-        from pipeline.config import DEFAULT_KV_OFFLOAD_SIZE
-        from pipeline.engine.kv_connector.tier import TierConnector, tier_hash_key
+        from pipeline.engine.kv_connector.tier import TierConnector
+        from pipeline.engine.kv_connector.tier_index import tier_hash_key
 
         cc = self.config.cache_config
         kvc = worker.kv_cache
         layout = msgspec.structs.replace(kvc.layout, model_hash=worker.kv_tier_id())
         pool = layout.pool(kvc.buffer.reshape(-1).view(torch.uint8).numpy())
-        self._tier = InProcessTier(DiskTier(cc.kv_offload_dir, cc.kv_offload_size or DEFAULT_KV_OFFLOAD_SIZE,
+        self._tier = InProcessTier(DiskTier(cc.kv_offload_dir, cc.kv_offload_bytes,
                                             layout), pool)
         return tier_hash_key(cc.kv_offload_dir), lambda s: TierConnector(s, cc.kv_offload_dir, layout)
 

@@ -23,7 +23,9 @@ STAGE_BASE = {"runtime", "ipc", "messages", "config", "sampling_params"}
 # package -> the packages of ours it may import (besides itself)
 LAYERS: dict[str, set[str]] = {
     "_ext": set(),
-    "config": set(),
+    "sizes": set(),
+    "bind": set(),
+    "config": {"sizes", "bind"},
     "sampling_params": set(),
     "ipc": {"_ext"},
     "messages": {"config", "sampling_params"},
@@ -37,10 +39,11 @@ LAYERS: dict[str, set[str]] = {
     "layers": {"_ext", "config"},
     "models": {"layers", "config"},
     # the wire protocol, client sessions, the one ZMQ server base (CURVE keys: ipc.curve)
-    "frontend": {"messages", "sampling_params", "config", "ipc"},
+    "frontend": {"messages", "sampling_params", "config", "bind", "ipc"},
     "client": {"messages", "frontend", "sampling_params", "config", "ipc"},
     # of the gateway, its systemd notifier only (ROUTER_MAY_USE)
-    "router": {"client", "frontend", "messages", "sampling_params", "config", "gateway", "http", "ipc"},
+    "router": {"client", "frontend", "messages", "sampling_params", "config", "bind", "gateway", "http",
+               "ipc"},
     # the OpenAI HTTP front end: a client of the daemon (and its Tokenizer for /tokenize; the
     # launcher, the daemon's side, sweeps the ipc directories of dead instances)
     "http": {"client", "frontend", "messages", "sampling_params", "config", "tokenizer", "ipc"},

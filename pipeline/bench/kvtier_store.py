@@ -30,7 +30,9 @@ from pipeline.messages.kv_layout import KVLayout
 SHAPE_05B = dict(num_layers=24, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
 
 
-def _drop_cache(paths: list[str]) -> None:
+def drop_cache(paths: list[str]) -> None:
+    """Take ``paths`` out of the page cache (a cold read next)."""
+    os.sync()  # dirty pages written back first: DONTNEED drops only clean ones
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
@@ -76,7 +78,7 @@ def bandwidth(root: str, n: int, reps: int) -> dict[str, float]:
         for _ in range(reps):
             for name, fn in (("plain", plain), ("load", load)):
                 if mode == "cold":
-                    _drop_cache(paths)
+                    drop_cache(paths)
                 else:
                     fn()  # warm the page cache (and the destination's pages)
                 t = time.perf_counter()

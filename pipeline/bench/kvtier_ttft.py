@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from pipeline.bench.kvtier_runs import BS, Env, blocks, delta, timed
+from pipeline.bench.kvtier_store import drop_cache
 from pipeline.llm import LLM
 
 
@@ -28,16 +29,6 @@ def tier_files(root: str) -> list[str]:
         if os.path.isdir(d):
             out += [os.path.join(d, f) for f in sorted(os.listdir(d)) if not f.startswith(".")]
     return out
-
-
-def drop_cache(paths: list[str]) -> None:
-    os.sync()  # dirty pages written back first: DONTNEED drops only clean ones
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def plain_read(paths: list[str]) -> tuple[int, float]:

@@ -182,7 +182,7 @@ async def _compare(args, address: str, url: str, prompts: list[list[int]]) -> di
         return lambda p, s: _one_http(hc, p, out_len, s, sem, salt, errors["http"])
 
     try:
-        from pipeline.config import is_loopback
+        from pipeline.bind import is_loopback
         # Pids mean something only on this host.
         meter = CpuMeter((await zc.health()).detail if is_loopback(address) else None)
         warm = prompts[:conc]

@@ -92,7 +92,7 @@ class KVReceiver:
     message; PeerDied from it ends the thread (`error` holds it, `wait` returns True), any
     other exception rejects that message. `max_token`: larger tokens are rejected.
     `curve_keys`: a CURVE server with DIR's server key pair admitting DIR/authorized_clients
-    ("": none; the caller checked the bind with `config.check_bind`)."""
+    ("": none; the caller checked the bind with `bind.check_bind`)."""
 
     def __init__(self, pool: object | None, layout: KVLayout, endpoint: str = "tcp://127.0.0.1:0", *,
                  segment: str = "", host: str | None = None, on_done: DoneFn | None = None,

@@ -19,7 +19,6 @@ import msgspec
 from pipeline.cache.kv_tier.mover import TierMover
 from pipeline.cache.kv_tier.store import DiskTier
 from pipeline.cache.stage_spec import model_of, need_rings
-from pipeline.config import DEFAULT_KV_OFFLOAD_SIZE
 from pipeline.ipc.segment import attach_segment
 from pipeline.runtime import rings
 from pipeline.runtime.process import log
@@ -38,7 +37,7 @@ class TierMessager:
         self.layout = msgspec.structs.replace(m.kv, model_hash=m.kv_tier_id)
         self.seg = attach_segment(m.kv_segment)
         try:
-            self.tier = DiskTier(cc.kv_offload_dir, cc.kv_offload_size or DEFAULT_KV_OFFLOAD_SIZE,
+            self.tier = DiskTier(cc.kv_offload_dir, cc.kv_offload_bytes,
                                  self.layout)
             self.plans = rings.attach(spec, "kv_plans")  # engine -> messager
             self.reports = rings.attach(spec, "kv_reports", "writer")  # messager -> engine

@@ -24,7 +24,8 @@ import traceback
 import msgspec
 
 from pipeline.engine.core import EngineCore
-from pipeline.engine.kv_connector.tier import TierConnector, tier_hash_key
+from pipeline.engine.kv_connector.tier import TierConnector
+from pipeline.engine.kv_connector.tier_index import tier_hash_key
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.step_log import StepLog
 from pipeline.ipc.ring import wait_any

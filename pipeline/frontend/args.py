@@ -2,7 +2,7 @@
 router`): the front flags, their checked and typed form (``FrontArgs``, which ``ServeArgs``
 and ``RouterArgs`` extend; built from the parsed namespace at the command's edge, so that no
 ``argparse.Namespace`` reaches frame handling), the channel security flags (``--curve-keys``,
-``--allow-insecure-network``) and the rule they enforce (``config.check_bind``: nothing binds
+``--allow-insecure-network``) and the rule they enforce (``bind.check_bind``: nothing binds
 beyond loopback without keys unless told to), and the one-line start-up failure (exit status 2).
 Owns no state.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlparse
 
-from pipeline.config import check_bind
+from pipeline.bind import check_bind
 from pipeline.frontend import protocol as P
 
 FRAME_BYTES_RANGE = (1 << 10, 1 << 30)

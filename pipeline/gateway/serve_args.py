@@ -8,7 +8,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from pipeline.config import is_loopback
+from pipeline.bind import is_loopback
 from pipeline.engine_args import add_engine_args, add_node_args, add_pd_args
 from pipeline.frontend.args import FrontArgs, add_front_args
 from pipeline.http.launcher import parse_http

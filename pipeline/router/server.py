@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
-from pipeline.config import is_loopback
+from pipeline.bind import is_loopback
 from pipeline.frontend import protocol as P
 from pipeline.frontend.args import cannot_start
 from pipeline.frontend.zmq_server import DISCONNECT_SETTLE_S

@@ -24,7 +24,7 @@ from pipeline.cache.kv_tier import format as fmt
 from pipeline.cache.kv_tier.budget import LOCK_NAME, TMP_PREFIX
 from pipeline.cache.kv_tier.store import DiskTier
 from pipeline.config import DEFAULT_MODEL
-from pipeline.engine.kv_connector.tier import HASH_KEY_FILE, tier_hash_key
+from pipeline.engine.kv_connector.tier_index import HASH_KEY_FILE, tier_hash_key
 from pipeline.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not (Path(DEFAULT_MODEL) / "model.safetensors").is_file(),

@@ -22,7 +22,8 @@ from pipeline.cache.kv_tier.store import DiskTier
 from pipeline.config import EngineConfig
 from pipeline.engine.core import EngineCore, LocalExecutor
 from pipeline.engine.fake_worker import FakeWorker
-from pipeline.engine.kv_connector.tier import TierConnector, tier_hash_key
+from pipeline.engine.kv_connector.tier import TierConnector
+from pipeline.engine.kv_connector.tier_index import tier_hash_key
 from pipeline.engine.request import RequestStatus
 from pipeline.engine.scheduler import Scheduler
 from pipeline.messages import EngineOutput, EngineRequest, ids_to_bytes

@@ -7,7 +7,8 @@ import argparse
 
 import pytest
 
-from pipeline.config import CURVE_FILES, EngineConfig, check_bind
+from pipeline.bind import check_bind
+from pipeline.config import CURVE_FILES, EngineConfig
 from pipeline.gateway.serve_args import add_args as add_serve_args
 from pipeline.gateway.serve_args import check_args as check_serve_args
 from pipeline.ipc.curve import generate_keys

@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 from e2e_helpers import ROOT, free_port, make_tiny_model, run_pipe, wait_for
 
+from pipeline.bind import is_loopback
 from pipeline.client import Client
-from pipeline.config import is_loopback
 from pipeline.ipc.curve import generate_keys
 from pipeline.runtime.process import DIE_WITH_ENV
 

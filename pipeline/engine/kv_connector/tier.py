@@ -4,8 +4,8 @@ outlive the pool and the process, loaded back instead of computed again.
 Owns / State: the loads in flight (per request: its blocks and keys; ``orphans``: the blocks of
 a load whose request ended, held until the messager is done writing them), the saves in
 flight (blocks it holds a reference on until the messager has read them) and those deferred,
-the plans not sent yet, and the counters. The files are the cache messager's (``cache.kv_tier``); here only a
-``stat`` per key says which exist (``TierIndex``).
+the plans not sent yet, the last lookup and the counters. The files are the cache messager's
+(``cache.kv_tier``); here only a ``stat`` per key says which exist (``TierIndex``).
 
 - Saves (write-through): every block the prefix cache takes (``on_cached``: its KV computed)
   is held by one more reference and sent to the messager, which writes it unless its file
@@ -28,15 +28,14 @@ the plans not sent yet, and the counters. The files are the cache messager's (``
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pipeline.engine.block_pool import KVBlock
 from pipeline.engine.kv_connector.base import KVConnector
+from pipeline.engine.kv_connector.tier_index import TierIndex
 from pipeline.engine.request import Request, RequestStatus
 from pipeline.messages import EngineOutput, EngineRequest
 from pipeline.messages.kv_layout import KVLayout
@@ -45,61 +44,13 @@ from pipeline.messages.kv_tier import TierLoad, TierPlan, TierReport, bytes_ids,
 if TYPE_CHECKING:
     from pipeline.engine.scheduler import Scheduler
 
-HASH_KEY_FILE = ".hash_key"
 # Keys one TierPlan carries at most (~23 bytes each): far below the kv_plans ring's messages.
 MAX_PLAN_KEYS = 16384
+LOOKUP_TTL_S = 1.0  # how long a request's lookup stands while it waits for admission
 # Blocks held for saves at most, as a share of the pool: past it a newly cached block waits
 # (``deferred``, no reference held) for a save to finish, and one the pool evicts meanwhile
 # is not saved (counted): a slow or full disk costs the tier hits, never the batch its blocks.
 MAX_SAVING_SHARE = 0.25
-
-
-def tier_hash_key(root: str) -> bytes:
-    """The prefix cache's hash key shared by every instance (and restart) on tier ``root``:
-    a file of 32 random bytes made once (mode 0600; created whole by link, so two instances
-    starting at once agree on one). Block hashes are the tier's file names."""
-    os.makedirs(root, exist_ok=True)
-    path = os.path.join(root, HASH_KEY_FILE)
-    for _ in range(3):
-        try:
-            with open(path, "rb") as f:
-                key = f.read()
-            if len(key) == 32:
-                return key
-            raise ValueError(f"{path}: {len(key)} bytes, a tier's hash key is 32 (remove it to "
-                             f"start the tier afresh)")
-        except FileNotFoundError:
-            tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.write(fd, os.urandom(32))
-            finally:
-                os.close(fd)
-            try:
-                os.link(tmp, path)  # fails if another instance made it first: read theirs
-            except FileExistsError:
-                pass
-            finally:
-                os.unlink(tmp)
-    raise RuntimeError(f"{path}: could not be read or made")
-
-
-class TierIndex:
-    """Which leading keys of a chain have a file (one ``stat`` each, nothing read): the
-    engine's only look at the tier's directory."""
-
-    def __init__(self, root: str, layout: KVLayout) -> None:
-        self.dir = os.path.join(root, layout.tier_namespace().hex())
-
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        for k in keys:
-            try:
-                os.stat(os.path.join(self.dir, k.hex()))
-            except OSError:
-                break
-            n += 1
-        return n
 
 
 @dataclass(slots=True)
@@ -128,6 +79,7 @@ class TierConnector(KVConnector):
         self._loads: list[TierLoad] = []
         self._save_ids: list[int] = []
         self._save_keys: list[bytes] = []
+        self._looked: tuple[str, int, int, int, float] | None = None  # the last lookup
         self._landing = False  # a load's blocks entering the cache: on disk already
         self.num_hit_tokens = self.num_loaded_tokens = self.num_failed_blocks = 0
         self.num_load_bytes = self.num_saved_blocks = self.num_save_bytes = 0
@@ -174,7 +126,15 @@ class TierConnector(KVConnector):
         keys = req.block_hashes[i0:limit]
         if keys[0] in self.loading_keys:
             return -1
-        n = self.index.lookup(keys)
+        # A queue head that cannot be admitted is asked again every step: its stats once a
+        # LOOKUP_TTL_S (a file gone since is a failed load, one added a later hit).
+        now = time.monotonic()
+        memo = self._looked
+        if memo is not None and memo[:3] == (req.req_id, i0, limit) and now - memo[4] < LOOKUP_TTL_S:
+            n = memo[3]
+        else:
+            n = self.index.lookup(keys)
+            self._looked = (req.req_id, i0, limit, n, now)
         for i in range(n):  # another request's load covers the rest: take only up to it
             if keys[i] in self.loading_keys:
                 n = i
@@ -193,9 +153,6 @@ class TierConnector(KVConnector):
         self.num_hit_tokens += num_external
 
     # -- to and from the cache messager ----------------------------------------------------
-    def take_plan(self) -> None:
-        return None  # everything goes by take_kv_finishes: before and after each step
-
     def take_kv_finishes(self) -> list[Any]:
         """The TierPlans owed to the messager: loads first, each plan within MAX_PLAN_KEYS."""
         plans: list[Any] = []
