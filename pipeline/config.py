@@ -261,9 +261,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if cc.kv_offload_dir and pd.role != "mixed":
             raise ValueError(f"--kv-offload-dir with --role {pd.role}: the KV tier runs on mixed "
                              f"instances only for now (one KV connector per instance)")
-        if cc.kv_offload_dir and par.tensor_parallel_size > 1:
-            raise ValueError("--kv-offload-dir with --tensor-parallel-size > 1: the tier moves one "
-                             "rank's pool; for every rank's it is not built yet")
+        if cc.kv_offload_dir and par.nnodes > 1:
+            raise ValueError("--kv-offload-dir with --nnodes > 1: the tier moves the one KV segment "
+                             "that the ranks of one host share; across hosts it is not built yet")
         if cc.kv_offload_dir and self.model_config.device == "cuda":
             raise ValueError("--kv-offload-dir with --device cuda: the disk tier moves blocks "
                              "between files and a pool in host memory; from GPU memory it is not "

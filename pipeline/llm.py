@@ -95,7 +95,6 @@ class LLM:
         """The KV tier (--kv-offload-dir) on a thread of this process: its hash key and the
         engine's connector."""
         import msgspec
-        import torch
 
         from pipeline.cache.kv_tier.mover import InProcessTier
         from pipeline.cache.kv_tier.store import DiskTier
@@ -105,7 +104,7 @@ class LLM:
         cc = self.config.cache_config
         kvc = worker.kv_cache
         layout = msgspec.structs.replace(kvc.layout, model_hash=worker.kv_tier_id())
-        pool = layout.pool(kvc.buffer.reshape(-1).view(torch.uint8).numpy())
+        pool = layout.pool(kvc.segment_bytes())
         self._tier = InProcessTier(DiskTier(cc.kv_offload_dir, cc.kv_offload_bytes,
                                             layout), pool)
         return tier_hash_key(cc.kv_offload_dir), lambda s: TierConnector(s, cc.kv_offload_dir, layout)

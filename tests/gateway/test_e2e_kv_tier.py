@@ -42,10 +42,10 @@ def reference(model, reqs: list[dict]) -> dict[str, list[int]]:
     return {r["id"]: list(o.outputs[0].token_ids) for r, o in zip(reqs, outs)}
 
 
-def tier_run(model, tier, stats, reqs: list[dict]) -> tuple[dict[str, list[int]], dict]:
+def tier_run(model, tier, stats, reqs: list[dict], *flags: str) -> tuple[dict[str, list[int]], dict]:
     rc, answers, err = run_pipe(model, [json.dumps(r) for r in reqs], "--num-blocks", str(NUM_BLOCKS),
                                 "--kv-offload-dir", str(tier), "--kv-offload-size", "64MiB",
-                                "--stats-json", str(stats))
+                                "--stats-json", str(stats), *flags)
     assert rc == 0, err
     got = {a["id"]: a["token_ids"] for a in answers if "finish_reason" in a}
     return got, json.loads(stats.read_text())
@@ -68,6 +68,20 @@ def test_tier_answers_equal_the_engine_without_it_across_a_restart(model, tmp_pa
     files = [f for d, _, fs in os.walk(tier) for f in fs if not f.startswith(".")]
     assert files and sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tier)
                          for f in fs if not f.startswith(".")) <= 64 << 20
+
+
+def test_two_ranks_share_the_tier_as_one_pool(model, tmp_path):
+    """--tensor-parallel-size 2: the ranks share one KV segment, every rank's part of a block
+    in one file; a restart loads both ranks' KV (a missing half would change the tokens)."""
+    tier, tp = tmp_path / "tier", ("--tensor-parallel-size", "2", "--worker-threads", "1")
+    first, second = requests(0)[:8], requests(1)[:8]
+    want = reference(model, first + second)
+    got1, st1 = tier_run(model, tier, tmp_path / "s1.json", first, *tp)
+    assert got1 == {k: want[k] for k in got1} and len(got1) == len(first)
+    got2, st2 = tier_run(model, tier, tmp_path / "s2.json", second, *tp)
+    assert got2 == {k: want[k] for k in got2} and len(got2) == len(second)
+    eng2 = st2["engine"] if "engine" in st2 else st2
+    assert eng2["kv_tier_loaded_tokens"] >= 8 * 16 and eng2["kv_tier_failed_blocks"] == 0, eng2
 
 
 @pytest.mark.parametrize("flags, needle", [
