@@ -182,7 +182,7 @@ class LLM:
         if self.worker is None:
             raise RuntimeError("this LLM is closed")
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int | float | list[int]]:
         return self.scheduler.stats().as_dict()
 
     def close(self) -> None:
