@@ -2,7 +2,8 @@
 
 Counters, gauges, labelled counters and histograms add up across instances; the ratios are
 recomputed from the merged sums (a mean of ratios would weigh an idle instance like a busy
-one); ``timestamp`` is the newest. ``instances`` has each instance's routing view.
+one); ``timestamp`` is the newest; ``kv_tier_group`` (one instance's identity) is dropped.
+``instances`` has each instance's routing view (its tier group included).
 """
 from __future__ import annotations
 
@@ -38,4 +39,5 @@ def merge(replies: list[dict[str, Any]]) -> dict[str, Any]:
         if den in out:
             out[ratio] = out.get(num, 0) / out[den] if out[den] else 0.0
     out.pop("engine_overhead_seconds", None)
+    out.pop("kv_tier_group", None)
     return out
