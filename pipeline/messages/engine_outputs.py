@@ -103,6 +103,10 @@ class EngineStats(msgspec.Struct, kw_only=True):
     spec_num_accepted_tokens: int = 0
     spec_mean_acceptance_length: float = 0.0
     spec_accepted_per_position: list[int] = []
+    # Equal for two instances exactly when they read the same tier files (``KVLayout.
+    # tier_group``): the router sends a prefix to a sibling of the instance that computed it.
+    # "" without a tier.
+    kv_tier_group: str = ""
     # Set by the engine stage (zero in-process): steps that ran tokens, their wall time and
     # the worker's share of it.
     engine_steps: int = 0
@@ -111,5 +115,5 @@ class EngineStats(msgspec.Struct, kw_only=True):
     engine_overhead_share: float = 0.0
     timestamp: float = 0.0
 
-    def as_dict(self) -> dict[str, int | float | list[int]]:
+    def as_dict(self) -> dict[str, int | float | str | list[int]]:
         return msgspec.structs.asdict(self)

@@ -97,3 +97,24 @@ def test_bad_tier_flags_are_refused_naming_the_flag(model, tmp_path, flags, need
                        input="hello\n", capture_output=True, text=True, timeout=120, cwd=ROOT, env=env())
     assert p.returncode != 0 and needle in p.stderr, p.stderr[-2000:]
     assert "Traceback" not in p.stderr
+
+
+def test_instances_on_one_directory_report_one_tier_group(model, tmp_path):
+    """The router's tier siblings (docs/router.md): an instance with a tier reports
+    ``kv_tier_group`` in its stats, the same for every instance on the directory (here a
+    `pipeline run`'s engine stage and an in-process LLM of the same model) and another for
+    another directory; it is not the directory's hash key; no tier, no group."""
+    from pipeline.engine.kv_connector.tier_index import HASH_KEY_FILE
+    from pipeline.llm import LLM
+
+    one, other = tmp_path / "one", tmp_path / "other"
+    _, st = tier_run(model, one, tmp_path / "s.json", requests(0)[:1])
+    group = st["kv_tier_group"]
+    kw = {"device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_model_len": 256, "num_blocks": 32}
+    with LLM(str(model), kv_offload_dir=str(one), **kw) as llm:
+        assert llm.stats()["kv_tier_group"] == group
+    with LLM(str(model), kv_offload_dir=str(other), **kw) as llm:
+        assert llm.stats()["kv_tier_group"] not in ("", group)
+    with LLM(str(model), **kw) as llm:
+        assert llm.stats()["kv_tier_group"] == ""
+    assert len(group) == 32 and group not in (one / HASH_KEY_FILE).read_bytes().hex()
