@@ -1,0 +1,210 @@
+"""Speculative decoding: the suffix proposer (suffix decoding, as vLLM's ``suffix`` method and
+Arctic Inference do it, reimplemented). Two indexes answer "what followed this context before":
+one over this request's own prompt and output, one over the outputs of recently finished
+requests, so an agent loop that repeats earlier answers with small changes gets long drafts.
+
+A call matches the longest suffix of the sequence (up to max_tree_depth tokens) in each index,
+then extends greedily: at each step the most frequent next token among the matched occurrences
+still agreeing with the draft, while the product of those empirical probabilities stays >=
+min_token_prob; at most k tokens and at most max_spec_factor * match length (a long match earns
+a long draft). The index whose draft has the larger expected accepted length (the sum of those
+probabilities) wins.
+
+Index layout (instead of a suffix tree): for an anchor of the last A tokens (A = 4, else 1),
+a list of the positions of the token that followed each occurrence; the longest match is found
+among the anchor's latest occurrences by comparing backwards, vectorised. A token costs O(1)
+dict appends to index (the tree costs O(depth)); a call costs a few numpy operations.
+
+Owns: the per-request indexes, the global index (a ring of the cached outputs, separated by -1,
+and its anchor lists), FIFO-evicted by finish order.
+State: per request: as the n-gram proposer's, with anchor lists. Global: the ring (4 bytes *
+max_cached_tokens), the live requests (start, length), anchor lists holding at most
+len(ANCHORS) positions per cached token: bounded by max_cached_tokens (and max_cached_requests)
+whatever the traffic; a per-request index lives until remove().
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+
+import numpy as np
+
+from pipeline.worker.spec.proposer import tail_hashes, window_hashes
+
+ANCHORS = (4, 1)  # anchor lengths, longest first: a 4-gram's list is short and specific
+CANDIDATES = 64  # latest occurrences of the anchor compared per call
+
+
+class _Local:
+    __slots__ = ("first", "n", "num_prompt", "occ", "tail")
+
+    def __init__(self, num_prompt: int) -> None:
+        self.n = 0
+        self.num_prompt = num_prompt
+        self.first = -1
+        self.tail: list[int] = []
+        self.occ: list[dict[int, list[int]]] = [{} for _ in ANCHORS]
+
+
+class SuffixProposer:
+    def __init__(self, num_speculative_tokens: int, max_tree_depth: int = 24,
+                 max_cached_requests: int = 10000, max_cached_tokens: int = 1 << 17,
+                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> None:
+        if max_tree_depth < 1 or max_cached_tokens < 2 or max_spec_factor <= 0:
+            raise ValueError("need max_tree_depth >= 1, max_cached_tokens >= 2, max_spec_factor > 0")
+        self.max_k = num_speculative_tokens
+        self.depth = max_tree_depth
+        self.max_requests = max_cached_requests  # 0: no global index; < 0: bounded by tokens only
+        self.factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self._local: dict[str, _Local] = {}
+        self._ring = np.full(max_cached_tokens, -1, dtype=np.int32)
+        self._head = 0  # absolute positions: ring slot = position % len(ring)
+        self._cached: deque[tuple[int, int]] = deque()  # live global requests: (start, length)
+        self._occ: list[dict[int, list[int]]] = [{} for _ in ANCHORS]
+
+    # -- the Proposer interface ---------------------------------------------------------------
+
+    def propose(self, req_id: str, tokens: np.ndarray, num_prompt: int, k: int) -> list[int]:
+        length = len(tokens)
+        st = self._sync(req_id, tokens, num_prompt)
+        if k <= 0 or length < 1:
+            return []
+        pat = np.full(self.depth, -2, dtype=np.int64)  # reversed tail; -2 matches nothing
+        tail = tokens[max(0, length - self.depth):][::-1]
+        pat[:len(tail)] = tail
+        hashes = tail_hashes(tokens, length, max(ANCHORS))
+        best, best_score = [], 0.0
+        for occ, src, lo, hi, ring in ((st.occ, tokens, 0, length, False),
+                                       (self._occ, self._ring, self._low(), self._head, True)):
+            draft, score = self._draft(occ, hashes, pat, k, src, lo, hi, ring)
+            if score > best_score:
+                best, best_score = draft, score
+        return best
+
+    def remove(self, req_id: str) -> None:
+        self._local.pop(req_id, None)
+
+    def finished(self, req_id: str, tokens: np.ndarray, num_prompt: int) -> None:
+        if self.max_requests == 0:
+            return
+        out = np.ascontiguousarray(tokens[num_prompt:], dtype=np.int32)[:len(self._ring) - 1]
+        n = len(out)
+        if n == 0:
+            return
+        while self._cached and (self._head + n + 1 - self._low() > len(self._ring)
+                                or 0 < self.max_requests <= len(self._cached)):
+            self._evict()
+        start = self._head
+        self._ring[np.arange(start, start + n + 1) % len(self._ring)] = np.append(out, -1)
+        for a, occ in zip(ANCHORS, self._occ):
+            # the anchor out[e-a+1 : e+1] was followed by out[e+1], at position start + e + 1
+            for h, p in zip(window_hashes(out, a, a - 1, n - 1), range(start + a, start + n)):
+                occ.setdefault(h, []).append(p)
+        self._cached.append((start, n))
+        self._head = start + n + 1
+
+    def stats(self) -> dict[str, int]:
+        """The global index's size: requests, ring tokens in use (separators included), anchor
+        positions, anchor keys; and the live per-request indexes."""
+        return {"requests": len(self._cached), "tokens": self._head - self._low(),
+                "positions": sum(len(v) for occ in self._occ for v in occ.values()),
+                "keys": sum(len(occ) for occ in self._occ), "local": len(self._local)}
+
+    # -- matching and drafting ----------------------------------------------------------------
+
+    def _draft(self, occ: list[dict[int, list[int]]], hashes: list[int], pat: np.ndarray, k: int,
+               src: np.ndarray, lo: int, hi: int, ring: bool) -> tuple[list[int], float]:
+        """The draft from one index: the latest occurrences of the longest anchor the tail has,
+        narrowed to those matching the longest suffix, then extended greedily."""
+        for a, index in zip(ANCHORS, occ):
+            if len(hashes) < a or not (hits := index.get(hashes[a - 1])):
+                continue
+            cand = np.array(hits[-CANDIDATES:], dtype=np.int64)  # positions after the anchor
+            back = _gather(src, cand[:, None] - np.arange(1, self.depth + 1), lo, hi, ring)
+            match = np.logical_and.accumulate(back == pat, axis=1).sum(axis=1)
+            longest = int(match.max())
+            if longest < a:  # a hash collision: this anchor never occurred
+                continue
+            limit = min(k, int(longest * self.factor + 1e-9))
+            if limit <= 0:
+                return [], 0.0
+            rows = cand[match == longest]
+            ahead = _gather(src, rows[:, None] + np.arange(limit), lo, hi, ring)
+            # an occurrence ends at its first -1 (its output's end, or the sequence's)
+            ahead[np.logical_or.accumulate(ahead < 0, axis=1)] = -1
+            return self._extend(ahead)
+        return [], 0.0
+
+    def _extend(self, rows: np.ndarray) -> tuple[list[int], float]:
+        """Follow the most frequent continuation of ``rows`` (one occurrence per row, -1 once
+        it ended); returns (draft, expected accepted tokens = sum of path probabilities)."""
+        draft: list[int] = []
+        prob, score = 1.0, 0.0
+        i, width = 0, rows.shape[1]
+        while i < width:
+            rows = rows[rows[:, i] >= 0]  # ended occurrences drop out of the distribution
+            if len(rows) == 0:
+                break
+            # the run all live occurrences agree on costs one comparison, not one per token
+            same = (rows[:, i:] == rows[0, i:]).all(axis=0) & (rows[0, i:] >= 0)
+            run = width - i if same.all() else int(np.argmin(same))
+            if run:
+                draft += rows[0, i:i + run].tolist()
+                score += prob * run
+                i += run
+                continue
+            col = rows[:, i]
+            vals, counts = np.unique(col, return_counts=True)
+            j = int(counts.argmax())
+            prob *= counts[j] / len(col)
+            if prob < self.min_token_prob:
+                break
+            draft.append(int(vals[j]))
+            score += prob
+            rows = rows[col == vals[j]]
+            i += 1
+        return draft, score
+
+    # -- index upkeep -------------------------------------------------------------------------
+
+    def _sync(self, req_id: str, tokens: np.ndarray, num_prompt: int) -> _Local:
+        length = len(tokens)
+        st = self._local.get(req_id)
+        if st is None or not _continues(st, tokens, num_prompt):
+            st = self._local[req_id] = _Local(num_prompt)  # new, or shrunk/replaced: rebuild
+        if length > st.n:
+            for a, occ in zip(ANCHORS, st.occ):
+                lo = max(st.n, a)  # continuation positions lo..length-1 are new
+                for h, p in zip(window_hashes(tokens, a, lo - 1, length - 1), range(lo, length)):
+                    occ.setdefault(h, []).append(p)
+            st.n = length
+            st.first = int(tokens[0])
+            st.tail = tokens[max(0, length - max(ANCHORS)):].tolist()
+        return st
+
+    def _low(self) -> int:
+        return self._cached[0][0] if self._cached else self._head
+
+    def _evict(self) -> None:
+        start, n = self._cached.popleft()
+        out = self._ring[np.arange(start, start + n) % len(self._ring)]
+        for a, occ in zip(ANCHORS, self._occ):
+            # its positions are the oldest, so they lead every list they are in
+            for h, c in Counter(window_hashes(out, a, a - 1, n - 1)).items():
+                hits = occ[h]
+                del hits[:c]
+                if not hits:
+                    del occ[h]
+
+
+def _gather(src: np.ndarray, pos: np.ndarray, lo: int, hi: int, ring: bool) -> np.ndarray:
+    """src at positions ``pos``, -1 outside [lo, hi); a ring maps a position to pos % len."""
+    idx = pos % len(src) if ring else np.clip(pos, 0, len(src) - 1)
+    return np.where((pos >= lo) & (pos < hi), src[idx], -1)
+
+
+def _continues(st: _Local, tokens: np.ndarray, num_prompt: int) -> bool:
+    n = st.n
+    if len(tokens) < n or num_prompt != st.num_prompt:
+        return False
+    return n == 0 or (int(tokens[0]) == st.first and tokens[n - len(st.tail):n].tolist() == st.tail)
