@@ -72,13 +72,18 @@ class NgramProposer:
             st = self._reqs[req_id] = _State(self.max_n - self.min_n + 1, num_prompt)
         if length <= st.n:
             return
-        hi = length - 1  # the last window (ending at length-1) is the pattern, not yet history
-        for i, index in enumerate(st.index):
-            n = self.min_n + i
-            lo = max(st.n - 1, n - 1)
-            if lo < hi:
+        lo, hi = max(st.n - 1, 0), length - 1  # the window ending at length-1 is the pattern
+        if hi - lo > 8:  # a new request or a prefill's worth: vectorised, per n
+            for i, index in enumerate(st.index):
+                n = self.min_n + i
+                start = max(lo, n - 1)
                 # Later positions overwrite earlier ones: each window keeps its latest end.
-                index.update(zip(window_hashes(tokens, n, lo, hi), range(lo, hi)))
+                index.update(zip(window_hashes(tokens, n, start, hi), range(start, hi)))
+        else:  # a decode step's 1..k+1 tokens: every n from one pass per position
+            for p in range(lo, hi):
+                hashes = tail_hashes(tokens, p + 1, self.max_n)
+                for n in range(self.min_n, len(hashes) + 1):
+                    st.index[n - self.min_n][hashes[n - 1]] = p
         st.n = length
         st.first = int(tokens[0])
         st.tail = tokens[max(0, length - self.max_n):length].tolist()

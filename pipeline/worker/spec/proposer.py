@@ -89,11 +89,11 @@ def window_hashes(tokens: np.ndarray, n: int, lo: int, hi: int) -> list[int]:
             out.append(h)
         return out
     t = tokens[lo - n + 1:hi].astype(np.uint64)
-    h = np.zeros(hi - lo, dtype=np.uint64)
+    acc = np.zeros(hi - lo, dtype=np.uint64)
     mul = np.uint64(_MUL)
     for i in range(n):  # uint64 arithmetic wraps: mod 2**64, as the Python path masks
-        h = h * mul + t[i:i + hi - lo]
-    return h.tolist()
+        acc = acc * mul + t[i:i + hi - lo]
+    return acc.tolist()
 
 
 def tail_hashes(tokens: np.ndarray, end: int, max_n: int) -> list[int]:

@@ -11,38 +11,74 @@ a long draft). The index whose draft has the larger expected accepted length (th
 probabilities) wins.
 
 Index layout (instead of a suffix tree): for an anchor of the last A tokens (A = 4, else 1),
-a list of the positions of the token that followed each occurrence; the longest match is found
-among the anchor's latest occurrences by comparing backwards, vectorised. A token costs O(1)
-dict appends to index (the tree costs O(depth)); a call costs a few numpy operations.
+the positions of the token that followed each occurrence, chained latest first (_Chains); the
+longest match is found among the anchor's latest occurrences by comparing backwards,
+vectorised. A token costs O(1) to index (a tree costs O(depth)); a call a few numpy operations.
 
 Owns: the per-request indexes, the global index (a ring of the cached outputs, separated by -1,
 and its anchor lists), FIFO-evicted by finish order.
-State: per request: as the n-gram proposer's, with anchor lists. Global: the ring (4 bytes *
-max_cached_tokens), the live requests (start, length), anchor lists holding at most
-len(ANCHORS) positions per cached token: bounded by max_cached_tokens (and max_cached_requests)
-whatever the traffic; a per-request index lives until remove().
+State: per request: as the n-gram proposer's, with its chains. Global: the ring (4 bytes *
+max_cached_tokens), the live requests (start, length), the chains (8 bytes per anchor per ring
+slot, and one dict entry, ~100 bytes, per distinct live anchor: at most 2 per cached token).
+Bounded by max_cached_tokens (and max_cached_requests) whatever the traffic: ~7 MiB for the
+default 2**17 tokens when outputs repeat, ~25 MiB for random ones; a per-request index lives
+until remove().
 """
 from __future__ import annotations
 
+from array import array
 from collections import Counter, deque
 
 import numpy as np
 
 from pipeline.worker.spec.proposer import tail_hashes, window_hashes
 
-ANCHORS = (4, 1)  # anchor lengths, longest first: a 4-gram's list is short and specific
+ANCHORS = (4, 1)  # anchor lengths, longest first: a 4-gram's occurrences are few and specific
 CANDIDATES = 64  # latest occurrences of the anchor compared per call
 
 
+class _Chains:
+    """Occurrences by anchor, as chains through positions: per anchor length, a dict from the
+    anchor's hash to the latest position that followed it, and per position the previous one
+    that followed the same anchor. Ints in dicts and arrays only: nothing for the garbage
+    collector to traverse, however large the index (Python lists of positions made gen-2
+    collections of a full global index take ~100 ms)."""
+    __slots__ = ("last", "prev", "ring")
+
+    def __init__(self, ring: int = 0) -> None:
+        self.ring = ring  # > 0: positions are absolute, slot = position % ring
+        self.last: list[dict[int, int]] = [{} for _ in ANCHORS]
+        self.prev = [array("q", [-1]) * ring for _ in ANCHORS]
+
+    def add(self, i: int, keys: list[int], first: int) -> None:
+        """Anchor ANCHORS[i] with hash keys[j] was followed by the token at position first + j."""
+        last, prev, ring = self.last[i], self.prev[i], self.ring
+        if not ring and len(prev) < first + len(keys):
+            prev.extend(array("q", [-1]) * (first + len(keys) - len(prev)))
+        for p, h in enumerate(keys, first):
+            prev[p % ring if ring else p] = last.get(h, -1)
+            last[h] = p
+
+    def recent(self, i: int, key: int, low: int) -> list[int]:
+        """The latest CANDIDATES positions (>= low) that followed the anchor, latest first."""
+        prev, ring = self.prev[i], self.ring
+        out: list[int] = []
+        p = self.last[i].get(key, -1)
+        while p >= low and len(out) < CANDIDATES:
+            out.append(p)
+            p = prev[p % ring if ring else p]
+        return out
+
+
 class _Local:
-    __slots__ = ("first", "n", "num_prompt", "occ", "tail")
+    __slots__ = ("chains", "first", "n", "num_prompt", "tail")
 
     def __init__(self, num_prompt: int) -> None:
         self.n = 0
         self.num_prompt = num_prompt
         self.first = -1
         self.tail: list[int] = []
-        self.occ: list[dict[int, list[int]]] = [{} for _ in ANCHORS]
+        self.chains = _Chains()
 
 
 class SuffixProposer:
@@ -60,7 +96,7 @@ class SuffixProposer:
         self._ring = np.full(max_cached_tokens, -1, dtype=np.int32)
         self._head = 0  # absolute positions: ring slot = position % len(ring)
         self._cached: deque[tuple[int, int]] = deque()  # live global requests: (start, length)
-        self._occ: list[dict[int, list[int]]] = [{} for _ in ANCHORS]
+        self._chains = _Chains(max_cached_tokens)
 
     # -- the Proposer interface ---------------------------------------------------------------
 
@@ -74,9 +110,9 @@ class SuffixProposer:
         pat[:len(tail)] = tail
         hashes = tail_hashes(tokens, length, max(ANCHORS))
         best, best_score = [], 0.0
-        for occ, src, lo, hi, ring in ((st.occ, tokens, 0, length, False),
-                                       (self._occ, self._ring, self._low(), self._head, True)):
-            draft, score = self._draft(occ, hashes, pat, k, src, lo, hi, ring)
+        for chains, src, lo, hi in ((st.chains, tokens, 0, length),
+                                    (self._chains, self._ring, self._low(), self._head)):
+            draft, score = self._draft(chains, hashes, pat, k, src, lo, hi)
             if score > best_score:
                 best, best_score = draft, score
         return best
@@ -96,30 +132,36 @@ class SuffixProposer:
             self._evict()
         start = self._head
         self._ring[np.arange(start, start + n + 1) % len(self._ring)] = np.append(out, -1)
-        for a, occ in zip(ANCHORS, self._occ):
+        for i, a in enumerate(ANCHORS):
             # the anchor out[e-a+1 : e+1] was followed by out[e+1], at position start + e + 1
-            for h, p in zip(window_hashes(out, a, a - 1, n - 1), range(start + a, start + n)):
-                occ.setdefault(h, []).append(p)
+            self._chains.add(i, window_hashes(out, a, a - 1, n - 1), start + a)
         self._cached.append((start, n))
         self._head = start + n + 1
 
     def stats(self) -> dict[str, int]:
         """The global index's size: requests, ring tokens in use (separators included), anchor
-        positions, anchor keys; and the live per-request indexes."""
-        return {"requests": len(self._cached), "tokens": self._head - self._low(),
-                "positions": sum(len(v) for occ in self._occ for v in occ.values()),
-                "keys": sum(len(occ) for occ in self._occ), "local": len(self._local)}
+        keys, live chained positions (walks every chain: for tests); live per-request indexes."""
+        low, ch = self._low(), self._chains
+        positions = 0
+        for i, last in enumerate(ch.last):
+            for p in last.values():
+                while p >= low:
+                    positions += 1
+                    p = ch.prev[i][p % ch.ring]
+        return {"requests": len(self._cached), "tokens": self._head - low, "positions": positions,
+                "keys": sum(len(last) for last in ch.last), "local": len(self._local)}
 
     # -- matching and drafting ----------------------------------------------------------------
 
-    def _draft(self, occ: list[dict[int, list[int]]], hashes: list[int], pat: np.ndarray, k: int,
-               src: np.ndarray, lo: int, hi: int, ring: bool) -> tuple[list[int], float]:
+    def _draft(self, chains: _Chains, hashes: list[int], pat: np.ndarray, k: int,
+               src: np.ndarray, lo: int, hi: int) -> tuple[list[int], float]:
         """The draft from one index: the latest occurrences of the longest anchor the tail has,
         narrowed to those matching the longest suffix, then extended greedily."""
-        for a, index in zip(ANCHORS, occ):
-            if len(hashes) < a or not (hits := index.get(hashes[a - 1])):
+        ring = chains.ring > 0
+        for i, a in enumerate(ANCHORS):
+            if len(hashes) < a or not (hits := chains.recent(i, hashes[a - 1], lo)):
                 continue
-            cand = np.array(hits[-CANDIDATES:], dtype=np.int64)  # positions after the anchor
+            cand = np.array(hits, dtype=np.int64)  # positions that followed the anchor
             back = _gather(src, cand[:, None] - np.arange(1, self.depth + 1), lo, hi, ring)
             match = np.logical_and.accumulate(back == pat, axis=1).sum(axis=1)
             longest = int(match.max())
@@ -143,7 +185,11 @@ class SuffixProposer:
         i, width = 0, rows.shape[1]
         while i < width:
             rows = rows[rows[:, i] >= 0]  # ended occurrences drop out of the distribution
-            if len(rows) == 0:
+            if len(rows) <= 1:  # one occurrence left: the rest of it, at the same probability
+                rest = rows[0, i:].tolist() if len(rows) else []
+                rest = rest[:rest.index(-1)] if -1 in rest else rest
+                draft += rest
+                score += prob * len(rest)
                 break
             # the run all live occurrences agree on costs one comparison, not one per token
             same = (rows[:, i:] == rows[0, i:]).all(axis=0) & (rows[0, i:] >= 0)
@@ -154,14 +200,14 @@ class SuffixProposer:
                 i += run
                 continue
             col = rows[:, i]
-            vals, counts = np.unique(col, return_counts=True)
-            j = int(counts.argmax())
-            prob *= counts[j] / len(col)
+            # rows are latest first, and most_common keeps first-seen order: ties go to recency
+            tok, count = Counter(col.tolist()).most_common(1)[0]
+            prob *= count / len(col)
             if prob < self.min_token_prob:
                 break
-            draft.append(int(vals[j]))
+            draft.append(tok)
             score += prob
-            rows = rows[col == vals[j]]
+            rows = rows[col == tok]
             i += 1
         return draft, score
 
@@ -173,10 +219,9 @@ class SuffixProposer:
         if st is None or not _continues(st, tokens, num_prompt):
             st = self._local[req_id] = _Local(num_prompt)  # new, or shrunk/replaced: rebuild
         if length > st.n:
-            for a, occ in zip(ANCHORS, st.occ):
+            for i, a in enumerate(ANCHORS):
                 lo = max(st.n, a)  # continuation positions lo..length-1 are new
-                for h, p in zip(window_hashes(tokens, a, lo - 1, length - 1), range(lo, length)):
-                    occ.setdefault(h, []).append(p)
+                st.chains.add(i, window_hashes(tokens, a, lo - 1, length - 1), lo)
             st.n = length
             st.first = int(tokens[0])
             st.tail = tokens[max(0, length - max(ANCHORS)):].tolist()
@@ -188,13 +233,13 @@ class SuffixProposer:
     def _evict(self) -> None:
         start, n = self._cached.popleft()
         out = self._ring[np.arange(start, start + n) % len(self._ring)]
-        for a, occ in zip(ANCHORS, self._occ):
-            # its positions are the oldest, so they lead every list they are in
-            for h, c in Counter(window_hashes(out, a, a - 1, n - 1)).items():
-                hits = occ[h]
-                del hits[:c]
-                if not hits:
-                    del occ[h]
+        low = self._low()
+        for i, a in enumerate(ANCHORS):
+            # chains stop below low by themselves; an anchor whose latest is gone goes too
+            last = self._chains.last[i]
+            for h in set(window_hashes(out, a, a - 1, n - 1)):
+                if last.get(h, low) < low:
+                    del last[h]
 
 
 def _gather(src: np.ndarray, pos: np.ndarray, lo: int, hi: int, ring: bool) -> np.ndarray:
