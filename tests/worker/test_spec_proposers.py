@@ -130,6 +130,8 @@ def test_suffix_within_a_request_and_remove():
     q = SuffixProposer(8)
     q.propose("r", _a(seq + [8, 9, 5, 6]), 2, 8)
     assert q.propose("r", _a(seq), 2, 8) == SuffixProposer(8).propose("x", _a(seq), 2, 8)
+    other = [9, 8, 7, 6, 5, 4, 9, 8]  # a reused id, same length: nothing of the old index survives
+    assert q.propose("r", _a(other), 2, 8) == SuffixProposer(8).propose("x", _a(other), 2, 8) == [7, 6]
 
 
 def test_suffix_most_frequent_branch_and_min_token_prob():

@@ -12,17 +12,18 @@ probabilities) wins.
 
 Index layout (instead of a suffix tree): for an anchor of the last A tokens (A = 4, else 1),
 the positions of the token that followed each occurrence, chained latest first (_Chains); the
-longest match is found among the anchor's latest occurrences by comparing backwards,
-vectorised. A token costs O(1) to index (a tree costs O(depth)); a call a few numpy operations.
+longest match is found among the anchor's latest CANDIDATES occurrences (so frequencies are
+those of recent history) by comparing backwards, vectorised. A token costs O(1) to index (a
+tree costs O(depth)); a call a few numpy operations.
 
 Owns: the per-request indexes, the global index (a ring of the cached outputs, separated by -1,
-and its anchor lists), FIFO-evicted by finish order.
+and its anchor chains), FIFO-evicted by finish order.
 State: per request: as the n-gram proposer's, with its chains. Global: the ring (4 bytes *
 max_cached_tokens), the live requests (start, length), the chains (8 bytes per anchor per ring
 slot, and one dict entry, ~100 bytes, per distinct live anchor: at most 2 per cached token).
-Bounded by max_cached_tokens (and max_cached_requests) whatever the traffic: ~7 MiB for the
-default 2**17 tokens when outputs repeat, ~25 MiB for random ones; a per-request index lives
-until remove().
+Bounded by max_cached_tokens (and max_cached_requests) whatever the traffic; measured at the
+default 2**17 tokens: ~4 MiB when outputs repeat (an agent loop), ~28 MiB for random ones. A
+per-request index (~170 bytes per token) lives until remove().
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ class SuffixProposer:
                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> None:
         if max_tree_depth < 1 or max_cached_tokens < 2 or max_spec_factor <= 0:
             raise ValueError("need max_tree_depth >= 1, max_cached_tokens >= 2, max_spec_factor > 0")
-        self.max_k = num_speculative_tokens
+        self.max_k = num_speculative_tokens  # the configured K; each call's k bounds its draft
         self.depth = max_tree_depth
         self.max_requests = max_cached_requests  # 0: no global index; < 0: bounded by tokens only
         self.factor = max_spec_factor
