@@ -31,7 +31,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # it keeps, how many drafts a match of length m may give (m * factor), and the lowest
     # empirical probability of a drafted token.
     suffix_decoding_max_tree_depth: int = 24
-    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
 

@@ -43,13 +43,14 @@ class Verified:
 class SpecDecoder:
     def __init__(self, cfg: SpeculativeConfig, proposes: bool) -> None:
         self.k = cfg.num_speculative_tokens
+        suffix = {"max_tree_depth": cfg.suffix_decoding_max_tree_depth,
+                  "max_cached_requests": cfg.suffix_decoding_max_cached_requests,
+                  "max_spec_factor": cfg.suffix_decoding_max_spec_factor,
+                  "min_token_prob": cfg.suffix_decoding_min_token_prob} if cfg.method == "suffix" else {}
         self.proposer: Proposer | None = make_proposer(
             cfg.method, num_speculative_tokens=cfg.num_speculative_tokens,
             prompt_lookup_min=cfg.prompt_lookup_min, prompt_lookup_max=cfg.prompt_lookup_max,
-            max_tree_depth=cfg.suffix_decoding_max_tree_depth,
-            max_cached_requests=cfg.suffix_decoding_max_cached_requests,
-            max_spec_factor=cfg.suffix_decoding_max_spec_factor,
-            min_token_prob=cfg.suffix_decoding_min_token_prob) if proposes else None
+            **suffix) if proposes else None
         self.staged: dict[int, np.ndarray] = {}  # row -> its drafts in this step
 
     # -- the batch's requests ------------------------------------------------------------
