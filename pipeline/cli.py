@@ -29,6 +29,7 @@ BENCHES = {
     "structured": "pipeline.bench.structured",
     "cpu": "pipeline.bench.cpu",
     "kvtier": "pipeline.bench.kvtier",
+    "spec": "pipeline.bench.spec",
 }
 
 

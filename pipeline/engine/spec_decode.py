@@ -7,11 +7,14 @@ at its next decode step, schedules the last known token plus up to ``Request.spe
 agrees with and samples one more. ``on_verified`` takes the outcome: the rejected drafts'
 computed tokens are rolled back by the step's results (``engine.step_results``), and K adapts.
 
-K per request: an acceptance average (``spec_ema``, per drafted token, halved each step) sets
-how many drafts are worth their compute: about 1 / (1 - p) for a per-token acceptance p,
-capped at the configured K; under ``DORMANT_BELOW`` the request stops drafting and probes
-with one draft every ``PROBE_EVERY`` decode steps, so a workload that never accepts pays at
-most one extra token per PROBE_EVERY steps.
+K per request: the drafts it accepted per verify step, averaged (``spec_ema``: each step
+weighs half), set how many it drafts next: twice that plus one, capped at the configured K
+(a draft position costs far less than a step on a CPU, whose decode reads every weight
+whatever the tokens: room to grow is cheap); under ``DORMANT_BELOW`` (nothing accepted for
+several steps) the request stops drafting and probes with one draft after 2 decode steps,
+then 4, 8... up to ``PROBE_EVERY`` while its probes fail (an accepted probe wakes it): text
+that turns repetitive again is drafted for within a few steps, and a workload that never
+accepts pays at most one extra token per PROBE_EVERY steps.
 
 Owns / State: the counters (verify steps with drafts, drafted and accepted tokens, accepted
 drafts by position); the per-request K, average and probe countdown live on Request.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 from pipeline.engine.request import Request
 
-DORMANT_BELOW = 0.25  # per-draft acceptance average under which a request stops drafting
+DORMANT_BELOW = 0.2  # accepted drafts per verify step, averaged, under which a request stops drafting
 PROBE_EVERY = 32  # decode steps between a dormant request's one-draft probes
 
 
@@ -35,8 +38,8 @@ class SpecDecode:
     def start(self, req: Request) -> None:
         """A request's first run (or a rerun after preemption): K from the top."""
         req.spec_k = self.k
-        req.spec_ema = 1.0
-        req.spec_probe = 0
+        req.spec_ema = float(self.k)  # optimistic: a few rejections to go dormant
+        req.spec_probe = req.spec_backoff = 0
         req.spec_token_ids = []
 
     def drafts_for(self, req: Request, room: int) -> list[int]:
@@ -44,11 +47,10 @@ class SpecDecode:
         tokens the step's budget, max_tokens and max_model_len leave after the one it
         samples anyway)."""
         k = req.spec_k
-        if k == 0:  # dormant: one draft every PROBE_EVERY steps
-            req.spec_probe += 1
-            if req.spec_probe < PROBE_EVERY:
+        if k == 0:  # dormant: a one-draft probe when the countdown runs out
+            req.spec_probe -= 1
+            if req.spec_probe > 0:
                 return []
-            req.spec_probe = 0
             k = 1
         n = min(k, room, len(req.spec_token_ids))
         return req.spec_token_ids[:n] if n > 0 else []
@@ -60,11 +62,19 @@ class SpecDecode:
         self.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
-        ema = req.spec_ema = 0.5 * req.spec_ema + 0.5 * (num_accepted / num_drafts)
-        if ema < DORMANT_BELOW:
+        if req.spec_k == 0:  # a probe: wake up, or wait twice as long (up to PROBE_EVERY)
+            if num_accepted:
+                req.spec_ema, req.spec_backoff = float(num_accepted), 0
+                req.spec_k = min(self.k, 2 * num_accepted + 1)
+            else:
+                req.spec_probe = req.spec_backoff = min(PROBE_EVERY, 2 * req.spec_backoff)
+            return
+        ema = req.spec_ema = 0.5 * req.spec_ema + 0.5 * num_accepted
+        if ema >= DORMANT_BELOW:
+            req.spec_k = min(self.k, int(2 * ema) + 1)
+        else:  # dormant: the first probe soon (text turns repetitive again), then rarer
             req.spec_k = 0
-        else:
-            req.spec_k = max(1, min(self.k, round(1.0 / max(1.0 - ema, 1e-3))))
+            req.spec_probe = req.spec_backoff = 2
 
     def stats(self) -> dict[str, int | float | list[int]]:
         """EngineStats fields."""

@@ -167,8 +167,17 @@ class ModelRunner(RankModel):
         if len(inp.sample_batch_idx) == 0:
             return ModelRunnerOutput(step_id=step_id, req_ids=[], sampled_token_ids=[],
                                      prompt_logprobs=prompt_lps)
-        logits = model.compute_logits(hidden.index_select(0, inp.logits_indices))
         sample_rows = inp.rows[inp.sample_batch_idx]
+        spec_logits: torch.Tensor | None = None
+        by_pos: list[np.ndarray] = []
+        if self.spec is not None and self.spec.staged:  # the draft positions' logits too, in one product
+            idx, by_pos = self.spec.positions(sample_rows, inp.logits_indices.cpu().numpy())
+            n = len(inp.sample_batch_idx)
+            both = model.compute_logits(hidden.index_select(
+                0, torch.cat([inp.logits_indices, torch.from_numpy(idx).to(inp.logits_indices.device)])))
+            logits, spec_logits = both[:n], both[n:]
+        else:
+            logits = model.compute_logits(hidden.index_select(0, inp.logits_indices))
         if self.structured is not None:
             self.structured.apply_masks(logits)
         if b.num_needs_sampler == 0 and (self.tp is None or self.rank == 0 or not b.num_structured):
@@ -181,7 +190,7 @@ class ModelRunner(RankModel):
         else:  # rank 0 samples (and masks); its tokens arrive below
             tokens, logprobs = torch.empty(len(sample_rows), dtype=torch.int64, device=self.device), None
         if self.spec is not None:
-            return self._verify(step_id, inp, hidden, tokens, logprobs, sample_rows, prompt_lps)
+            return self._verify(step_id, tokens, logprobs, sample_rows, spec_logits, by_pos, prompt_lps)
         if self.tp is not None and (b.num_needs_sampler or b.num_structured):
             tokens = self.tp.broadcast(tokens.to(torch.int64), 0)
         tokens_np = tokens.cpu().numpy()
@@ -192,22 +201,18 @@ class ModelRunner(RankModel):
                                  sampled_token_ids=tokens_np.tolist(), logprobs=logprobs or [],
                                  prompt_logprobs=prompt_lps)
 
-    def _verify(self, step_id: int, inp: StepInputs, hidden: torch.Tensor, last: torch.Tensor,
-                last_lps: list | None, sample_rows: np.ndarray, prompt_lps: list) -> ModelRunnerOutput:
-        """Speculative decoding: draws at the draft positions, the drafts kept, the next
-        drafts proposed (worker.spec.verify)."""
-        spec, b, model = self.spec, self.batch, self.model
-        assert spec is not None and model is not None
-        ends = (inp.logits_indices.cpu().numpy() if inp.logits_indices.device.type != "cpu"
-                else inp.logits_indices.numpy())
-        idx, by_pos = spec.positions(sample_rows, ends)
+    def _verify(self, step_id: int, last: torch.Tensor, last_lps: list | None, sample_rows: np.ndarray,
+                logits: torch.Tensor | None, by_pos: list[np.ndarray], prompt_lps: list) -> ModelRunnerOutput:
+        """Speculative decoding: draws at the draft positions (``logits``, None: no drafts),
+        the drafts kept, the next drafts proposed (worker.spec.verify)."""
+        spec, b = self.spec, self.batch
+        assert spec is not None
         draws, draw_lps = torch.zeros(0, dtype=torch.int64), None
-        if len(idx):
-            logits = model.compute_logits(hidden.index_select(0, torch.from_numpy(idx).to(hidden.device)))
+        if logits is not None:
             sampler = (self.sampler if b.num_needs_sampler and (self.tp is None or self.rank == 0)
                        else None)
             if sampler is None and b.num_needs_sampler:  # rank > 0: rank 0's draws arrive below
-                draws = torch.empty(len(idx), dtype=torch.int64, device=self.device)
+                draws = torch.empty(len(logits), dtype=torch.int64, device=self.device)
             else:
                 draws, draw_lps = spec.verify(b, sample_rows, last, last_lps, logits, by_pos, sampler,
                                               self.vocab_size, self.eos_token_ids, self.device)

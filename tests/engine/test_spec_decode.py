@@ -123,16 +123,18 @@ def test_a_request_that_never_accepts_goes_dormant_and_probes():
             drafted += len(drafts)
             spec.on_verified(req, len(drafts), 0)
     assert req.spec_k == 0
-    # Once dormant: one draft every PROBE_EVERY steps (the 3 % budget of the issue).
-    assert drafted <= 4 + 2 + 1 + steps / PROBE_EVERY + 1
+    # Shrinking K (4, 4, 3, 2, 1), probes after 2, 4, 8, 16 steps, then one draft every
+    # PROBE_EVERY steps: the 3 % budget.
+    assert drafted <= 4 + 4 + 3 + 2 + 1 + 4 + steps / PROBE_EVERY + 1
     assert drafted / steps <= 0.04
 
 
-def test_acceptance_raises_k_back():
+def test_k_follows_the_acceptance():
     spec = SpecDecode(8)
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=1000))
     spec.start(req)
-    spec.on_verified(req, 8, 0)
+    for _ in range(4):
+        spec.on_verified(req, req.spec_k, 0)
     assert 1 <= req.spec_k < 8
     for _ in range(6):
         spec.on_verified(req, req.spec_k, req.spec_k)

@@ -85,13 +85,18 @@ class SpecDecoder:
         """The flat token indices whose logits verify the drafts, draft position p of every
         row that has one, p ascending; and per p the sampled-row indices they belong to.
         ``ends``: each sampled row's last token index in the step's flat batch."""
-        d = np.fromiter((len(self.staged.get(int(r), ())) for r in sample_rows), np.int64, len(sample_rows))
+        staged = self.staged
+        if len(sample_rows) == 1:  # batch 1, the common case: no per-position arrays
+            n = len(staged.get(int(sample_rows[0]), ()))
+            one = np.zeros(1, np.int64)
+            return np.arange(int(ends[0]) - n, int(ends[0]), dtype=np.int64), [one] * n
+        d = np.array([len(staged.get(r, ())) for r in sample_rows.tolist()], np.int64)
         idx, by_pos = [], []
-        for p in range(int(d.max()) if len(d) else 0):
+        for p in range(int(d.max())):
             who = np.nonzero(d > p)[0]
             by_pos.append(who)
             idx.append(ends[who] - d[who] + p)
-        return (np.concatenate(idx) if idx else np.zeros(0, np.int64)), by_pos
+        return np.concatenate(idx), by_pos
 
     def verify(self, b: InputBatch, sample_rows: np.ndarray, last: torch.Tensor,
                last_lps: list[TokenLogprobs | None] | None, logits: torch.Tensor,
