@@ -16,8 +16,17 @@ then 4, 8... up to ``PROBE_EVERY`` while its probes fail (an accepted probe wake
 that turns repetitive again is drafted for within a few steps, and a workload that never
 accepts pays at most one extra token per PROBE_EVERY steps.
 
-Owns / State: the counters (verify steps with drafts, drafted and accepted tokens, accepted
-drafts by position); the per-request K, average and probe countdown live on Request.
+What a draft position costs depends on the machine and the model: a decode step that reads
+its weights from DRAM computes a few more tokens for free, one whose weights sit in cache (a
+small model) pays for each. So the engine also measures it (``StepCost``: the worker's step
+time against the tokens it ran, a decayed least-squares line) and drafts position i only while
+the share of steps that accept it (``accepted / drafted`` there) is above what a token
+costs: the line's slope times the tokens a second the steps produce. Adding such a position
+raises tokens per second; one below it lowers them.
+
+Owns / State: the counters (verify steps with drafts, drafted and accepted tokens, by
+position), the step cost line and the cap it sets; the per-request K, average and probe
+countdown live on Request.
 """
 from __future__ import annotations
 
@@ -27,6 +36,34 @@ DORMANT_BELOW = 0.2  # accepted drafts per verify step, averaged, under which a 
 PROBE_EVERY = 32  # decode steps between a dormant request's one-draft probes
 
 
+COST_DECAY = 0.98  # per step: the cost line follows the last ~50 steps
+
+
+class StepCost:
+    """Step seconds ~ a + b * tokens run, fitted over recent steps (decayed sums)."""
+
+    def __init__(self) -> None:
+        self.w = self.x = self.xx = self.y = self.xy = self.out = 0.0
+
+    def add(self, tokens: int, seconds: float, produced: int) -> None:
+        d = COST_DECAY
+        self.w = d * self.w + 1.0
+        self.x = d * self.x + tokens
+        self.xx = d * self.xx + tokens * tokens
+        self.y = d * self.y + seconds
+        self.xy = d * self.xy + tokens * seconds
+        self.out = d * self.out + produced
+
+    def token_price(self) -> float:
+        """The share of a produced token one more token run costs (slope x tokens produced
+        per second); 0 until the steps ran different token counts."""
+        var = self.w * self.xx - self.x * self.x
+        if var <= 1e-9 * self.w * self.w or self.y <= 0.0:
+            return 0.0
+        slope = max((self.w * self.xy - self.x * self.y) / var, 0.0)
+        return slope * self.out / self.y
+
+
 class SpecDecode:
     def __init__(self, num_speculative_tokens: int) -> None:
         self.k = num_speculative_tokens
@@ -34,6 +71,9 @@ class SpecDecode:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * num_speculative_tokens
+        self.drafted_per_position = [0] * num_speculative_tokens
+        self.cost = StepCost()
+        self.cap = num_speculative_tokens  # the draft positions worth their cost
 
     def start(self, req: Request) -> None:
         """A request's first run (or a rerun after preemption): K from the top."""
@@ -52,8 +92,23 @@ class SpecDecode:
             if req.spec_probe > 0:
                 return []
             k = 1
-        n = min(k, room, len(req.spec_token_ids))
+        n = min(k, self.cap, room, len(req.spec_token_ids))
         return req.spec_token_ids[:n] if n > 0 else []
+
+    def observe_step(self, tokens: int, seconds: float, produced: int) -> None:
+        """A step ran ``tokens`` in ``seconds`` of the worker and produced ``produced``
+        tokens: refit the cost line, and the cap with it."""
+        if seconds <= 0.0 or tokens <= 0:
+            return
+        self.cost.add(tokens, seconds, produced)
+        price = self.cost.token_price()
+        cap = 0
+        # A position's gain: the share of the steps drafting it that kept it (a prior of
+        # one in two until it was drafted a few times).
+        while cap < self.k and ((self.accepted_per_position[cap] + 1)
+                                / (self.drafted_per_position[cap] + 2)) > price:
+            cap += 1
+        self.cap = max(cap, 1)  # one draft always: it keeps measuring the first position
 
     def on_verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """``req``'s step verified ``num_drafts`` drafts and accepted the first ``num_accepted``."""
@@ -62,6 +117,8 @@ class SpecDecode:
         self.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
+        for i in range(num_drafts):
+            self.drafted_per_position[i] += 1
         if req.spec_k == 0:  # a probe: wake up, or wait twice as long (up to PROBE_EVERY)
             if num_accepted:
                 req.spec_ema, req.spec_backoff = float(num_accepted), 0
@@ -82,4 +139,6 @@ class SpecDecode:
         return {"spec_num_drafts": n, "spec_num_draft_tokens": self.num_draft_tokens,
                 "spec_num_accepted_tokens": self.num_accepted_tokens,
                 "spec_mean_acceptance_length": 1.0 + self.num_accepted_tokens / n if n else 0.0,
-                "spec_accepted_per_position": list(self.accepted_per_position)}
+                "spec_accepted_per_position": list(self.accepted_per_position),
+                "spec_drafted_per_position": list(self.drafted_per_position),
+                "spec_draft_cap": self.cap}

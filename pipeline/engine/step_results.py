@@ -115,6 +115,8 @@ class StepResults:
             elif out.draft_token_ids:
                 d = out.draft_token_ids.get(rid)
                 req.spec_token_ids = bytes_to_ids(d).tolist() if d else []
+        if s.spec is not None:
+            s.spec.observe_step(sched.total_num_scheduled_tokens, out.execute_s, len(out.sampled_token_ids))
         if any_finished:
             s.running = [r for r in s.running if r.status == RequestStatus.RUNNING]
         return outputs

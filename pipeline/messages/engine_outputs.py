@@ -103,6 +103,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     spec_num_accepted_tokens: int = 0
     spec_mean_acceptance_length: float = 0.0
     spec_accepted_per_position: list[int] = []
+    spec_drafted_per_position: list[int] = []
+    spec_draft_cap: int = 0  # draft positions worth their cost now (engine.spec_decode)
     # Equal for two instances exactly when they read the same tier files (``KVLayout.
     # tier_group``): the router sends a prefix to a sibling of the instance that computed it.
     # "" without a tier.

@@ -16,6 +16,7 @@ State: the attached layer signal (and its CUDA side stream), the current step id
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -145,8 +146,10 @@ class ModelRunner(RankModel):
         gov = self.thread_governor
         if gov is not None:
             gov.begin()
+        t0 = time.perf_counter()
         with torch.inference_mode():
             out = self._forward_and_sample(sched.step_id, inp)
+        out.execute_s = time.perf_counter() - t0  # what a token costs (engine.spec_decode)
         if gov is not None:
             gov.end(sched.total_num_scheduled_tokens)
         return out
