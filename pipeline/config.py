@@ -258,9 +258,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                                  "(make the keys with `pipeline keys DIR`)")
         pd, par = self.kv_transfer_config, self.parallel_config
         cc = self.cache_config
-        if cc.kv_offload_dir and pd.role != "mixed":
-            raise ValueError(f"--kv-offload-dir with --role {pd.role}: the KV tier runs on mixed "
-                             f"instances only for now (one KV connector per instance)")
         if cc.kv_offload_dir and par.tensor_parallel_size > 1:
             raise ValueError("--kv-offload-dir with --tensor-parallel-size > 1: the tier moves one "
                              "rank's pool; for every rank's it is not built yet")
