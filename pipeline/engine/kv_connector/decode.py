@@ -112,9 +112,9 @@ class DecodeConnector(KVConnector):
         blocks but the quarantined ones."""
         sched, outs = self.sched, []
         for req in self.reservations.expired():
-            if self.tier is not None:  # a loading one: the tier holds the blocks it loads into
-                self.tier.detach(req)
-            why = self.reservations.timeout_message(req)
+            # A loading one: the tier holds the blocks it loads into until its report.
+            loading = self.tier is not None and self.tier.detach(req)
+            why = self.reservations.timeout_message(req, loading)
             req.status = RequestStatus.FINISHED_ERROR
             sched.finish(req, why)
             outs.append(final_output(req, [], why, error_code="kv_transfer_timeout"))

@@ -145,8 +145,10 @@ class Reservations:
                              num_cached_tokens=req.num_cached_tokens, endpoint=endpoint,
                              timeout_s=max(0.0, self.deadlines[req.req_id] - self.clock())))
 
-    def timeout_message(self, req: Request) -> str:
+    def timeout_message(self, req: Request, loading: bool = False) -> str:
         t = f"--kv-transfer-timeout {self.timeout_s:g} s"
+        if loading:
+            return f"the prompt's KV blocks on the KV tier did not load within {t}"
         if req.req_id in self.quarantine:
             return f"the prompt's KV did not arrive from a prefill instance within {t}"
         return f"no KV blocks could be reserved for the prompt within {t}"
