@@ -74,7 +74,6 @@ def test_tier_answers_equal_the_engine_without_it_across_a_restart(model, tmp_pa
     (["--kv-offload-size", "1GiB"], "--kv-offload-size"),
     (["--kv-offload-dir", "{tier}", "--kv-offload-size", "lots"], "--kv-offload-size"),
     (["--kv-offload-dir", "{tier}", "--no-prefix-caching"], "prefix caching"),
-    (["--kv-offload-dir", "{tier}", "--role", "decode"], "--role decode"),
     (["--kv-offload-host", "1GiB"], "--kv-offload-host"),
 ])
 def test_bad_tier_flags_are_refused_naming_the_flag(model, tmp_path, flags, needle):
