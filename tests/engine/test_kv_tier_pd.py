@@ -62,7 +62,7 @@ class Clock:
 
 class Side:
     """One instance: its engine core, worker, pool and tier mover; what it sends to its
-    cache messager queues in ``plans`` until ``Pair.pump`` delivers it."""
+    cache messager queues in ``plans`` until ``Pair.pump_plans`` delivers it."""
 
     def __init__(self, role: str, root: str | None, clock: Clock) -> None:
         self.reports: deque[Any] = deque()
