@@ -14,6 +14,7 @@ import msgspec
 
 from pipeline.bind import check_bind
 from pipeline.sizes import parse_size
+from pipeline.spec_config import SpeculativeConfig
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "default_model")
 MAX_BLOCK_SIZE = 256
@@ -200,6 +201,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     parallel_config: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     kv_transfer_config: KVTransferConfig = msgspec.field(default_factory=KVTransferConfig)
     step_log: str = ""  # a file the engine appends one JSON line per step to (engine/step_log.py)
+    # Speculative decoding (docs/speculative.md); None: off.
+    speculative_config: SpeculativeConfig | None = None
     instance_id: str = ""
     # ZMQ CURVE keys (ipc/curve.py's layout) securing every channel this instance opens or
     # accepts: clients, the router, KV transfer, tensor-parallel step plans (docs/security.md).
@@ -220,6 +223,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                     v = parse_size(v)
                 except ValueError as e:
                     raise ValueError(f"{_flag(name)}: {e}") from None
+            if name == "speculative_config" and v is not None and not isinstance(v, SpeculativeConfig):
+                v = SpeculativeConfig.parse(v)  # type: ignore[arg-type]  # JSON text or a dict
             if g is not None:
                 groups[g][name] = v
             elif name in TOP_FIELDS:
@@ -256,11 +261,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             if missing:
                 raise ValueError(f"--curve-keys {self.curve_keys}: missing {', '.join(missing)} "
                                  "(make the keys with `pipeline keys DIR`)")
+        if self.speculative_config is not None:
+            self.speculative_config.check()
+            if self.speculative_config.method == "draft_model":
+                raise ValueError('--speculative-config method "draft_model" is not built yet '
+                                 '(docs/speculative.md): use "ngram" or "suffix"')
         pd, par = self.kv_transfer_config, self.parallel_config
         cc = self.cache_config
-        if cc.kv_offload_dir and par.tensor_parallel_size > 1:
-            raise ValueError("--kv-offload-dir with --tensor-parallel-size > 1: the tier moves one "
-                             "rank's pool; for every rank's it is not built yet")
+        if cc.kv_offload_dir and par.nnodes > 1:
+            raise ValueError("--kv-offload-dir with --nnodes > 1: the tier moves the one KV segment "
+                             "that the ranks of one host share; across hosts it is not built yet")
         if cc.kv_offload_dir and self.model_config.device == "cuda":
             raise ValueError("--kv-offload-dir with --device cuda: the disk tier moves blocks "
                              "between files and a pool in host memory; from GPU memory it is not "

@@ -84,6 +84,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-log", metavar="FILE", default=d.step_log,
                    help="append one JSON line per engine step to FILE: tokens, queues, and where the "
                         "time went (schedule, worker, the worker's wait for the step, update)")
+    p.add_argument("--speculative-config", metavar="JSON", default=None,
+                   help='speculative decoding, vLLM\'s keys: {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 5} or {"method": '
+                        '"suffix", "num_speculative_tokens": 8} (docs/speculative.md)')
     p.add_argument("--chat-template", metavar="FILE", default=None,
                    help="a Jinja chat template file that replaces the checkpoint's (at most "
                         f"{MAX_CHAT_TEMPLATE_BYTES >> 20} MiB)")

@@ -78,6 +78,7 @@ class LLM:
                     worker.load()
             self.worker = worker
             self._tier: Any = None
+            self._tier_group = ""  # EngineStats.kv_tier_group
             hash_key, connector = None, None
             if self.config.cache_config.kv_offload_dir:
                 hash_key, connector = self._start_tier(worker)
@@ -95,7 +96,6 @@ class LLM:
         """The KV tier (--kv-offload-dir) on a thread of this process: its hash key and the
         engine's connector."""
         import msgspec
-        import torch
 
         from pipeline.cache.kv_tier.mover import InProcessTier
         from pipeline.cache.kv_tier.store import DiskTier
@@ -105,10 +105,12 @@ class LLM:
         cc = self.config.cache_config
         kvc = worker.kv_cache
         layout = msgspec.structs.replace(kvc.layout, model_hash=worker.kv_tier_id())
-        pool = layout.pool(kvc.buffer.reshape(-1).view(torch.uint8).numpy())
+        pool = layout.pool(kvc.segment_bytes())
         self._tier = InProcessTier(DiskTier(cc.kv_offload_dir, cc.kv_offload_bytes,
                                             layout), pool)
-        return tier_hash_key(cc.kv_offload_dir), lambda s: TierConnector(s, cc.kv_offload_dir, layout)
+        hash_key = tier_hash_key(cc.kv_offload_dir)
+        self._tier_group = layout.tier_group(hash_key)
+        return hash_key, lambda s: TierConnector(s, cc.kv_offload_dir, layout)
 
     def _init_tokenizer(self, model_dir: Path) -> None:
         from pipeline.output.detokenizer import DetokenizerTable
@@ -183,8 +185,10 @@ class LLM:
         if self.worker is None:
             raise RuntimeError("this LLM is closed")
 
-    def stats(self) -> dict[str, int | float]:
-        return self.scheduler.stats().as_dict()
+    def stats(self) -> dict[str, int | float | str | list[int]]:
+        import msgspec
+
+        return msgspec.structs.replace(self.scheduler.stats(), kv_tier_group=self._tier_group).as_dict()
 
     def close(self) -> None:
         if getattr(self, "_tier", None) is not None:

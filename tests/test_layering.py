@@ -17,7 +17,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "pipeline"
-STAGE_BASE = {"runtime", "ipc", "messages", "config", "sampling_params"}
+STAGE_BASE = {"runtime", "ipc", "messages", "config", "spec_config", "sampling_params"}
 # The grammars of structured outputs (xgrammar): the tokenizer stage validates with them, the
 # worker masks with them.
 # package -> the packages of ours it may import (besides itself)
@@ -25,7 +25,8 @@ LAYERS: dict[str, set[str]] = {
     "_ext": set(),
     "sizes": set(),
     "bind": set(),
-    "config": {"sizes", "bind"},
+    "spec_config": set(),
+    "config": {"sizes", "bind", "spec_config"},
     "sampling_params": set(),
     "ipc": {"_ext"},
     "messages": {"config", "sampling_params"},

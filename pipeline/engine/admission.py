@@ -44,6 +44,7 @@ class StepBudget:
     new_blocks: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     new_request_bytes: int = 0  # of the requests admitted in this step
+    spec: dict[str, bytes] = field(default_factory=dict)  # drafts verified (SchedulerOutput)
 
 
 class Admission:

@@ -46,12 +46,13 @@ def may_run_ahead(req: Request, max_model_len: int) -> bool:
     return True
 
 
-def mark_scheduled(req: Request, step: int, n: int) -> None:
-    """``req`` runs ``n`` tokens in ``step``; it samples a token when they reach the last
-    known one (counting the tokens its earlier steps in flight sample)."""
+def mark_scheduled(req: Request, step: int, n: int, drafts: int = 0) -> None:
+    """``req`` runs ``n`` tokens in ``step`` (the last ``drafts`` of them speculative drafts,
+    beyond its known tokens); it samples a token when they reach the last known one
+    (counting the tokens its earlier steps in flight sample)."""
     req.inflight_steps.append(step)
     req.num_inflight_tokens += n
-    if (req.num_computed_tokens + req.num_inflight_tokens
+    if (req.num_computed_tokens + req.num_inflight_tokens - drafts
             == len(req.all_token_ids) + req.num_placeholders):
         req.num_placeholders += 1
 

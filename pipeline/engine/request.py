@@ -107,6 +107,12 @@ class Request:
     held: list[Request] = field(default_factory=list)
     # Next prompt token whose logprobs go out (token 0 has none); prompt_logprobs only.
     prompt_logprobs_sent: int = 1
+    # Speculative decoding (engine.spec_decode): the worker's drafts for its next decode
+    # step, how many it may verify (K), its acceptance average, its dormant probe countdown.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_k: int = 0
+    spec_ema: float = 1.0
+    spec_probe: int = 0
 
     def __post_init__(self) -> None:
         if not self.out_id:

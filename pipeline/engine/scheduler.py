@@ -43,6 +43,7 @@ from pipeline.engine.new_request import make_requests
 from pipeline.engine.preemption import make_policy
 from pipeline.engine.request import ABORT_STATUS, Request, RequestStatus
 from pipeline.engine.request_queue import WaitingQueue
+from pipeline.engine.spec_decode import SpecDecode
 from pipeline.engine.stats import scheduler_stats
 from pipeline.engine.step_outputs import final_output
 from pipeline.engine.step_results import StepResults
@@ -54,6 +55,7 @@ from pipeline.messages import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    ids_to_bytes,
 )
 
 logger = logging.getLogger(__name__)
@@ -102,7 +104,12 @@ class Scheduler:
         self.connector = connector(self) if connector is not None else make_connector(self)
         if self.connector is not None and self.connector.saves_cached:
             self.kv.pool.on_cached = self.connector.on_cached
-        self.async_scheduling = async_scheduling and (self.connector is None or self.connector.allows_async)
+        spec = config.speculative_config
+        # Speculative decoding (engine.spec_decode): a verify step's outcome decides the next
+        # step's tokens, so it runs without scheduling ahead.
+        self.spec = SpecDecode(spec.num_speculative_tokens) if spec is not None else None
+        self.async_scheduling = (async_scheduling and self.spec is None
+                                 and (self.connector is None or self.connector.allows_async))
 
     # -- admission and abort ------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
@@ -126,6 +133,8 @@ class Scheduler:
         for c in children:
             c.block_hashes = list(first.block_hashes)  # same prompt, same chain
             self.requests[c.req_id] = c
+            if self.spec is not None:
+                self.spec.start(c)
         self.num_prompt_tokens += first.num_prompt_tokens
         if conn is not None and conn.add_request(first, er):
             return  # held by the connector until its KV is in (n == 1: no siblings)
@@ -191,6 +200,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         inflight.reset(req)
         req.sent_to_worker = False
+        req.spec_token_ids = []
         req.num_preemptions += 1
         if self.connector is not None:
             self.connector.on_preempt(req)
@@ -237,11 +247,20 @@ class Scheduler:
             start = req.num_computed_tokens + req.num_inflight_tokens
             if len(req.all_token_ids) + req.num_placeholders - start != 1:
                 prefills.append(req)
-            # Fast path: the decode token still fits in the request's last block.
-            elif start < len(req.blocks) * bs or self._grow(req, 1, st):
-                st.num_sched[req.req_id] = 1
-                st.budget -= 1
-                inflight.mark_scheduled(req, step, 1)
+                continue
+            # Drafts: as many as leave room for the token it samples anyway in the budget,
+            # max_tokens and max_model_len.
+            drafts = (self.spec.drafts_for(req, min(st.budget, min(req.max_num_tokens, max_len)
+                                                    - len(req.all_token_ids)) - 1)
+                      if req.spec_token_ids and self.spec is not None else [])
+            n = 1 + len(drafts)
+            # Fast path: the decode token (and drafts) still fit in the request's last block.
+            if start + n <= len(req.blocks) * bs or self._grow(req, n, st):
+                st.num_sched[req.req_id] = n
+                st.budget -= n
+                inflight.mark_scheduled(req, step, n, len(drafts))
+                if drafts:
+                    st.spec[req.req_id] = ids_to_bytes(drafts)
                 order.append(req)
         threshold = self.long_prefill_token_threshold
         capped = self.explicit_threshold or len(self.running) > 1
@@ -273,7 +292,7 @@ class Scheduler:
             self.connector.build_connector_meta(step, num_sched, not preempted)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(step, new_reqs, cached_reqs, num_sched, sum(num_sched.values()),
-                               finished, [r.req_id for r in preempted])
+                               finished, [r.req_id for r in preempted], st.spec)
 
     def _grow(self, req: Request, n: int, st: StepBudget) -> bool:
         """Room for ``n`` more tokens of running ``req``, preempting victims until it fits.
@@ -290,6 +309,7 @@ class Scheduler:
             if victim.req_id in st.num_sched:  # its bookkeeping goes with _preempt's reset
                 st.budget += st.num_sched.pop(victim.req_id)
                 st.new_blocks.pop(victim.req_id, None)
+                st.spec.pop(victim.req_id, None)
             self._preempt(victim)
             st.preempted.append(victim)
             if victim is req:

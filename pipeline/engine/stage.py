@@ -75,9 +75,11 @@ class EngineLoop:
         self.async_scheduling = role == "mixed"
         tier_dir = spec.config.cache_config.kv_offload_dir
         hash_key, connector = None, None
+        self.tier_group = ""  # EngineStats.kv_tier_group: the router's tier siblings
         if tier_dir:  # a KV tier: its files are named by block hashes every instance shares
             layout = msgspec.structs.replace(m.kv, model_hash=m.kv_tier_id)
             hash_key = tier_hash_key(tier_dir)
+            self.tier_group = layout.tier_group(hash_key)
             connector = with_tier(tier_dir, layout)  # with the role's (prefill, decode)
         self.sched = Scheduler(spec.config, m.kv.num_blocks, m.kv.block_size, m.max_model_len,
                                hash_key, async_scheduling=self.async_scheduling, connector=connector)
@@ -165,7 +167,7 @@ class EngineLoop:
         snap = msgspec.structs.replace(
             self.sched.stats(), engine_steps=t.steps, engine_step_seconds=t.step_s,
             engine_worker_seconds=t.worker_s, engine_overhead_share=t.overhead_share,
-            timestamp=time.time())
+            kv_tier_group=self.tier_group, timestamp=time.time())
         try:
             self.stats_ring.send(snap, timeout=0)
         except TimeoutError:

@@ -30,4 +30,5 @@ def scheduler_stats(sched: Scheduler) -> EngineStats:
         generation_tokens=sched.results.num_generated_tokens,
         stale_results_dropped=sched.results.num_stale_results,
         reserve_blocks_per_running=sched.admission.reserve_per_running,
+        **(sched.spec.stats() if sched.spec else {}),  # type: ignore[arg-type]
         **(conn.stats() if conn else {}))  # type: ignore[arg-type]

@@ -10,11 +10,13 @@ from pipeline.messages import EngineOutput, TokenLogprobs
 from pipeline.messages.step import PromptLogprobs
 
 
-def token_output(req: Request, tok: int, done: bool, lp: TokenLogprobs | None,
+def token_output(req: Request, toks: list[int], done: bool, lps: list[TokenLogprobs | None] | None,
                  plp: list[TokenLogprobs] | None) -> EngineOutput:
-    """``req`` sampled ``tok`` (``done``: it ended, its status says how)."""
-    return EngineOutput(req.out_id, [tok], FINISH_REASONS.get(req.status) if done else None,
-                        req.stop_reason, [lp] if lp else None, req.num_prompt_tokens,
+    """``req`` sampled ``toks`` (one, or accepted drafts and one more; ``done``: it ended, its
+    status says how) with their logprobs ``lps`` (None or None entries: not asked)."""
+    logprobs = [lp for lp in lps if lp is not None] if lps else None
+    return EngineOutput(req.out_id, toks, FINISH_REASONS.get(req.status) if done else None,
+                        req.stop_reason, logprobs or None, req.num_prompt_tokens,
                         req.num_cached_tokens, req.first_scheduled_time, None, req.index, plp)
 
 

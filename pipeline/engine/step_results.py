@@ -15,10 +15,32 @@ from typing import TYPE_CHECKING
 from pipeline.engine import inflight
 from pipeline.engine.request import Request, RequestStatus
 from pipeline.engine.step_outputs import final_output, new_prompt_logprobs, token_output
-from pipeline.messages import EngineOutput, ModelRunnerOutput, SchedulerOutput
+from pipeline.messages import (
+    EngineOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+    bytes_to_ids,
+)
 
 if TYPE_CHECKING:
     from pipeline.engine.scheduler import Scheduler
+
+
+def per_request(out: ModelRunnerOutput
+                ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs | None]] | None]:
+    """Each request's tokens of the step and their logprobs (None: no request asked)."""
+    if not out.num_sampled:  # one token each
+        tokens = {rid: [t] for rid, t in zip(out.req_ids, out.sampled_token_ids)}
+        lps = {rid: [lp] for rid, lp in zip(out.req_ids, out.logprobs)} if out.logprobs else None
+        return tokens, lps
+    tokens, lps, i = {}, {} if out.logprobs else None, 0
+    for rid, k in zip(out.req_ids, out.num_sampled):
+        tokens[rid] = out.sampled_token_ids[i:i + k]
+        if lps is not None:
+            lps[rid] = out.logprobs[i:i + k]
+        i += k
+    return tokens, lps
 
 
 class StepResults:
@@ -31,9 +53,9 @@ class StepResults:
     def apply(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineOutput]:
         """Step ``sched``'s results; the outputs to emit."""
         s = self.sched
-        sampled = dict(zip(out.req_ids, out.sampled_token_ids))
-        logprobs = dict(zip(out.req_ids, out.logprobs)) if out.logprobs else None
+        sampled, logprobs = per_request(out)
         prompt_lps = {p.req_id: p for p in out.prompt_logprobs} if out.prompt_logprobs else None
+        verified = sched.spec_token_ids  # speculative decoding: the drafts this step verified
         outputs: list[EngineOutput] = []
         any_finished = False
         kv, step, bs = s.kv, sched.step_id, s.block_size
@@ -45,34 +67,54 @@ class StepResults:
             if req is None or not inflight.take_result(req, step, n):
                 self.num_stale_results += 1
                 continue
-            computed = req.num_computed_tokens
             self.num_computed_tokens += n
+            toks = sampled.get(rid)
+            if verified and (drafts := verified.get(rid)) is not None:
+                # The drafts after the first the target disagreed with are not computed KV:
+                # their slots are written again by the tokens that replace them.
+                num_drafts, accepted = len(drafts) // 4, len(toks) - 1 if toks else 0
+                req.num_computed_tokens -= num_drafts - accepted
+                assert s.spec is not None  # drafts are scheduled only with it
+                s.spec.on_verified(req, num_drafts, accepted)
+            computed = req.num_computed_tokens
             if caching and computed // bs > req.num_cached_blocks:
                 kv.cache_computed_blocks(req)
             if req.held and computed >= req.num_prompt_tokens:
                 s.families.release(req)  # the prompt's blocks are cached now
             plp = new_prompt_logprobs(req, prompt_lps.get(rid)) if prompt_lps else None
-            toks = req.all_token_ids
-            tok = sampled.get(rid)
-            if tok is None:
-                if computed == len(toks):
+            known = req.all_token_ids
+            if toks is None:
+                if computed == len(known):
                     raise RuntimeError(f"worker sampled no token for {rid!r} after computing all "
                                        f"{computed} known tokens")
                 if plp:
                     outputs.append(final_output(req, [], None, prompt_logprobs=plp))
                 continue
-            if computed != len(toks):
+            if computed - len(toks) + 1 != len(known):
                 raise RuntimeError(f"worker sampled a token for {rid!r} mid-prefill "
-                                   f"({computed}/{len(toks)} computed)")
+                                   f"({computed}/{len(known)} computed)")
             req.num_placeholders -= 1
-            done = self.append_token(req, tok)
-            if conn is not None and (ended := conn.on_token(req, tok, done)) is not None:
-                done = ended
-                any_finished = True  # ended or held: out of the running list either way
-            outputs.append(token_output(req, tok, done, logprobs.get(rid) if logprobs else None, plp))
+            done = False
+            for i, tok in enumerate(toks):
+                done = self.append_token(req, tok)
+                if conn is not None and (ended := conn.on_token(req, tok, done)) is not None:
+                    done = ended
+                    any_finished = True  # ended or held: out of the running list either way
+                if done:
+                    toks = toks[:i + 1]  # the rest came after its end: never streamed
+                    break
+            lps = logprobs.get(rid) if logprobs else None
+            if len(toks) > 1:  # accepted drafts filled blocks: cache them before any finish
+                if caching and req.num_computed_tokens // bs > req.num_cached_blocks:
+                    kv.cache_computed_blocks(req)
+                lps = lps[:len(toks)] if lps else None
+            outputs.append(token_output(req, toks, done, lps, plp))
             if done:
                 any_finished = True
                 s.finish(req)
+            elif out.draft_token_ids:
+                d = out.draft_token_ids.get(rid)
+                req.spec_token_ids = bytes_to_ids(d).tolist() if d else []
         if any_finished:
             s.running = [r for r in s.running if r.status == RequestStatus.RUNNING]
         return outputs

@@ -95,6 +95,18 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_tier_deferred_blocks: int = 0  # cached, waiting for a save slot (MAX_SAVING_SHARE)
     kv_tier_save_skipped: int = 0  # deferred blocks the pool evicted before their save
     kv_tier_loading_requests: int = 0
+    # Speculative decoding (--speculative-config): verify steps that carried drafts, drafted
+    # and accepted tokens, tokens per verify step (1 + accepted / steps), accepted drafts by
+    # position (index 0: the first draft).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_mean_acceptance_length: float = 0.0
+    spec_accepted_per_position: list[int] = []
+    # Equal for two instances exactly when they read the same tier files (``KVLayout.
+    # tier_group``): the router sends a prefix to a sibling of the instance that computed it.
+    # "" without a tier.
+    kv_tier_group: str = ""
     # Set by the engine stage (zero in-process): steps that ran tokens, their wall time and
     # the worker's share of it.
     engine_steps: int = 0
@@ -103,5 +115,5 @@ class EngineStats(msgspec.Struct, kw_only=True):
     engine_overhead_share: float = 0.0
     timestamp: float = 0.0
 
-    def as_dict(self) -> dict[str, int | float]:
+    def as_dict(self) -> dict[str, int | float | str | list[int]]:
         return msgspec.structs.asdict(self)

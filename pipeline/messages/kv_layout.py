@@ -24,6 +24,8 @@ ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, 
             "float8_e4m3fn": 1, "float8_e5m2": 1}
 # What two instances must share; num_blocks may differ (each pool is sized by its own memory).
 MUST_MATCH = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "model_hash")
+# Prefixes the digest ``tier_group`` publishes, so it is never a hash the key is used for.
+TIER_GROUP_DOMAIN = b"pipeline kv tier group v1\0"
 _POSITIVE = ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim")
 
 
@@ -78,6 +80,13 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         fields = "\0".join(f"{f}={getattr(self, f)!r}" for f in MUST_MATCH)
         return hashlib.blake2b(f"{fields}\0block_bytes={self.block_bytes}".encode(),
                                digest_size=16).digest()
+
+    def tier_group(self, hash_key: bytes) -> str:
+        """Who reads the same tier files as this instance (the router's tier siblings): a hex
+        digest of the tier's hash key (``DIR/.hash_key``) and ``tier_namespace``, equal exactly
+        when both are. Domain-separated, so it reveals nothing of the key."""
+        return hashlib.blake2b(TIER_GROUP_DOMAIN + hash_key + self.tier_namespace(),
+                               digest_size=16).hexdigest()
 
     def pool(self, buf: object) -> np.ndarray:
         """uint8 view `[num_layers, 2, num_blocks, block_bytes]` over a pool's memory."""

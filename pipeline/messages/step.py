@@ -57,6 +57,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # Requests the worker must drop before this step (finished, aborted, preempted).
     finished_req_ids: list[str]
     preempted_req_ids: list[str]
+    # Speculative decoding: req_id -> the draft tokens this step verifies (int32 bytes). Such
+    # a request runs 1 + len(drafts) tokens: its last known token, then the drafts.
+    spec_token_ids: dict[str, bytes] = {}
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -75,7 +78,8 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
-    """One sampled token per request that finished its (chunked) prefill or decoded."""
+    """The tokens of each request that finished its (chunked) prefill or decoded: one, or
+    with speculative decoding the accepted drafts and one more (``num_sampled``)."""
     step_id: int
     req_ids: list[str]
     sampled_token_ids: list[int]
@@ -83,3 +87,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     execute_s: float = 0.0  # the worker's execute() wall time (forward + sampling)
     prompt_logprobs: list[PromptLogprobs] = []  # of this step's prefill chunks that asked
     wait_s: float = 0.0  # how long the worker waited for this step after its previous result
+    # Speculative decoding. Tokens per request (parallel to req_ids; sampled_token_ids and
+    # logprobs are flat, in that order); empty when each has one.
+    num_sampled: list[int] = []
+    # req_id -> drafts proposed for its next step (int32 bytes): the engine schedules them.
+    draft_token_ids: dict[str, bytes] = {}

@@ -139,7 +139,7 @@ class InstanceAnswers(RequestTable):
         assert route.pd is not None
         uid = route.pd.leg(rid, PREFILL)
         if not self._launch(route, uid, prefill_request(route.msg, uid, kv), self.prefill,
-                            lambda ups: self.pools.choose_prefill(ups, route.key)):
+                            lambda ups: self.pools.choose_prefill(ups, route.key), self.pools.prefill):
             self._abort(route)
             self._fail(rid, "unavailable", "no prefill instance available: none of "
                        f"{' '.join(u.address for u in self.prefill)} is up")

@@ -2,10 +2,12 @@
 
 Counters, gauges, labelled counters and histograms add up across instances; the ratios are
 recomputed from the merged sums (a mean of ratios would weigh an idle instance like a busy
-one); ``timestamp`` is the newest. ``instances`` has each instance's routing view.
+one); ``timestamp`` is the newest; ``kv_tier_group`` (one instance's identity) is dropped.
+``instances`` has each instance's routing view (its tier group included).
 """
 from __future__ import annotations
 
+from itertools import zip_longest
 from typing import Any
 
 # ratio -> (numerator, denominator), both merged sums
@@ -23,6 +25,8 @@ def _add(a: Any, b: Any) -> Any:
                 for k in a.keys() | b.keys()}
     if isinstance(a, int | float) and isinstance(b, int | float) and not isinstance(a, bool):
         return a + b
+    if isinstance(a, list) and isinstance(b, list):  # per-position counts (spec_accepted_per_position)
+        return [x + y for x, y in zip_longest(a, b, fillvalue=0)]
     return a
 
 
@@ -37,5 +41,8 @@ def merge(replies: list[dict[str, Any]]) -> dict[str, Any]:
     for ratio, (num, den) in RATIOS.items():
         if den in out:
             out[ratio] = out.get(num, 0) / out[den] if out[den] else 0.0
+    if out.get("spec_num_drafts"):  # tokens per verify step, from the merged counts
+        out["spec_mean_acceptance_length"] = 1.0 + out["spec_num_accepted_tokens"] / out["spec_num_drafts"]
     out.pop("engine_overhead_seconds", None)
+    out.pop("kv_tier_group", None)
     return out

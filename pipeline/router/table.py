@@ -3,7 +3,8 @@
 State: the request table (router id -> the client identity, the client's id, its legs: the
 instances running it, under their upstream ids, none yet while it waits; in disaggregated
 mode its ``pd.PDState``), the requests waiting for an instance to come up, the stats ops
-fanned out to the instances, the instances (``upstream``) and the policies that pick one.
+fanned out to the instances, the instances (``upstream``), the policies that pick one and
+how many requests each rule of the cache-aware one sent (``routed_by``).
 Router ids are the sessions' ("r12", ``frontend.sessions``), so two clients' ids never clash
 on an instance; a split request runs as "r12.d" on its decode instance and "r12.p" on its
 prefill instance (``pd``). The answers from instances are ``answers``'; the client side, the
@@ -29,7 +30,7 @@ from pipeline.http.launcher import ROUTER_ID, HttpFront
 from pipeline.messages import RequestResult, error_result
 from pipeline.router.args import RouterArgs
 from pipeline.router.pd import DECODE, PREFILL, PDState, decode_request
-from pipeline.router.policy import MixedPolicy, PoolPolicy, Target
+from pipeline.router.policy import RULES, MixedPolicy, PoolPolicy, Target
 from pipeline.router.stats import merge
 from pipeline.router.upstream import Upstream
 
@@ -73,6 +74,9 @@ class RequestTable(ZmqServer):
         self.ctx: zmq.Context = zmq.Context()
         self.policy = MixedPolicy()
         self.pools = PoolPolicy()
+        # Requests sent by each rule of the cache-aware policy (mixed, or the prefill pool's
+        # legs): the stats reply's ``router_routed``.
+        self.routed_by = dict.fromkeys(RULES, 0)
         self.split = bool(args.decode)  # disaggregated pools, else mixed replicas
         keys = args.curve_keys
         self.prefill = [Upstream(self.ctx, a, "prefill", keys) for a in args.prefill]
@@ -116,7 +120,7 @@ class RequestTable(ZmqServer):
         route = self.routes[rid]
         if not self.split:
             return self._launch(route, rid, route.msg, self.upstreams,
-                                lambda ups: self.policy.choose(ups, route.key))
+                                lambda ups: self.policy.choose(ups, route.key), self.policy)
         if route.pd is None:  # runs whole on a decode instance
             return self._launch(route, rid, route.msg, self.decode, self.pools.choose_decode)
         if not any(u.up for u in self.prefill):
@@ -126,9 +130,10 @@ class RequestTable(ZmqServer):
                             self.pools.choose_decode)
 
     def _launch(self, route: Route, uid: str, msg: P.Generate, pool: list[Upstream],
-                choose: Callable[[list[Upstream]], Target]) -> bool:
+                choose: Callable[[list[Upstream]], Target], policy: MixedPolicy | None = None) -> bool:
         """Send ``msg`` (upstream id ``uid``) to one of ``pool``; False if none is up (True
-        as well when the request went meanwhile: a lost instance's failures dropped its client)."""
+        as well when the request went meanwhile: a lost instance's failures dropped its client).
+        ``policy``: the cache-aware one behind ``choose``, whose rule is counted once sent."""
         rid = uid.partition(".")[0]
         now = time.monotonic()
         while ups := [u for u in pool if u.up and not u.tripped(now)]:
@@ -139,6 +144,8 @@ class RequestTable(ZmqServer):
                 target.inflight.add(uid)
                 target.routed += 1
                 route.tries += not uid.endswith(PREFILL)  # a split request's try is its decode leg
+                if policy is not None:  # its last choice is this one: a failed send chose again
+                    self.routed_by[policy.by] += 1
                 return True
             self._down(target, "its connection is gone")
             if self.routes.get(rid) is not route:
@@ -161,7 +168,8 @@ class RequestTable(ZmqServer):
         if op.waiting and not expired:
             return
         del self.ops[key]
-        stats = merge(op.replies) | {"instances": {u.address: u.describe() for u in self.upstreams}}
+        stats = merge(op.replies) | {"router_routed": dict(self.routed_by),
+                                     "instances": {u.address: u.describe() for u in self.upstreams}}
         self._reply(op.identity, P.StatsReply(id=op.client_id, stats=stats))
 
     # ---- an instance lost ----

@@ -92,6 +92,12 @@ class Upstream:
         total = self.stats.get("kv_blocks_total", 0)
         return 1.0 if not total else self.stats.get("kv_blocks_free", 0) / total
 
+    def tier_group(self) -> str:
+        """Its KV tier's group (``EngineStats.kv_tier_group``): "" with no tier, or before
+        its first stats reply."""
+        group = self.stats.get("kv_tier_group", "")
+        return group if isinstance(group, str) else ""
+
     def disconnected(self) -> bool:
         """Drain the monitor; True if it reported the connection dropped. A refused handshake
         sets ``why_down`` (the instance is not up, and never will be with these keys)."""
@@ -181,7 +187,8 @@ class Upstream:
         out = self.tripped(time.monotonic())
         return {"role": self.role, "up": self.up, "why_down": None if self.up else self.why_down,
                 "out": out, "why_out": self.why_out if out else None,
-                "inflight": len(self.inflight), "routed": self.routed, "load": self.load()}
+                "inflight": len(self.inflight), "routed": self.routed, "load": self.load(),
+                "tier_group": self.tier_group()}
 
     def close(self) -> None:
         self.sock.disable_monitor()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import mmap
 import os
 
+import numpy as np
 import torch
 
 from pipeline.ipc.instance import Instance
@@ -104,6 +105,13 @@ class KVCache:
     @property
     def num_blocks(self) -> int:
         return self.layout.num_blocks
+
+    def segment_bytes(self) -> np.ndarray:
+        """The whole CPU segment as uint8 (every rank's part when ranks share it: the pool a
+        cache messager moves, ``layout``'s)."""
+        if self._segment is None:
+            raise ValueError("the KV cache has no shared-memory segment (CUDA, or closed)")
+        return np.frombuffer(self._segment, dtype=np.uint8)
 
     def close(self) -> None:
         """Drop the tensors, unmap and unlink the segment. Idempotent."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pipeline.config import EngineConfig
@@ -29,6 +30,7 @@ from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.prompt_logprobs import prompt_logprobs
 from pipeline.worker.rank_model import RankModel
 from pipeline.worker.sampler import Sampler, build_metadata
+from pipeline.worker.spec.verify import SpecDecoder
 from pipeline.worker.step_inputs import StepInputs, prepare_inputs
 from pipeline.worker.structured import StructuredBatch
 
@@ -45,6 +47,9 @@ class ModelRunner(RankModel):
         # Rank 0 samples, so it alone keeps the grammars of structured outputs.
         self.structured = StructuredBatch(config.model_config.model, self.vocab_size,
                                           self.eos_token_ids) if rank == 0 else None
+        spec = config.speculative_config
+        # Speculative decoding: rank 0 proposes, every rank verifies the drafts it is sent.
+        self.spec = SpecDecoder(spec, proposes=rank == 0) if spec is not None else None
         self._signal: LayerSignal | None = None
         self._signal_ranks = 1  # ranks sharing the KV segment (and the signal's layers)
         self._signal_stream = None
@@ -82,7 +87,12 @@ class ModelRunner(RankModel):
 
     # ---- one step ---------------------------------------------------------------------------
     def _apply_diff(self, sched: SchedulerOutput) -> None:
-        b, so = self.batch, self.structured
+        b, so, spec = self.batch, self.structured, self.spec
+        if spec is not None:
+            for rid in sched.finished_req_ids:
+                spec.finished(b, rid)
+            for rid in sched.preempted_req_ids:
+                spec.removed(rid)
         for rid in (*sched.finished_req_ids, *sched.preempted_req_ids):
             b.remove(rid)
             if so is not None:
@@ -100,6 +110,8 @@ class ModelRunner(RankModel):
                                  f"is not in the worker's batch")
             b.append_blocks(cached.req_id, cached.new_block_ids)
             b.num_computed_tokens[b.index[cached.req_id]] = cached.num_computed_tokens
+        if spec is not None:
+            spec.stage(b, sched.spec_token_ids)
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         # A decode step replays a CUDA graph unless a layer signal must fire per layer.
@@ -168,6 +180,8 @@ class ModelRunner(RankModel):
             tokens, logprobs = self.sampler(logits, md)
         else:  # rank 0 samples (and masks); its tokens arrive below
             tokens, logprobs = torch.empty(len(sample_rows), dtype=torch.int64, device=self.device), None
+        if self.spec is not None:
+            return self._verify(step_id, inp, hidden, tokens, logprobs, sample_rows, prompt_lps)
         if self.tp is not None and (b.num_needs_sampler or b.num_structured):
             tokens = self.tp.broadcast(tokens.to(torch.int64), 0)
         tokens_np = tokens.cpu().numpy()
@@ -177,6 +191,37 @@ class ModelRunner(RankModel):
         return ModelRunnerOutput(step_id=step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
                                  sampled_token_ids=tokens_np.tolist(), logprobs=logprobs or [],
                                  prompt_logprobs=prompt_lps)
+
+    def _verify(self, step_id: int, inp: StepInputs, hidden: torch.Tensor, last: torch.Tensor,
+                last_lps: list | None, sample_rows: np.ndarray, prompt_lps: list) -> ModelRunnerOutput:
+        """Speculative decoding: draws at the draft positions, the drafts kept, the next
+        drafts proposed (worker.spec.verify)."""
+        spec, b, model = self.spec, self.batch, self.model
+        assert spec is not None and model is not None
+        ends = (inp.logits_indices.cpu().numpy() if inp.logits_indices.device.type != "cpu"
+                else inp.logits_indices.numpy())
+        idx, by_pos = spec.positions(sample_rows, ends)
+        draws, draw_lps = torch.zeros(0, dtype=torch.int64), None
+        if len(idx):
+            logits = model.compute_logits(hidden.index_select(0, torch.from_numpy(idx).to(hidden.device)))
+            sampler = (self.sampler if b.num_needs_sampler and (self.tp is None or self.rank == 0)
+                       else None)
+            if sampler is None and b.num_needs_sampler:  # rank > 0: rank 0's draws arrive below
+                draws = torch.empty(len(idx), dtype=torch.int64, device=self.device)
+            else:
+                draws, draw_lps = spec.verify(b, sample_rows, last, last_lps, logits, by_pos, sampler,
+                                              self.vocab_size, self.eos_token_ids, self.device)
+        if self.tp is not None and (b.num_needs_sampler or b.num_structured):
+            both = self.tp.broadcast(torch.cat([last.to(torch.int64), draws.to(torch.int64)]), 0)
+            last, draws = both[:len(sample_rows)], both[len(sample_rows):]
+        v = spec.accept(b, sample_rows, last.cpu().numpy(), last_lps, draws.cpu().numpy(), draw_lps, by_pos)
+        if self.structured is not None and len(self.structured):
+            self.structured.accept([b.req_ids[r] for r in sample_rows.tolist()],
+                                   [int(last[i]) for i in range(len(sample_rows))])
+        return ModelRunnerOutput(step_id=step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
+                                 sampled_token_ids=v.tokens, logprobs=v.logprobs or [],
+                                 prompt_logprobs=prompt_lps, num_sampled=v.counts,
+                                 draft_token_ids=spec.propose(b, sample_rows))
 
     def close(self) -> None:
         self._drain_signal_stream()

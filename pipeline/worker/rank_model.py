@@ -150,13 +150,16 @@ class RankModel:
         self.num_blocks = self._decide_num_blocks()
         if self.tp is not None:  # one block table for every rank: the smallest pool
             self.num_blocks = self.tp.min_int(self.num_blocks)
-        # A prefill/decode instance's ranks share one KV segment, which its cache messager
-        # ships as one pool (worker/kv_cache.py): rank 0 makes it before the others map it.
-        shared = self.tp.size if self.tp is not None and self.config.kv_transfer_config.role != "mixed" else 0
+        # The ranks of an instance with a cache messager (prefill/decode, a KV tier) share one
+        # KV segment, which the messager moves as one pool (worker/kv_cache.py): rank 0 makes
+        # it before the others map it.
+        role = self.config.kv_transfer_config.role
+        messager = role != "mixed" or bool(self.config.cache_config.kv_offload_dir)
+        shared = self.tp.size if self.tp is not None and messager else 0
         if shared and self.device.type != "cpu":
-            raise ValueError(f"--role {self.config.kv_transfer_config.role} with --tensor-parallel-size "
-                             f"{shared} runs on CPU only (the ranks share one shared-memory KV segment); "
-                             f"use --device cpu")
+            why = f"--role {role}" if role != "mixed" else "--kv-offload-dir"
+            raise ValueError(f"{why} with --tensor-parallel-size {shared} runs on CPU only (the "
+                             f"ranks share one shared-memory KV segment); use --device cpu")
         if shared and self.rank != 0:
             assert self.tp is not None
             self.tp.barrier()

@@ -183,6 +183,25 @@ def test_abort_frees_both_sides(pair, vocab):
              "the prefill instance to free the aborted requests' blocks")
 
 
+def test_the_decode_side_speculates(model, mixed, vocab):
+    """A decode instance with --speculative-config verifies drafts on the KV the prefill side
+    sent: the answers are the mixed instance's, token for token."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    parts = start_pair(model, "ipc", "--speculative-config", spec)
+    try:
+        pre, dec, router = parts
+        ids = prompts(vocab, n=8, seed=2)
+        kw = {**GREEDY, "max_tokens": 32}
+        want = generate(mixed.address, ids, **kw)
+        got = generate(router.address, ids, **kw)
+        assert [r.error for r in got] == [None] * len(ids)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        sd = stats(dec)
+        assert sd["spec_num_drafts"] > 0 and sd["spec_num_accepted_tokens"] > 0, sd
+    finally:
+        stop_pair(*parts)
+
+
 def test_a_reservation_without_kv_times_out_and_frees_its_blocks(model):
     dec = Daemon(model, "--role", "decode", "--kv-transfer-timeout", "1")
     try:

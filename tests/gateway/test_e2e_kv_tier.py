@@ -42,10 +42,10 @@ def reference(model, reqs: list[dict]) -> dict[str, list[int]]:
     return {r["id"]: list(o.outputs[0].token_ids) for r, o in zip(reqs, outs)}
 
 
-def tier_run(model, tier, stats, reqs: list[dict]) -> tuple[dict[str, list[int]], dict]:
+def tier_run(model, tier, stats, reqs: list[dict], *flags: str) -> tuple[dict[str, list[int]], dict]:
     rc, answers, err = run_pipe(model, [json.dumps(r) for r in reqs], "--num-blocks", str(NUM_BLOCKS),
                                 "--kv-offload-dir", str(tier), "--kv-offload-size", "64MiB",
-                                "--stats-json", str(stats))
+                                "--stats-json", str(stats), *flags)
     assert rc == 0, err
     got = {a["id"]: a["token_ids"] for a in answers if "finish_reason" in a}
     return got, json.loads(stats.read_text())
@@ -70,6 +70,20 @@ def test_tier_answers_equal_the_engine_without_it_across_a_restart(model, tmp_pa
                          for f in fs if not f.startswith(".")) <= 64 << 20
 
 
+def test_two_ranks_share_the_tier_as_one_pool(model, tmp_path):
+    """--tensor-parallel-size 2: the ranks share one KV segment, every rank's part of a block
+    in one file; a restart loads both ranks' KV (a missing half would change the tokens)."""
+    tier, tp = tmp_path / "tier", ("--tensor-parallel-size", "2", "--worker-threads", "1")
+    first, second = requests(0)[:8], requests(1)[:8]
+    want = reference(model, first + second)
+    got1, st1 = tier_run(model, tier, tmp_path / "s1.json", first, *tp)
+    assert got1 == {k: want[k] for k in got1} and len(got1) == len(first)
+    got2, st2 = tier_run(model, tier, tmp_path / "s2.json", second, *tp)
+    assert got2 == {k: want[k] for k in got2} and len(got2) == len(second)
+    eng2 = st2["engine"] if "engine" in st2 else st2
+    assert eng2["kv_tier_loaded_tokens"] >= 8 * 16 and eng2["kv_tier_failed_blocks"] == 0, eng2
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--kv-offload-size", "1GiB"], "--kv-offload-size"),
     (["--kv-offload-dir", "{tier}", "--kv-offload-size", "lots"], "--kv-offload-size"),
@@ -82,3 +96,24 @@ def test_bad_tier_flags_are_refused_naming_the_flag(model, tmp_path, flags, need
                        input="hello\n", capture_output=True, text=True, timeout=120, cwd=ROOT, env=env())
     assert p.returncode != 0 and needle in p.stderr, p.stderr[-2000:]
     assert "Traceback" not in p.stderr
+
+
+def test_instances_on_one_directory_report_one_tier_group(model, tmp_path):
+    """The router's tier siblings (docs/router.md): an instance with a tier reports
+    ``kv_tier_group`` in its stats, the same for every instance on the directory (here a
+    `pipeline run`'s engine stage and an in-process LLM of the same model) and another for
+    another directory; it is not the directory's hash key; no tier, no group."""
+    from pipeline.engine.kv_connector.tier_index import HASH_KEY_FILE
+    from pipeline.llm import LLM
+
+    one, other = tmp_path / "one", tmp_path / "other"
+    _, st = tier_run(model, one, tmp_path / "s.json", requests(0)[:1])
+    group = st["kv_tier_group"]
+    kw = {"device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_model_len": 256, "num_blocks": 32}
+    with LLM(str(model), kv_offload_dir=str(one), **kw) as llm:
+        assert llm.stats()["kv_tier_group"] == group
+    with LLM(str(model), kv_offload_dir=str(other), **kw) as llm:
+        assert llm.stats()["kv_tier_group"] not in ("", group)
+    with LLM(str(model), **kw) as llm:
+        assert llm.stats()["kv_tier_group"] == ""
+    assert len(group) == 32 and group not in (one / HASH_KEY_FILE).read_bytes().hex()

@@ -39,6 +39,7 @@ class FakeInstance:
     def __init__(self, role: str) -> None:
         self.role = role
         self.status = "ok"  # what its health answers say
+        self.tier_group = ""  # its stats' kv_tier_group
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -71,7 +72,7 @@ class FakeInstance:
         elif isinstance(msg, P.Stats):
             reply = P.StatsReply(id=msg.id, stats={
                 "running": 0, "waiting": 0, "kv_blocks_total": 100, "kv_blocks_free": 80, "kv_blocks_used": 20,
-                "requests_received": self.received, "kv_usage": 0.2})
+                "requests_received": self.received, "kv_usage": 0.2, "kv_tier_group": self.tier_group})
         else:
             self.received += isinstance(msg, P.Generate)
             self.got.put(msg)

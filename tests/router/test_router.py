@@ -90,14 +90,17 @@ def instances_up(router: Router) -> dict[str, bool]:
 # ---- the policy and the stats merge, in-process ----
 
 class FakeTarget:
-    def __init__(self, address: str, load: int, free: float) -> None:
-        self.address, self._load, self._free = address, load, free
+    def __init__(self, address: str, load: int, free: float, tier: str = "") -> None:
+        self.address, self._load, self._free, self._tier = address, load, free, tier
 
     def load(self) -> int:
         return self._load
 
     def free_share(self) -> float:
         return self._free
+
+    def tier_group(self) -> str:
+        return self._tier
 
 
 @given(st.lists(st.tuples(st.lists(st.integers(0, 20), min_size=1, max_size=4),
@@ -110,7 +113,7 @@ def test_policy_stays_within_the_imbalance_bound(steps):
         assert chosen in targets
         assert chosen.load() <= min(loads) + (MAX_IMBALANCE if key is not None else 0)
         if key is not None:
-            assert policy.affinity[key] == chosen.address
+            assert policy.affinity[key] == (chosen.address, "")
 
 
 def test_policy_keeps_a_prefix_on_its_instance_and_skips_full_ones():
