@@ -268,9 +268,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                                  '(docs/speculative.md): use "ngram" or "suffix"')
         pd, par = self.kv_transfer_config, self.parallel_config
         cc = self.cache_config
-        if cc.kv_offload_dir and pd.role != "mixed":
-            raise ValueError(f"--kv-offload-dir with --role {pd.role}: the KV tier runs on mixed "
-                             f"instances only for now (one KV connector per instance)")
         if cc.kv_offload_dir and par.nnodes > 1:
             raise ValueError("--kv-offload-dir with --nnodes > 1: the tier moves the one KV segment "
                              "that the ranks of one host share; across hosts it is not built yet")

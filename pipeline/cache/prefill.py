@@ -17,12 +17,18 @@ CUDA IPC (``spec.model.kv_cuda_ipc``, `cuda_ipc.open_pool`); on CUDA it ships on
 IPC into decode pools on CUDA on this host (config.kv_transfer "tcp" is refused at start: tcp
 from GPU memory is not built).
 
+With a KV tier beside it (``cache.role_tier``) a ``TierPlan`` on kv_plans goes to
+``on_other`` (the tier's thread) and both write kv_reports under ``report_lock``.
+
 State: the ring ends, the layer signal, the local pool's mapping, the links (`LinkCache`) and,
 per (peer, remote request) whose transfer failed, why (bounded, for its KVFinish).
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -89,6 +95,15 @@ class PrefillMessager:
         self.messager = Messager(self.signal, layer_timeout_s=self.timeout_s,
                                  num_layers=layout.num_layers)
         self.failed: OrderedDict[tuple[str, str], str] = OrderedDict()  # (peer, remote id) -> why
+        # A KV tier's thread beside this loop (cache.role_tier): where its plans go, and the
+        # lock that keeps kv_reports single-producer.
+        self.on_other: Callable[[Any], None] | None = None
+        self.report_lock = threading.Lock()
+
+    def send_report(self, rep: Any) -> None:
+        """A report to the engine (kv_reports), from this loop or the tier's thread."""
+        with self.report_lock:
+            self.reports.send(rep)
 
     # ---- the loop ----
     def run_forever(self) -> None:
@@ -108,15 +123,17 @@ class PrefillMessager:
         if isinstance(msg, TransferPlan):
             rep = self.transfer(msg)
             try:
-                self.reports.send(rep)
+                self.send_report(rep)
             except ValueError:  # over the ring's limit: the reasons shortened, never dropped
                 rep.failed = {rid: why[:64] for rid, why in rep.failed.items()}
-                self.reports.send(rep)
+                self.send_report(rep)
         elif isinstance(msg, KVFinish):
             try:
                 self.finish(msg)
             except Exception as e:  # noqa: BLE001 - one bad message must not end the stage
                 log(self.spec, f"KVFinish of {msg.req_id!r} dropped: {type(e).__name__}: {e}")
+        elif self.on_other is not None:
+            self.on_other(msg)
         return True
 
     # ---- TransferPlan ----

@@ -2,10 +2,11 @@
 it in on a decode instance (prefill/decode disaggregation, seed 000), or moves blocks
 between the pool and a KV tier's files.
 
-`run(spec, ready)` runs one of three loops: `tier.TierMessager` with ``--kv-offload-dir``,
-else by ``spec.config.role`` `prefill.PrefillMessager` (plans from the engine, shipped layer
-by layer to the decode peers) or `decode.DecodeMessager` (a receiver turning done messages
-into ``KVReady`` for the engine).
+`run(spec, ready)` runs one of four loops: by ``spec.config.role`` `prefill.PrefillMessager`
+(plans from the engine, shipped layer by layer to the decode peers) or `decode.DecodeMessager`
+(a receiver turning done messages into ``KVReady`` for the engine); with ``--kv-offload-dir``
+`tier.TierMessager` on a mixed instance, else `role_tier.RoleTierMessager` (the role's loop
+and the tier's side by side).
 Both need the worker's KV pool exported (`stage_spec.model_of`): in shared memory
 (``spec.model.kv_segment``, CPU) or by CUDA IPC (``spec.model.kv_cuda_ipc``, CUDA).
 
@@ -18,6 +19,7 @@ import sys
 
 from pipeline.cache.decode import DecodeMessager
 from pipeline.cache.prefill import PrefillMessager
+from pipeline.cache.role_tier import RoleTierMessager
 from pipeline.cache.tier import TierMessager
 from pipeline.runtime.process import ReadyFn, log
 from pipeline.runtime.spec import StageSpec
@@ -36,11 +38,17 @@ def _log_to_stderr(spec: StageSpec) -> None:
 
 def run(spec: StageSpec, ready: ReadyFn) -> None:
     role = spec.config.kv_transfer_config.role
-    loop: PrefillMessager | DecodeMessager | TierMessager
-    if spec.config.cache_config.kv_offload_dir:
+    loop: PrefillMessager | DecodeMessager | TierMessager | RoleTierMessager
+    tier_dir = spec.config.cache_config.kv_offload_dir
+    if tier_dir and role in ("prefill", "decode"):
+        loop = RoleTierMessager(spec)
+        info: dict = {"kv_endpoint": loop.endpoint} if role == "decode" else {}
+        what = f"KV tier in {tier_dir}" + (f", listening on {loop.endpoint}" if loop.endpoint else "")
+        role += " + tier"
+    elif tier_dir:
         loop = TierMessager(spec)
-        info: dict = {}
-        what = f"KV tier in {spec.config.cache_config.kv_offload_dir}"
+        info = {}
+        what = f"KV tier in {tier_dir}"
         role = "tier"
     elif role == "prefill":
         loop = PrefillMessager(spec)

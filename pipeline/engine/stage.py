@@ -3,13 +3,13 @@
 Inputs (wait_any on one doorbell): new requests and client aborts from the tokenizer stage,
 stop-string hits from the token processor, sampled tokens from worker rank 0, and the cache
 messager's reports (prefill role: TransferReports on ring kv_reports; decode role: KVReady on
-ring kv_ready; a KV tier: TierReports on kv_reports). Outputs: each step's SchedulerOutput to
-the workers (broadcast ring; the core's executor), EngineOutputs to the token processor, the
-KV connector's TransferPlans, KVFinish and TierPlan messages to the cache messager (ring
-kv_plans) and an EngineStats snapshot to the gateway a few times a second. Only this process
-allocates, frees or caches KV blocks. When idle it audits the block table and logs violations
-with the ids; an idle loop waits no later than the connector's next deadline (reservations,
-quarantine, sends).
+ring kv_ready; a KV tier, beside either: TierReports on kv_reports). Outputs: each step's
+SchedulerOutput to the workers (broadcast ring; the core's executor), EngineOutputs to the
+token processor, the KV connector's TransferPlans, KVFinish and TierPlan messages to the
+cache messager (ring kv_plans) and an EngineStats snapshot to the gateway a few times a
+second. Only this process allocates, frees or caches KV blocks. When idle it audits the
+block table and logs violations with the ids; an idle loop waits no later than the
+connector's next deadline (reservations, quarantine, sends).
 
 Async scheduling in the mixed role only (``EngineCore``: depth 2). The other roles stay
 synchronous: a prefill-role step's TransferPlan is made from its requests' confirmed state
@@ -24,7 +24,7 @@ import traceback
 import msgspec
 
 from pipeline.engine.core import EngineCore
-from pipeline.engine.kv_connector.tier import TierConnector
+from pipeline.engine.kv_connector.composite import with_tier
 from pipeline.engine.kv_connector.tier_index import tier_hash_key
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.step_log import StepLog
@@ -80,7 +80,7 @@ class EngineLoop:
             layout = msgspec.structs.replace(m.kv, model_hash=m.kv_tier_id)
             hash_key = tier_hash_key(tier_dir)
             self.tier_group = layout.tier_group(hash_key)
-            connector = lambda s: TierConnector(s, tier_dir, layout)  # noqa: E731
+            connector = with_tier(tier_dir, layout)  # with the role's (prefill, decode)
         self.sched = Scheduler(spec.config, m.kv.num_blocks, m.kv.block_size, m.max_model_len,
                                hash_key, async_scheduling=self.async_scheduling, connector=connector)
         self.requests = rings.attach(spec, "requests")  # tokenizer -> engine

@@ -80,7 +80,8 @@ RINGS: tuple[RingDecl, ...] = (
     # Disaggregation only. Prefill: the engine's transfer plans and the messager's reports;
     # worker rank 0 publishes each layer's "KV written" on the layer signal, sized by the
     # gateway in layers (every rank's when the ranks share one KV segment, worker.kv_cache).
-    # A KV tier (mixed role): the engine's TierPlans (loads, saves) and the messager's reports.
+    # A KV tier (any role): the engine's TierPlans (loads, saves) and the messager's reports,
+    # beside a prefill instance's plans and reports on the same two rings.
     RingDecl("kv_plans", "engine", "messager",
              {Tag.TRANSFER_PLAN: TransferPlan, Tag.KV_FINISH: KVFinish, Tag.TIER_PLAN: TierPlan},
              Sizes.kv_plan, roles=PREFILL, tier=True),

@@ -88,7 +88,6 @@ def test_two_ranks_share_the_tier_as_one_pool(model, tmp_path):
     (["--kv-offload-size", "1GiB"], "--kv-offload-size"),
     (["--kv-offload-dir", "{tier}", "--kv-offload-size", "lots"], "--kv-offload-size"),
     (["--kv-offload-dir", "{tier}", "--no-prefix-caching"], "prefix caching"),
-    (["--kv-offload-dir", "{tier}", "--role", "decode"], "--role decode"),
     (["--kv-offload-host", "1GiB"], "--kv-offload-host"),
 ])
 def test_bad_tier_flags_are_refused_naming_the_flag(model, tmp_path, flags, needle):

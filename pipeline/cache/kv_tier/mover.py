@@ -8,7 +8,9 @@ a time, checking for new loads between batches, each batch answered so the engin
 references. State: the DiskTier, the pool view and the queued saves.
 
 The transport is the caller's: the cache messager process passes its rings (``cache.tier``),
-the in-process ``LLM`` a pair of queues and a thread (``InProcessTier``).
+a prefill or decode instance's messager a queue and a thread beside its role's loop
+(``TierThread``, ``cache.role_tier``), the in-process ``LLM`` a pair of queues and a thread
+(``InProcessTier``).
 """
 from __future__ import annotations
 
@@ -86,14 +88,19 @@ class TierMover:
             self.save_batch()
 
 
-class InProcessTier:
-    """A TierMover on a thread of this process (the in-process ``LLM``): ``submit`` a plan,
-    ``poll`` the reports (waiting up to ``timeout`` for one)."""
+_STOP = object()  # TierThread.close's last message
 
-    def __init__(self, tier: DiskTier, pool: np.ndarray) -> None:
+
+class TierThread:
+    """A TierMover on a thread of this process, fed by ``submit``; its reports go to ``send``
+    (called on the thread). It blocks on its queue while no save is queued (no polling).
+    ``close`` stops it after the plans submitted before, and with ``drain`` after their saves."""
+
+    def __init__(self, tier: DiskTier, pool: np.ndarray, send: Callable[[TierReport], None],
+                 drain: bool = True) -> None:
         self.plans: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.reports: queue.SimpleQueue[TierReport] = queue.SimpleQueue()
-        self.mover = TierMover(tier, pool, self._recv, self.reports.put)
+        self.mover = TierMover(tier, pool, self._recv, send)
+        self.drain = drain
         self.error: BaseException | None = None
         self._stop = False
         self.thread = threading.Thread(target=self._run, name="kv-tier", daemon=True)
@@ -101,18 +108,21 @@ class InProcessTier:
 
     def _recv(self, timeout: float | None) -> Any:
         try:
-            return self.plans.get(timeout=timeout) if timeout != 0 else self.plans.get_nowait()
+            msg = self.plans.get(timeout=timeout) if timeout != 0 else self.plans.get_nowait()
         except queue.Empty:
             return None
+        if msg is _STOP:
+            self._stop = True
+            return None
+        return msg
 
     def _run(self) -> None:
         try:
             while not self._stop:
-                self.mover.run_once(0.1)
-            while (msg := self._recv(0)) is not None:
-                self.mover.take(msg)
-            self.mover.drain()
-        except BaseException as e:  # noqa: BLE001 - told to the engine by poll
+                self.mover.run_once(None)
+            if self.drain:
+                self.mover.drain()
+        except BaseException as e:  # noqa: BLE001 - told by submit / check
             self.error = e
 
     def submit(self, plan: Any) -> str | None:
@@ -121,16 +131,32 @@ class InProcessTier:
         self.plans.put(plan)
         return None
 
-    def poll(self, timeout: float) -> TierReport | None:
+    def check(self) -> None:
+        """RuntimeError if the thread failed."""
         if self.error is not None:
             raise RuntimeError(f"KV tier thread failed: {self.error!r}") from self.error
+
+    def close(self, timeout: float | None = None) -> None:
+        self.plans.put(_STOP)
+        self.thread.join(timeout)
+
+
+class InProcessTier(TierThread):
+    """The in-process ``LLM``'s tier: ``submit`` a plan, ``poll`` the reports (waiting up to
+    ``timeout`` for one); ``close`` writes the queued saves first."""
+
+    def __init__(self, tier: DiskTier, pool: np.ndarray) -> None:
+        self.reports: queue.SimpleQueue[TierReport] = queue.SimpleQueue()
+        super().__init__(tier, pool, self.reports.put)
+
+    def poll(self, timeout: float) -> TierReport | None:
+        self.check()
         try:
             return self.reports.get(timeout=timeout) if timeout > 0 else self.reports.get_nowait()
         except queue.Empty:
             return None
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Finish the queued saves, then stop."""
-        self._stop = True
-        self.thread.join()
+        super().close(timeout)
         self.mover.tier.close()

@@ -1,5 +1,6 @@
 """Engine stage: KV connectors (``base.KVConnector``): the prefill and decode roles of
-prefill/decode disaggregation, and later a second KV tier."""
+prefill/decode disaggregation, a second KV tier (``tier``) and a role with a tier
+(``composite``, whose ``with_tier`` makes the connector of an instance with one)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -10,6 +10,11 @@ or at the end of ``schedule()``), waits for its KVReady (``on_message``; or time
 ``poll``), appends the prefill instance's first token and joins the batch first thing,
 holding its blocks with the prompt computed. A reservation that ended before its KV arrived
 leaves its writable blocks in the quarantine until its KVReady or deadline.
+
+With a KV tier (``tier``, set by ``composite.CompositeConnector``): a reservation's prompt
+blocks beyond the pool's hit that are on disk are loaded first, and its KVReservation goes
+out once they are in, counting the intact ones as cached (``_loaded``), so the prefill
+instance sends only the rest.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from pipeline.messages import EngineOutput, EngineRequest
 from pipeline.messages.kv import FALLBACK_ERROR, KVReady
 
 if TYPE_CHECKING:
+    from pipeline.engine.kv_connector.tier import TierConnector
     from pipeline.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -42,6 +48,7 @@ class DecodeConnector(KVConnector):
         self._outputs: list[EngineOutput] = []  # reservations made in schedule()
         self.num_kv_transfers_failed = 0
         self.num_kv_ready_ignored = 0  # KVReady for no reservation (gone, or never made)
+        self.tier: TierConnector | None = None  # a KV tier beside it (composite)
 
     # -- admission -------------------------------------------------------------------------
     def check_request(self, er: EngineRequest, req_ids: set[str], num_prompt: int) -> None:
@@ -65,7 +72,16 @@ class DecodeConnector(KVConnector):
         """Reserve blocks for queued requests (FCFS), keeping the running requests' reserve
         free as admission does; their KVReservation outputs."""
         res = self.reservations
-        return [res.output(req, self.endpoint) for req in res.reserve(self.sched.admission.headroom())]
+        return [res.output(req, self.endpoint)
+                for req in res.reserve(self.sched.admission.headroom(), self.tier, self._loaded)]
+
+    def _loaded(self, req: Request, num_ok: int) -> list[EngineOutput]:
+        """``req``'s tier load is in: its intact blocks computed and cached (the tier's
+        ``_land``); reserved now, its KVReservation counting them as the decode side's."""
+        assert req.num_cached_tokens == req.num_computed_tokens, (req.num_cached_tokens,
+                                                                  req.num_computed_tokens)
+        self.reservations.loaded(req)
+        return [self.reservations.output(req, self.endpoint)]
 
     # -- leaving ---------------------------------------------------------------------------
     def detach(self, req: Request) -> bool:
@@ -96,7 +112,9 @@ class DecodeConnector(KVConnector):
         blocks but the quarantined ones."""
         sched, outs = self.sched, []
         for req in self.reservations.expired():
-            why = self.reservations.timeout_message(req)
+            # A loading one: the tier holds the blocks it loads into until its report.
+            loading = self.tier is not None and self.tier.detach(req)
+            why = self.reservations.timeout_message(req, loading)
             req.status = RequestStatus.FINISHED_ERROR
             sched.finish(req, why)
             outs.append(final_output(req, [], why, error_code="kv_transfer_timeout"))

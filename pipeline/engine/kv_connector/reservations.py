@@ -7,7 +7,10 @@ Owns / State:
   (arrival at the engine + kv_transfer_timeout on an injectable monotonic clock): ``queued``
   (FCFS, no blocks yet) then ``reserved`` (holding blocks for the whole prompt plus the first
   decode token's slot, so a request whose KV arrived never needs a block to join the batch),
-  both in arrival order, so deadlines are ordered too. And the ``quarantine``: once a
+  both in arrival order, so deadlines are ordered too. With a KV tier, a request whose prompt
+  blocks beyond the pool's hit are on disk holds its blocks in ``loading`` first, while they
+  load, and is reserved (its KVReservation made) once they are in, counting them as cached:
+  the prefill instance sends none of them. And the ``quarantine``: once a
   KVReservation went out, a prefill instance may be writing into its blocks (ipc: straight
   into this instance's KV segment; tcp: through this instance's cache messager) until it
   says "done" (a KVReady, ok or not: the prefill messager sends it after the request's last
@@ -28,12 +31,16 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pipeline.engine.block_pool import KVBlock
 from pipeline.engine.kv_cache_manager import KVCacheManager
 from pipeline.engine.request import Request, RequestStatus
 from pipeline.messages import EngineOutput
 from pipeline.messages.kv import KVReservation
+
+if TYPE_CHECKING:
+    from pipeline.engine.kv_connector.tier import Landed, TierConnector
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +66,7 @@ class Reservations:
         # Both in arrival order: reservations are made FCFS (never skipping the head).
         self.queued: dict[str, Request] = {}
         self.reserved: dict[str, Request] = {}
+        self.loading: dict[str, Request] = {}  # holding blocks, their tier hits loading
         self.deadlines: dict[str, float] = {}
         # Request id -> (blocks a peer may still write, deadline); in the order set aside, so
         # deadlines are ordered too.
@@ -68,38 +76,61 @@ class Reservations:
         self.num_quarantine_expired = 0  # released at their deadline, without a KVReady
 
     def __len__(self) -> int:
-        """Live reservations (queued or reserved); the quarantine holds no request."""
-        return len(self.queued) + len(self.reserved)
+        """Live reservations (queued, loading or reserved); the quarantine holds no request."""
+        return len(self.queued) + len(self.loading) + len(self.reserved)
 
     @property
     def num_reserved_blocks(self) -> int:
-        """Blocks held for a peer: the reserved requests' and the quarantined ones."""
-        return sum(len(r.blocks) for r in self.reserved.values()) + self.num_quarantined_blocks
+        """Blocks held for a peer: the reserved (and loading) requests' and the quarantined ones."""
+        return (sum(len(r.blocks) for d in (self.reserved, self.loading) for r in d.values())
+                + self.num_quarantined_blocks)
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING_FOR_KV
         self.deadlines[req.req_id] = self.clock() + self.timeout_s
         self.queued[req.req_id] = req
 
-    def reserve(self, headroom: int) -> list[Request]:
+    def reserve(self, headroom: int, tier: TierConnector | None = None,
+                landed: Landed | None = None) -> list[Request]:
         """Give queued requests, in arrival order, blocks for ``reserve_tokens`` (prefix-cache
         hits first) while ``headroom`` blocks stay free for the running requests' growth.
-        Returns those that got them (``num_cached_tokens`` set to the hit)."""
+        Returns those that got them (``num_cached_tokens`` set to the hit). With a ``tier``,
+        one whose next blocks are on disk loads them first (``loading``; ``landed`` then
+        calls ``loaded``)."""
         kv, out = self.kv, []
         while self.queued:
             req = next(iter(self.queued.values()))
             computed, n_hit = kv.get_computed_blocks(req)
+            n_ext = 0 if tier is None else tier.get_num_new_matched_tokens(req, n_hit)
+            if n_ext < 0:
+                break  # its next blocks are being loaded for another request: soon a pool hit
             n = reserve_tokens(req) - n_hit
             if kv.blocks_needed(req, n, computed) + headroom > kv.pool.num_free_blocks:
                 break
-            if kv.allocate_slots(req, n, computed) is None:
+            new = kv.allocate_slots(req, n, computed)
+            if new is None:
                 break
             del self.queued[req.req_id]
             kv.record_lookup(req.num_prompt_tokens, n_hit)
-            req.num_cached_tokens = n_hit
+            req.num_cached_tokens = n_hit + n_ext  # the tier's report takes back what failed
+            if n_ext:
+                assert tier is not None and landed is not None
+                self.loading[req.req_id] = req
+                tier.update_state_after_alloc(req, new[:n_ext // kv.block_size], n_ext, landed)
+                continue
             self.reserved[req.req_id] = req
             out.append(req)
         return out
+
+    def loaded(self, req: Request) -> None:
+        """``req``'s tier load is in (its intact blocks cached and counted in
+        ``num_cached_tokens``): reserved now, in arrival order among the reserved."""
+        del self.loading[req.req_id]
+        res, deadlines = self.reserved, self.deadlines
+        late = bool(res) and deadlines[next(reversed(res))] > deadlines[req.req_id]
+        res[req.req_id] = req
+        if late:  # a later arrival was reserved while this one loaded: keep deadline order
+            self.reserved = dict(sorted(res.items(), key=lambda item: deadlines[item[0]]))
 
     def output(self, req: Request, endpoint: str) -> EngineOutput:
         """The reservation's output (what the router forwards to a prefill instance): the
@@ -114,8 +145,10 @@ class Reservations:
                              num_cached_tokens=req.num_cached_tokens, endpoint=endpoint,
                              timeout_s=max(0.0, self.deadlines[req.req_id] - self.clock())))
 
-    def timeout_message(self, req: Request) -> str:
+    def timeout_message(self, req: Request, loading: bool = False) -> str:
         t = f"--kv-transfer-timeout {self.timeout_s:g} s"
+        if loading:
+            return f"the prompt's KV blocks on the KV tier did not load within {t}"
         if req.req_id in self.quarantine:
             return f"the prompt's KV did not arrive from a prefill instance within {t}"
         return f"no KV blocks could be reserved for the prompt within {t}"
@@ -129,9 +162,11 @@ class Reservations:
         return req
 
     def discard(self, req: Request) -> None:
-        """Forget ``req`` in either state (aborted). A reserved one's blocks that a peer may
-        be writing go to the quarantine; the rest stay in ``req.blocks``, the caller's to free."""
-        if self.queued.pop(req.req_id, None) is not None:
+        """Forget ``req`` in any state (aborted). A reserved one's blocks that a peer may
+        be writing go to the quarantine; the rest stay in ``req.blocks``, the caller's to free
+        (a loading one's: no peer knows them; the tier holds those it loads into)."""
+        if self.queued.pop(req.req_id, None) is not None or \
+                self.loading.pop(req.req_id, None) is not None:
             del self.deadlines[req.req_id]
         elif self.reserved.pop(req.req_id, None) is not None:
             del self.deadlines[req.req_id]
@@ -189,16 +224,17 @@ class Reservations:
     def next_deadline(self) -> float | None:
         """The earliest deadline (the clock's time) of a reservation or a quarantine entry,
         None without either."""
-        firsts = [self.deadlines[next(iter(d))] for d in (self.queued, self.reserved) if d]
+        firsts = [self.deadlines[next(iter(d))] for d in (self.queued, self.loading, self.reserved) if d]
         if self.quarantine:
             firsts.append(next(iter(self.quarantine.values()))[1])
         return min(firsts) if firsts else None
 
     def expired(self) -> list[Request]:
         """Remove and return the requests past their deadline (the caller frees their blocks
-        and fails them; a reserved one's writable blocks went to the quarantine)."""
+        and fails them; a reserved one's writable blocks went to the quarantine, a loading
+        one's loading blocks are the tier's to hold)."""
         now, out = self.clock(), []
-        for d in (self.queued, self.reserved):
+        for d in (self.queued, self.loading, self.reserved):
             while d:
                 rid = next(iter(d))
                 if self.deadlines[rid] > now:
@@ -216,12 +252,12 @@ class Reservations:
             if r.blocks or r.status != RequestStatus.WAITING_FOR_KV:
                 errs.append(f"queued reservation {r.req_id} ({r.status.name}) holds "
                             f"{len(r.blocks)} blocks")
-        for r in self.reserved.values():
+        for r in (*self.loading.values(), *self.reserved.values()):
             if r.status != RequestStatus.WAITING_FOR_KV or \
                     len(r.blocks) * self.kv.block_size < reserve_tokens(r):
                 errs.append(f"reservation {r.req_id} ({r.status.name}) holds {len(r.blocks)} "
                             f"blocks for {reserve_tokens(r)} tokens")
-        if set(self.deadlines) != set(self.queued) | set(self.reserved):
+        if set(self.deadlines) != set(self.queued) | set(self.loading) | set(self.reserved):
             errs.append("reservation deadlines do not match the reservations")
         n = 0
         for rid, (blocks, _) in self.quarantine.items():

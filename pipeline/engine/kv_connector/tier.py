@@ -25,11 +25,15 @@ the plans not sent yet, the last lookup and the counters. The files are the cach
   report names the load by request id.
 - Preemption recomputes nothing the tier holds: a preempted request's full blocks were saved
   when computed, so its re-admission is a pool hit or a tier load (docs/kv_tier.md: the rule).
+- A load for another connector (``landed``: a decode-role reservation, ``composite``) lands
+  the same way, then goes to that callback instead of back to the queue: that connector holds
+  (and counts) the request, the tier only its load.
 """
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,12 +56,17 @@ LOOKUP_TTL_S = 1.0  # how long a request's lookup stands while it waits for admi
 # is not saved (counted): a slow or full disk costs the tier hits, never the batch its blocks.
 MAX_SAVING_SHARE = 0.25
 
+# What a load for another connector calls once it landed (the request's computed tokens and
+# cached blocks updated): that connector's outputs.
+Landed = Callable[[Request, int], list[EngineOutput]]
+
 
 @dataclass(slots=True)
 class _Load:
     req: Request
     blocks: list[KVBlock]
     keys: list[bytes]
+    landed: Landed | None = None
     t0: float = field(default_factory=time.monotonic)
 
 
@@ -85,14 +94,18 @@ class TierConnector(KVConnector):
         self.num_load_bytes = self.num_saved_blocks = self.num_save_bytes = 0
         self.load_seconds = self.save_seconds = self.load_wait_seconds = 0.0
         self.num_load_waits = self.num_save_skipped = 0
+        self.num_lent = 0  # loads in flight whose request another connector holds
         self.max_saving = max(1, int(MAX_SAVING_SHARE * sched.kv.pool.num_blocks))
 
     def check_request(self, er: EngineRequest, req_ids: set[str], num_prompt: int) -> None:
+        self.check_ids(req_ids)
+        super().check_request(er, req_ids, num_prompt)
+
+    def check_ids(self, req_ids: set[str]) -> None:
         for rid in req_ids:
             if rid in self.orphans:  # its load's report must free only that load's blocks
                 raise ValueError(f"request id {rid!r} is still in the engine: the KV tier load "
                                  f"of its aborted request is in flight")
-        super().check_request(er, req_ids, num_prompt)
 
     # -- saves -----------------------------------------------------------------------------
     def on_cached(self, block: KVBlock) -> None:
@@ -141,12 +154,16 @@ class TierConnector(KVConnector):
                 break
         return n * self.bs
 
-    def update_state_after_alloc(self, req: Request, blocks: list[KVBlock], num_external: int) -> None:
+    def update_state_after_alloc(self, req: Request, blocks: list[KVBlock], num_external: int,
+                                 landed: Landed | None = None) -> None:
+        """``landed``: the load is another connector's (it holds the request): called once
+        the load is in, instead of handing the request back to the queue."""
         n = num_external // self.bs
         i0 = req.num_computed_tokens // self.bs
         keys = req.block_hashes[i0:i0 + n]
         assert len(blocks) == n == len(keys), (len(blocks), n, len(keys))
-        self.loading[req.req_id] = _Load(req, list(blocks), list(keys))
+        self.loading[req.req_id] = _Load(req, list(blocks), list(keys), landed)
+        self.num_lent += landed is not None
         for k in keys:
             self.loading_keys[k] = req.req_id
         self._loads.append(TierLoad(req.req_id, ids_bytes([b.block_id for b in blocks]), list(keys)))
@@ -187,23 +204,25 @@ class TierConnector(KVConnector):
         self.num_saved_blocks += msg.num_written
         self.num_save_bytes += msg.bytes_written
         self.save_seconds += msg.save_seconds
+        outs: list[EngineOutput] = []
         for ld in msg.loaded:
-            self._land(ld.req_id, ld.num_ok)
+            outs += self._land(ld.req_id, ld.num_ok)
             self.num_load_bytes += ld.bytes
             self.load_seconds += ld.seconds
-        return []
+        return outs
 
-    def _land(self, req_id: str, num_ok: int) -> None:
+    def _land(self, req_id: str, num_ok: int) -> list[EngineOutput]:
         orphan = self.orphans.pop(req_id, None)
         load = self.loading.pop(req_id, None) if orphan is None else orphan
         if load is None:
-            return
+            return []
         for k in load.keys:
             if self.loading_keys.get(k) == req_id:
                 del self.loading_keys[k]
         if orphan is not None:  # its request ended: the messager is done with the blocks
             self.sched.kv.pool.free_blocks(reversed(orphan.blocks))
-            return
+            return []
+        self.num_lent -= load.landed is not None
         req, n = load.req, len(load.blocks)
         num_ok = max(0, min(num_ok, n))
         self.num_failed_blocks += n - num_ok
@@ -218,8 +237,11 @@ class TierConnector(KVConnector):
             self.sched.kv.cache_computed_blocks(req)
         finally:
             self._landing = False
+        if load.landed is not None:
+            return load.landed(req, num_ok)
         self.resumed.add(req_id)
         self.sched.resume(req)
+        return []
 
     # -- leaving ---------------------------------------------------------------------------
     def detach(self, req: Request) -> bool:
@@ -229,6 +251,7 @@ class TierConnector(KVConnector):
         # The messager may be writing into the blocks it loads: they stay held until its
         # report; the request's other blocks (its pool hit, the rest) are freed with it.
         targets = {b.block_id for b in load.blocks}
+        self.num_lent -= load.landed is not None
         self.orphans[req.req_id] = load
         req.blocks = [b for b in req.blocks if b.block_id not in targets]
         req.num_cached_blocks = 0
@@ -243,7 +266,8 @@ class TierConnector(KVConnector):
     # -- accounting ------------------------------------------------------------------------
     @property
     def num_held(self) -> int:
-        return len(self.loading)
+        """Its own loads' requests (another connector counts those it lent a load)."""
+        return len(self.loading) - self.num_lent
 
     def may_hold_blocks(self, req: Request) -> bool:
         st = req.status
