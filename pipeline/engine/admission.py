@@ -45,6 +45,7 @@ class StepBudget:
     preempted: list[Request] = field(default_factory=list)
     new_request_bytes: int = 0  # of the requests admitted in this step
     spec: dict[str, bytes] = field(default_factory=dict)  # drafts verified (SchedulerOutput)
+    spec_idle: list[str] = field(default_factory=list)  # no drafts wanted next step
 
 
 class Admission:

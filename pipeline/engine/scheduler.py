@@ -234,7 +234,9 @@ class Scheduler:
         bs = self.block_size
         order: list[Request] = []  # batch order: decodes, then continuing prefills
         prefills: list[Request] = []
-        ahead, max_len = self.async_scheduling, self.max_model_len
+        ahead, max_len, spec = self.async_scheduling, self.max_model_len, self.spec
+        if spec is not None:
+            spec.begin_step()
         # A snapshot: preemption shrinks self.running while we walk it.
         for req in list(self.running):
             if st.budget <= 0:
@@ -248,11 +250,14 @@ class Scheduler:
             if len(req.all_token_ids) + req.num_placeholders - start != 1:
                 prefills.append(req)
                 continue
-            # Drafts: as many as leave room for the token it samples anyway in the budget,
-            # max_tokens and max_model_len.
-            drafts = (self.spec.drafts_for(req, min(st.budget, min(req.max_num_tokens, max_len)
-                                                    - len(req.all_token_ids)) - 1)
-                      if req.spec_token_ids and self.spec is not None else [])
+            drafts: list[int] = []
+            if spec is not None:
+                # Drafts: as many as leave room for the token it samples anyway in the
+                # budget, max_tokens and max_model_len.
+                drafts = spec.drafts_for(req, min(st.budget, min(req.max_num_tokens, max_len)
+                                                  - len(req.all_token_ids)) - 1)
+                if not spec.wants_drafts(req):
+                    st.spec_idle.append(req.req_id)
             n = 1 + len(drafts)
             # Fast path: the decode token (and drafts) still fit in the request's last block.
             if start + n <= len(req.blocks) * bs or self._grow(req, n, st):
@@ -292,7 +297,7 @@ class Scheduler:
             self.connector.build_connector_meta(step, num_sched, not preempted)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(step, new_reqs, cached_reqs, num_sched, sum(num_sched.values()),
-                               finished, [r.req_id for r in preempted], st.spec)
+                               finished, [r.req_id for r in preempted], st.spec, st.spec_idle)
 
     def _grow(self, req: Request, n: int, st: StepBudget) -> bool:
         """Room for ``n`` more tokens of running ``req``, preempting victims until it fits.

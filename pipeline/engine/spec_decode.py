@@ -74,6 +74,25 @@ class SpecDecode:
         self.drafted_per_position = [0] * num_speculative_tokens
         self.cost = StepCost()
         self.cap = num_speculative_tokens  # the draft positions worth their cost
+        # cap 0 (not even the first position pays): one step in PROBE_EVERY drafts one
+        # position all the same, so its acceptance keeps being measured.
+        self.step_cap = num_speculative_tokens
+        self._cap_probe = 0
+
+    def begin_step(self) -> None:
+        """At the start of a schedule(): this step's cap."""
+        if self.cap:
+            self.step_cap, self._cap_probe = self.cap, 0
+        else:
+            self.step_cap = 1 if self._cap_probe == 0 else 0
+            self._cap_probe = (self._cap_probe + 1) % PROBE_EVERY
+
+    def wants_drafts(self, req: Request) -> bool:
+        """Whether ``req``, just scheduled, may verify drafts at its next step: the worker
+        proposes for it only then (proposing costs the worker's step time)."""
+        if self.cap == 0 and self._cap_probe != 0:
+            return False
+        return req.spec_k > 0 or req.spec_probe <= 1
 
     def start(self, req: Request) -> None:
         """A request's first run (or a rerun after preemption): K from the top."""
@@ -92,7 +111,7 @@ class SpecDecode:
             if req.spec_probe > 0:
                 return []
             k = 1
-        n = min(k, self.cap, room, len(req.spec_token_ids))
+        n = min(k, self.step_cap, room, len(req.spec_token_ids))
         return req.spec_token_ids[:n] if n > 0 else []
 
     def observe_step(self, tokens: int, seconds: float, produced: int) -> None:
@@ -108,7 +127,7 @@ class SpecDecode:
         while cap < self.k and ((self.accepted_per_position[cap] + 1)
                                 / (self.drafted_per_position[cap] + 2)) > price:
             cap += 1
-        self.cap = max(cap, 1)  # one draft always: it keeps measuring the first position
+        self.cap = cap
 
     def on_verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """``req``'s step verified ``num_drafts`` drafts and accepted the first ``num_accepted``."""

@@ -60,6 +60,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # Speculative decoding: req_id -> the draft tokens this step verifies (int32 bytes). Such
     # a request runs 1 + len(drafts) tokens: its last known token, then the drafts.
     spec_token_ids: dict[str, bytes] = {}
+    # Requests that will not verify drafts at their next step (dormant, or drafts do not pay
+    # now): the worker proposes nothing for them.
+    spec_idle: list[str] = []
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -51,6 +51,7 @@ class ModelRunner(RankModel):
         spec = config.speculative_config
         # Speculative decoding: rank 0 proposes, every rank verifies the drafts it is sent.
         self.spec = SpecDecoder(spec, proposes=rank == 0) if spec is not None else None
+        self._spec_idle: list[str] = []  # the step's requests to propose nothing for
         self._signal: LayerSignal | None = None
         self._signal_ranks = 1  # ranks sharing the KV segment (and the signal's layers)
         self._signal_stream = None
@@ -113,6 +114,7 @@ class ModelRunner(RankModel):
             b.num_computed_tokens[b.index[cached.req_id]] = cached.num_computed_tokens
         if spec is not None:
             spec.stage(b, sched.spec_token_ids)
+            self._spec_idle = sched.spec_idle
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         # A decode step replays a CUDA graph unless a layer signal must fire per layer.
@@ -193,7 +195,8 @@ class ModelRunner(RankModel):
         else:  # rank 0 samples (and masks); its tokens arrive below
             tokens, logprobs = torch.empty(len(sample_rows), dtype=torch.int64, device=self.device), None
         if self.spec is not None:
-            return self._verify(step_id, tokens, logprobs, sample_rows, spec_logits, by_pos, prompt_lps)
+            return self._verify(step_id, tokens, logprobs, sample_rows, spec_logits, by_pos, prompt_lps,
+                                self._spec_idle)
         if self.tp is not None and (b.num_needs_sampler or b.num_structured):
             tokens = self.tp.broadcast(tokens.to(torch.int64), 0)
         tokens_np = tokens.cpu().numpy()
@@ -205,7 +208,8 @@ class ModelRunner(RankModel):
                                  prompt_logprobs=prompt_lps)
 
     def _verify(self, step_id: int, last: torch.Tensor, last_lps: list | None, sample_rows: np.ndarray,
-                logits: torch.Tensor | None, by_pos: list[np.ndarray], prompt_lps: list) -> ModelRunnerOutput:
+                logits: torch.Tensor | None, by_pos: list[np.ndarray], prompt_lps: list,
+                idle: list[str]) -> ModelRunnerOutput:
         """Speculative decoding: draws at the draft positions (``logits``, None: no drafts),
         the drafts kept, the next drafts proposed (worker.spec.verify)."""
         spec, b = self.spec, self.batch
@@ -229,7 +233,7 @@ class ModelRunner(RankModel):
         return ModelRunnerOutput(step_id=step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
                                  sampled_token_ids=v.tokens, logprobs=v.logprobs or [],
                                  prompt_logprobs=prompt_lps, num_sampled=v.counts,
-                                 draft_token_ids=spec.propose(b, sample_rows))
+                                 draft_token_ids=spec.propose(b, sample_rows, idle))
 
     def close(self) -> None:
         self._drain_signal_stream()

@@ -167,16 +167,18 @@ class SpecDecoder:
         self.staged = {}
         return Verified(tokens, counts, lps)
 
-    def propose(self, b: InputBatch, sample_rows: np.ndarray) -> dict[str, bytes]:
-        """Drafts for each sampled row's next step (rank 0; none for a grammar's rows)."""
+    def propose(self, b: InputBatch, sample_rows: np.ndarray, idle: list[str]) -> dict[str, bytes]:
+        """Drafts for each sampled row's next step (rank 0; none for a grammar's rows, nor
+        for ``idle``: the engine will not verify drafts for them then)."""
         out: dict[str, bytes] = {}
         if self.proposer is None:
             return out
+        skip = set(idle)
         for r in sample_rows.tolist():
-            if b.structured[r]:
-                continue
             rid = b.req_ids[r]
             assert rid is not None  # a live row
+            if b.structured[r] or rid in skip:
+                continue
             n = int(b.num_tokens[r])
             if n >= b.max_model_len:
                 continue
