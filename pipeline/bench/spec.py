@@ -11,7 +11,10 @@ the in-process ``LLM`` (default: the embedded default model, as a user gets it):
 Each figure is output tok/s with the method on over off, runs alternating ABBA (a fresh
 ``LLM`` for each run, so no index learns from a previous run), the median of the pairs'
 ratios; greedy outputs are checked equal on and off. Acceptance: tokens per verify step
-(``spec_mean_acceptance_length``) and accepted drafts per position. Owns nothing beyond the run.
+(``spec_mean_acceptance_length``) and accepted drafts per position; ``ceiling``: the speedup
+this acceptance allows at the price of a token the engine measured in the run (where the
+weights sit in cache, each token a step runs costs compute: the physics of the figure).
+Owns nothing beyond the run.
 """
 from __future__ import annotations
 
@@ -111,6 +114,21 @@ def _run(args: argparse.Namespace, fn, batch: int, spec: dict | None) -> tuple[f
         llm.close()
 
 
+def ceiling(st: dict) -> float:
+    """The most speculation can give with this run's acceptance and this machine's price of
+    a token (engine.spec_decode): max over K of (1 + sum of the first K positions' keep
+    shares) / (1 + K x price), the keep share of position i being accepted / drafted there."""
+    acc, drafted = st.get("spec_accepted_per_position", []), st.get("spec_drafted_per_position", [])
+    price = float(st.get("spec_token_price", 0.0))
+    best, gain = 1.0, 1.0
+    for k, (a, d) in enumerate(zip(acc, drafted), 1):
+        if not d:
+            break
+        gain += a / d
+        best = max(best, gain / (1.0 + k * price))
+    return round(best, 3)
+
+
 def measure(args: argparse.Namespace, rep: Report, workload: str, method: str, batch: int) -> dict:
     fn, _ = WORKLOADS[workload]
     spec = METHODS[method]
@@ -127,6 +145,7 @@ def measure(args: argparse.Namespace, rep: Report, workload: str, method: str, b
         on_tps.append(tps_on)
         off_tps.append(tps_off)
     return rep.add(f"{workload} {method} batch {batch}", workload=workload, method=method, batch=batch,
+                   ceiling=ceiling(st),
                    ratio=round(statistics.median(ratios), 3), ratios=[round(x, 3) for x in ratios],
                    tok_s_on=round(statistics.median(on_tps), 1), tok_s_off=round(statistics.median(off_tps), 1),
                    acceptance_length=round(float(st.get("spec_mean_acceptance_length", 0.0)), 3),

@@ -160,4 +160,4 @@ class SpecDecode:
                 "spec_mean_acceptance_length": 1.0 + self.num_accepted_tokens / n if n else 0.0,
                 "spec_accepted_per_position": list(self.accepted_per_position),
                 "spec_drafted_per_position": list(self.drafted_per_position),
-                "spec_draft_cap": self.cap}
+                "spec_draft_cap": self.cap, "spec_token_price": round(self.cost.token_price(), 4)}

@@ -105,6 +105,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     spec_accepted_per_position: list[int] = []
     spec_drafted_per_position: list[int] = []
     spec_draft_cap: int = 0  # draft positions worth their cost now (engine.spec_decode)
+    # What one more token run costs, in tokens produced (the step cost line's slope x tokens
+    # produced a second): a draft position pays when more than this share of steps keep it.
+    spec_token_price: float = 0.0
     # Equal for two instances exactly when they read the same tier files (``KVLayout.
     # tier_group``): the router sends a prefix to a sibling of the instance that computed it.
     # "" without a tier.
