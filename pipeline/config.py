@@ -263,9 +263,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                                  "(make the keys with `pipeline keys DIR`)")
         if self.speculative_config is not None:
             self.speculative_config.check()
-            if self.speculative_config.method == "draft_model":
-                raise ValueError('--speculative-config method "draft_model" is not built yet '
-                                 '(docs/speculative.md): use "ngram" or "suffix"')
+            draft = self.speculative_config.model
+            if draft and not (Path(draft) / "config.json").is_file():
+                raise ValueError(f'--speculative-config "model": {draft} is not a checkpoint '
+                                 f"directory (no config.json)")
         pd, par = self.kv_transfer_config, self.parallel_config
         cc = self.cache_config
         if cc.kv_offload_dir and par.nnodes > 1:

@@ -108,6 +108,9 @@ class Scheduler:
         # Speculative decoding (engine.spec_decode): a verify step's outcome decides the next
         # step's tokens, so it runs without scheduling ahead.
         self.spec = SpecDecode(spec.num_speculative_tokens) if spec is not None else None
+        # A draft model writes its KV for the K drafts it proposes past a sampling step's
+        # tokens: those slots are allocated with the step (worker.spec.draft).
+        self.lookahead = spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
         self.async_scheduling = (async_scheduling and self.spec is None
                                  and (self.connector is None or self.connector.allows_async))
 
@@ -259,8 +262,9 @@ class Scheduler:
                 if not spec.wants_drafts(req):
                     st.spec_idle.append(req.req_id)
             n = 1 + len(drafts)
+            need = n + min(self.lookahead, max_len - start - n)
             # Fast path: the decode token (and drafts) still fit in the request's last block.
-            if start + n <= len(req.blocks) * bs or self._grow(req, n, st):
+            if start + need <= len(req.blocks) * bs or self._grow(req, need, st):
                 st.num_sched[req.req_id] = n
                 st.budget -= n
                 inflight.mark_scheduled(req, step, n, len(drafts))
@@ -278,7 +282,9 @@ class Scheduler:
                     - req.num_inflight_tokens, st.budget)
             if capped:
                 n = min(n, threshold)
-            if self._grow(req, n, st):
+            start = req.num_computed_tokens + req.num_inflight_tokens
+            last = start + n == len(req.all_token_ids) + req.num_placeholders  # it samples
+            if self._grow(req, n + (min(self.lookahead, max_len - start - n) if last else 0), st):
                 st.num_sched[req.req_id] = n
                 st.budget -= n
                 inflight.mark_scheduled(req, step, n)

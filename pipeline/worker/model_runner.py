@@ -31,6 +31,7 @@ from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.prompt_logprobs import prompt_logprobs
 from pipeline.worker.rank_model import RankModel
 from pipeline.worker.sampler import Sampler, build_metadata
+from pipeline.worker.spec.draft import DraftModel
 from pipeline.worker.spec.verify import SpecDecoder
 from pipeline.worker.step_inputs import StepInputs, prepare_inputs
 from pipeline.worker.structured import StructuredBatch
@@ -59,6 +60,11 @@ class ModelRunner(RankModel):
 
     def load(self) -> None:
         super().load()
+        spec = self.config.speculative_config
+        if self.spec is not None and spec is not None and spec.method == "draft_model" and self.rank == 0:
+            assert self.kv_cache is not None  # loaded just now
+            self.spec.attach_draft(DraftModel(self.config, spec.model, self.device, self.num_blocks,
+                                              self.block_size, self.max_model_len, self.vocab_size))
         # A prefill instance keeps its layer signal attached, which rules the graphs out.
         if self.device.type == "cuda" and self.tp is None and self.config.kv_transfer_config.role != "prefill":
             assert self.model is not None and self.kv_cache is not None  # loaded just now

@@ -23,7 +23,10 @@ pytestmark = pytest.mark.skipif(not (Path(DEFAULT_MODEL) / "model.safetensors").
                                 reason="default model not built")
 
 METHODS = [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
-           {"method": "suffix", "num_speculative_tokens": 6}]
+           {"method": "suffix", "num_speculative_tokens": 6},
+           # The default model drafting for itself: every draft is accepted (a greedy draft
+           # equals the target's argmax), the ceiling of acceptance.
+           {"method": "draft_model", "model": DEFAULT_MODEL, "num_speculative_tokens": 3}]
 _rng = random.Random(27)
 SHARED = [_rng.randrange(3, 2000) for _ in range(40)]  # 2.5 blocks every 4th prompt shares
 PROMPTS: list[list[int]] = []
@@ -63,7 +66,10 @@ def reference():
 
 @pytest.mark.parametrize("spec", METHODS, ids=[m["method"] for m in METHODS])
 def test_greedy_outputs_equal_with_speculation_on_and_off(spec, reference):
-    with make_llm(spec, num_blocks=48, max_num_batched_tokens=64) as llm:
+    # A draft model's lookahead slots make admission keep more headroom: a smaller pool
+    # gets it preempting too (greedy float32 outputs do not depend on the pool's size).
+    blocks = 24 if spec["method"] == "draft_model" else 48
+    with make_llm(spec, num_blocks=blocks, max_num_batched_tokens=64) as llm:
         got = outputs(llm, PROMPTS, PARAMS)
         st = llm.stats()
     assert got == reference
@@ -100,11 +106,12 @@ def test_seeded_sampling_is_the_same_with_speculation():
     assert st["spec_num_drafts"] > 0
 
 
-def test_two_ranks_speculate_as_one():
+@pytest.mark.parametrize("spec", [METHODS[0], METHODS[2]], ids=["ngram", "draft_model"])
+def test_two_ranks_speculate_as_one(spec):
     prompts, params = PROMPTS[:6], [SamplingParams(max_tokens=24, temperature=0.0)] * 6
     with make_llm(None) as llm:
         want = outputs(llm, prompts, params)
-    with make_llm(METHODS[0], tensor_parallel_size=2) as llm:
+    with make_llm(spec, tensor_parallel_size=2) as llm:
         got = outputs(llm, prompts, params)
         assert llm.stats()["spec_num_accepted_tokens"] > 0
     assert got == want
@@ -147,6 +154,8 @@ def test_k_follows_the_acceptance():
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 9, '
      '"prompt_lookup_max": 3}', "prompt_lookup_min"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "typo": 1}', "typo"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2, "model": "/nonexistent"}', "no config.json"),
+    ('{"method": "suffix", "num_speculative_tokens": 2, "model": "/x"}', '"model" is for method'),
     ("not json", "not JSON"),
 ])
 def test_bad_speculative_configs_are_refused_naming_the_field(text, needle):

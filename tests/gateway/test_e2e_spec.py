@@ -54,6 +54,7 @@ def test_answers_equal_with_speculation_streamed_and_not(tmp_path):
     ("{", "not JSON"),
     ('{"method": "ngram", "num_speculative_tokens": 99}', "num_speculative_tokens"),
     ('{"method": "draft_model", "num_speculative_tokens": 2}', '"model"'),
+    ('{"method": "draft_model", "num_speculative_tokens": 2, "model": "/nonexistent"}', "no config.json"),
 ])
 def test_bad_speculative_config_is_refused_naming_the_field(value, needle):
     from pipeline.config import DEFAULT_MODEL

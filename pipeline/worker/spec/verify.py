@@ -14,8 +14,9 @@ target with d excluded, so the output is distributed as the target's; greedy kee
 drafts equal to the argmax. A seeded request draws each output position with the seed of
 that position, so its tokens are the same with speculation as without.
 
-Owns / State: the proposer (rank 0 proposes; the engine sends the drafts to every rank) and
-the rows staged for the current step with their drafts.
+Owns / State: the proposer (rank 0 proposes; the engine sends the drafts to every rank: an
+n-gram or suffix index, or the draft model, worker.spec.draft) and the rows staged for the
+current step with their drafts.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from pipeline.messages import TokenLogprobs, bytes_to_ids, ids_to_bytes
 from pipeline.spec_config import SpeculativeConfig
 from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.sampler import Sampler, build_metadata
+from pipeline.worker.spec.draft import DraftModel
 from pipeline.worker.spec.proposer import Proposer, make_proposer
 
 
@@ -50,8 +52,12 @@ class SpecDecoder:
         self.proposer: Proposer | None = make_proposer(
             cfg.method, num_speculative_tokens=cfg.num_speculative_tokens,
             prompt_lookup_min=cfg.prompt_lookup_min, prompt_lookup_max=cfg.prompt_lookup_max,
-            **suffix) if proposes else None
+            **suffix) if proposes and cfg.method != "draft_model" else None
         self.staged: dict[int, np.ndarray] = {}  # row -> its drafts in this step
+        self.draft: DraftModel | None = None  # draft_model: attached once the pool is sized
+
+    def attach_draft(self, draft: DraftModel) -> None:
+        self.draft = draft
 
     # -- the batch's requests ------------------------------------------------------------
     def finished(self, b: InputBatch, req_id: str) -> None:
@@ -59,11 +65,13 @@ class SpecDecoder:
         row = b.index.get(req_id)
         if self.proposer is not None and row is not None:
             self.proposer.finished(req_id, b.token_ids[row, :b.num_tokens[row]], int(b.num_prompt_tokens[row]))
-            self.proposer.remove(req_id)
+        self.removed(req_id)
 
     def removed(self, req_id: str) -> None:
         if self.proposer is not None:
             self.proposer.remove(req_id)
+        if self.draft is not None:
+            self.draft.remove(req_id)
 
     def stage(self, b: InputBatch, spec_token_ids: dict[str, bytes]) -> None:
         """Write each scheduled request's drafts after its known tokens (known for this step)."""
@@ -171,9 +179,17 @@ class SpecDecoder:
         """Drafts for each sampled row's next step (rank 0; none for a grammar's rows, nor
         for ``idle``: the engine will not verify drafts for them then)."""
         out: dict[str, bytes] = {}
-        if self.proposer is None:
+        if self.proposer is None and self.draft is None:
             return out
         skip = set(idle)
+        if self.draft is not None:
+            rows = [r for r in sample_rows.tolist() if not b.structured[r] and b.req_ids[r] not in skip
+                    and b.num_tokens[r] < b.max_model_len]
+            for r, drafts in self.draft.propose(b, rows, self.k).items():
+                if drafts:
+                    out[b.req_ids[r]] = ids_to_bytes(drafts)  # type: ignore[index]
+            return out
+        assert self.proposer is not None
         for r in sample_rows.tolist():
             rid = b.req_ids[r]
             assert rid is not None  # a live row
