@@ -6,7 +6,10 @@ the in-process ``LLM`` (default: the embedded default model, as a user gets it):
 2. ``agent``: loops of requests whose prompt carries the previous answer with one word
    changed, as an agent's observation does (target: suffix >= 2x at batch 1);
 3. ``floor``: unseeded sampling at temperature 1, where few drafts are accepted (target: no
-   worse than 3 % below off).
+   worse than 3 % below off);
+4. draft models on ``continue``: the target drafting for itself (``draft_self``: every draft
+   accepted, the ceiling of acceptance; it costs a target forward per draft) and a random
+   one-layer draft (``draft_random``: the floor, target no worse than 3 % below off).
 
 Each figure is output tok/s with the method on over off, runs alternating ABBA (a fresh
 ``LLM`` for each run, so no index learns from a previous run), the median of the pairs'
@@ -21,10 +24,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from pipeline.bench.report import Report
+from pipeline.config import DEFAULT_MODEL
 from pipeline.sampling_params import SamplingParams
 
 PROMPTS = ["The history of the city begins", "def parse(text):\n    ", "Once upon a time, in a small village,",
@@ -98,8 +106,22 @@ def _floor(llm: Any, batch: int, args: argparse.Namespace) -> tuple[int, float, 
     return toks, secs, []
 
 
-WORKLOADS = {"continue": (_continue, ("ngram", "suffix")), "agent": (_agent, ("ngram", "suffix")),
-             "floor": (_floor, ("ngram",))}
+WORKLOADS = {"continue": (_continue, ("ngram", "suffix", "draft_self", "draft_random")),
+             "agent": (_agent, ("ngram", "suffix")), "floor": (_floor, ("ngram",))}
+
+
+def random_draft(target: str, out: Path) -> str:
+    """A one-layer draft of random weights with the target's vocabulary: it (almost) never
+    agrees with the target, the floor of a draft model."""
+    from pipeline.models.config import load_model_config
+    from pipeline.models.make_model import hf_config, random_state_dict, write_checkpoint
+    mc = load_model_config(target)
+    cfg = hf_config("llama", vocab_size=mc.vocab_size, hidden_size=128, intermediate_size=256, num_layers=1,
+                    num_heads=2, num_kv_heads=1, head_dim=64, max_position_embeddings=mc.max_position_embeddings,
+                    rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, dtype="float32",
+                    bos_token_id=0, eos_token_id=1)
+    write_checkpoint(out, cfg, random_state_dict(cfg, 7, torch.float32), {})
+    return str(out)
 
 
 def _run(args: argparse.Namespace, fn, batch: int, spec: dict | None) -> tuple[float, list, dict]:
@@ -162,13 +184,21 @@ def main(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     rep = Report("spec")
     rows = {}
-    for workload, (_, methods) in WORKLOADS.items():
-        for method in methods:
-            for batch in batches:
-                rows[(workload, method, batch)] = measure(args, rep, workload, method, batch)
+    target = args.model or DEFAULT_MODEL
+    with tempfile.TemporaryDirectory(prefix="spec-bench-") as tmp:
+        # A draft model drafting for the target itself (every draft the target's argmax: the
+        # ceiling of acceptance) and a random one (the floor).
+        METHODS["draft_self"] = {"method": "draft_model", "model": target, "num_speculative_tokens": 4}
+        METHODS["draft_random"] = {"method": "draft_model", "model": random_draft(target, Path(tmp) / "draft"),
+                                   "num_speculative_tokens": 4}
+        for workload, (_, methods) in WORKLOADS.items():
+            for method in methods:
+                for batch in batches:
+                    rows[(workload, method, batch)] = measure(args, rep, workload, method, batch)
     for (workload, method, batch), goal, name in (
             (("continue", "ngram", 1), 1.8, "n-gram on the model's own continuations, batch 1"),
             (("agent", "suffix", 1), 2.0, "suffix on an agent loop, batch 1"),
+            (("continue", "draft_random", 1), 0.97, "a random draft model, batch 1"),
             (("floor", "ngram", 1), 0.97, "few accepted (sampling), batch 1"),
             (("floor", "ngram", 8), 0.97, "few accepted (sampling), batch 8")):
         row = rows.get((workload, method, batch))

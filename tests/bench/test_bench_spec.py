@@ -25,13 +25,15 @@ def test_quick_run_reports_every_workload():
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout)
     rows = {r["case"]: r for r in out["results"]}
-    assert set(rows) == {f"{w} {m} batch {b}" for w, ms in (("continue", ("ngram", "suffix")),
+    assert set(rows) == {f"{w} {m} batch {b}" for w, ms in (("continue", ("ngram", "suffix", "draft_self",
+                                                                       "draft_random")),
                                                             ("agent", ("ngram", "suffix")), ("floor", ("ngram",)))
                          for m in ms for b in (1, 2)}
     for r in rows.values():
         assert r["tok_s_on"] > 0 and r["tok_s_off"] > 0 and r["ratio"] > 0 and r["ceiling"] >= 1.0
         assert r["outputs_equal"] in (True, None)
     assert {t["name"] for t in out["targets"]} >= {"n-gram on the model's own continuations, batch 1"}
+    assert rows["continue draft_self batch 1"]["acceptance_length"] > 2.0  # the target drafting itself
 
 
 def test_the_ceiling_is_the_best_k_at_the_measured_price():
