@@ -85,6 +85,14 @@ class Metrics:
                  "KV tier blocks that failed their load (corrupt, gone): computed again"))}
         self.tier_hit_rate = Gauge(n + "kv_tier_hit_rate", "KV tier hits / prompt tokens looked up, "
                                    "since start", registry=r)
+        # Speculative decoding (--speculative-config), vLLM's names.
+        self.spec_counters = {
+            field: Counter(n + name, doc, registry=r) for field, name, doc in (
+                ("spec_num_drafts", "spec_decode_num_drafts", "Verify steps that carried drafts"),
+                ("spec_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens verified"),
+                ("spec_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted"))}
+        self.spec_per_pos = Counter(n + "spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by position in the draft", ["position"], registry=r)
         self.prompt_tokens = Counter(n + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter(n + "generation_tokens", "Generated tokens of finished requests", registry=r)
         self.cached_tokens = Counter(n + "cached_prompt_tokens", "Prompt tokens served from the prefix cache",
@@ -167,6 +175,9 @@ class Metrics:
             ("pool", self.cached_by_source.labels("pool"), e.prefix_cache_hit_tokens),
             ("disk", self.cached_by_source.labels("disk"), e.kv_tier_loaded_tokens)]
         counts += [(f, c, getattr(e, f)) for f, c in self.tier_counters.items()]
+        counts += [(f, c, getattr(e, f)) for f, c in self.spec_counters.items()]
+        counts += [(f"spec_pos{i}", self.spec_per_pos.labels(str(i)), v)
+                   for i, v in enumerate(e.spec_accepted_per_position)]
         for key, counter, value in counts:
             # A restarted engine starts from zero again: count from there.
             last = self._last.get(key, 0)

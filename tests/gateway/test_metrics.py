@@ -40,6 +40,18 @@ def test_snapshot_counts_results_and_engine_state():
     assert abs(s["inter_token_latency_seconds"]["sum"] - 0.03) < 1e-12
 
 
+def test_speculative_decoding_counters_follow_the_engine():
+    m = Metrics()
+    m.set_engine_state(EngineStats(spec_num_drafts=4, spec_num_draft_tokens=12, spec_num_accepted_tokens=7,
+                                   spec_accepted_per_position=[4, 2, 1]))
+    m.set_engine_state(EngineStats(spec_num_drafts=6, spec_num_draft_tokens=18, spec_num_accepted_tokens=9,
+                                   spec_accepted_per_position=[5, 3, 1]))
+    s = m.snapshot()
+    assert (s["spec_decode_num_drafts"], s["spec_decode_num_draft_tokens"],
+            s["spec_decode_num_accepted_tokens"]) == (6.0, 18.0, 9.0)
+    assert s["spec_decode_num_accepted_tokens_per_pos"] == {"0": 5.0, "1": 3.0, "2": 1.0}
+
+
 def test_engine_restart_counts_from_zero():
     m = Metrics()
     m.set_engine_state(EngineStats(num_preemptions=5))
