@@ -50,6 +50,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--agent-steps", type=int, default=8, help="requests per agent loop")
     p.add_argument("--threads", type=int, default=0, help="worker threads (0: the adaptive default)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
+    p.add_argument("--methods", default="", help="comma-separated subset (default: each workload's)")
+    p.add_argument("--dtype", default="auto", help="the target's (and drafts') dtype")
     p.add_argument("--quick", action="store_true", help="tiny workloads (the bench's test)")
 
 
@@ -58,7 +61,7 @@ def _llm(args: argparse.Namespace, spec: dict | None) -> Any:
     kw: dict[str, Any] = {"worker_threads": args.threads} if args.threads else {}
     if args.model:
         kw["model"] = args.model
-    return LLM(speculative_config=spec, max_model_len=2048, **kw)
+    return LLM(speculative_config=spec, max_model_len=2048, dtype=args.dtype, **kw)
 
 
 def _continue(llm: Any, batch: int, args: argparse.Namespace) -> tuple[int, float, list]:
@@ -191,8 +194,13 @@ def main(args: argparse.Namespace) -> int:
         METHODS["draft_self"] = {"method": "draft_model", "model": target, "num_speculative_tokens": 4}
         METHODS["draft_random"] = {"method": "draft_model", "model": random_draft(target, Path(tmp) / "draft"),
                                    "num_speculative_tokens": 4}
+        only = set(args.methods.split(",")) if args.methods else None
         for workload, (_, methods) in WORKLOADS.items():
+            if workload not in args.workloads.split(","):
+                continue
             for method in methods:
+                if only is not None and method not in only:
+                    continue
                 for batch in batches:
                     rows[(workload, method, batch)] = measure(args, rep, workload, method, batch)
     for (workload, method, batch), goal, name in (
