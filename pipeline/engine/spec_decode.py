@@ -21,7 +21,9 @@ its weights from DRAM computes a few more tokens for free, one whose weights sit
 small model) pays for each. So the engine also measures it (``StepCost``: the worker's step
 time against the tokens it ran, a decayed least-squares line) and drafts position i only while
 the share of steps that accept it (``accepted / drafted`` there) is above what a token
-costs: the line's slope times the tokens a second the steps produce. Adding such a position
+costs: the line's slope times the tokens a second the steps produce. Only steps of decodes
+and verifies feed the line: a prefill's thousands of tokens are compute-bound, where a few
+more tokens of a decode step that reads its weights from DRAM come nearly free. Adding such a position
 raises tokens per second; one below it lowers them.
 
 Owns / State: the counters (verify steps with drafts, drafted and accepted tokens, by

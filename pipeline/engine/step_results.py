@@ -115,7 +115,8 @@ class StepResults:
             elif out.draft_token_ids:
                 d = out.draft_token_ids.get(rid)
                 req.spec_token_ids = bytes_to_ids(d).tolist() if d else []
-        if s.spec is not None:
+        if s.spec is not None and sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens) + sum(
+                len(d) // 4 for d in verified.values()):  # decode and verify only: no prefill
             s.spec.observe_step(sched.total_num_scheduled_tokens, out.execute_s, len(out.sampled_token_ids))
         if any_finished:
             s.running = [r for r in s.running if r.status == RequestStatus.RUNNING]
