@@ -18,9 +18,11 @@ those of recent history). A token costs O(1) to index (a tree costs O(depth)).
 Cost per call (it runs once per request per decode step, on the step's critical path): plain
 Python over array('i') token stores, no numpy -- numpy's ~1 us per operation on arrays of a few
 dozen tokens was most of the old cost. Anchors are keyed exactly (a token; four tokens packed in
-128 bits), hashed by one rolling shift per token. The longest match costs one C-level slice
-comparison per candidate (is it at least as long as the best so far?) plus token steps that sum
-to at most the depth over all candidates; the draft is then built over a handful of short rows.
+128 bits), rolled by one shift per token. The longest match costs one C-level slice comparison
+per candidate (is it at least as long as the best so far?) plus token steps that sum to at most
+the depth over all candidates; the draft is then built over a handful of short rows. A
+request's 1-gram chain is caught up only when a call falls back to it, and the global index is
+not walked when the request's own draft already scores the most a draft could.
 
 Owns: the per-request indexes, the global index (a ring of the cached outputs, separated by -1,
 and its anchor chains), FIFO-evicted by finish order.
@@ -28,8 +30,8 @@ State: per request: its tokens (4 bytes each) and its chains. Global: the ring (
 max_cached_tokens), the live requests (start, length), the chains (8 bytes per anchor per ring
 slot, and one dict entry, ~110 bytes, per distinct live anchor: at most 2 per cached token).
 Bounded by max_cached_tokens (and max_cached_requests) whatever the traffic; measured at the
-default 2**17 tokens: ~4 MiB when outputs repeat (an agent loop), ~28 MiB for random ones. A
-per-request index (~180 bytes per token) lives until remove().
+default 2**17 tokens: ~4 MiB when outputs repeat (an agent loop), ~25-30 MiB for random ones. A
+per-request index (~210 bytes per token with both chains) lives until remove().
 """
 from __future__ import annotations
 
