@@ -186,3 +186,20 @@ def test_suffix_bound_and_draft_provenance(outputs, seq, cap, max_reqs, k):
             assert any(_occurs(seq[-1:] + draft, h) for h in [seq] + live)
     p.remove("q")
     assert p.stats()["local"] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=120), st.lists(st.integers(0, 4), max_size=40),
+       st.integers(1, 8), st.randoms(use_true_random=False))
+def test_suffix_incremental_equals_fresh(seq, cached, k, rnd):
+    """Grown a few tokens a call (the 4-gram chain every call, the 1-gram one only when a call
+    falls back to it), a request drafts what a proposer seeing its whole sequence at once does."""
+    inc, fresh = SuffixProposer(8, max_tree_depth=6), SuffixProposer(8, max_tree_depth=6)
+    for p in (inc, fresh):
+        p.finished("old", _a([9] + cached), 1)
+    n = rnd.randint(1, len(seq))
+    while True:
+        assert inc.propose("r", _a(seq[:n]), 1, k) == fresh.propose(f"x{n}", _a(seq[:n]), 1, k)
+        if n == len(seq):
+            break
+        n = min(len(seq), n + rnd.choice([1, 2, k + 1, 30]))

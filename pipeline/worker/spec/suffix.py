@@ -13,34 +13,60 @@ probabilities) wins.
 Index layout (instead of a suffix tree): for an anchor of the last A tokens (A = 4, else 1),
 the positions of the token that followed each occurrence, chained latest first (_Chains); the
 longest match is found among the anchor's latest CANDIDATES occurrences (so frequencies are
-those of recent history) by comparing backwards, vectorised. A token costs O(1) to index (a
-tree costs O(depth)); a call a few numpy operations.
+those of recent history). A token costs O(1) to index (a tree costs O(depth)).
+
+Cost per call (it runs once per request per decode step, on the step's critical path): plain
+Python over array('i') token stores, no numpy -- numpy's ~1 us per operation on arrays of a few
+dozen tokens was most of the old cost. Anchors are keyed exactly (a token; four tokens packed in
+128 bits), rolled by one shift per token. The longest match costs one C-level slice comparison
+per candidate (is it at least as long as the best so far?) plus token steps that sum to at most
+the depth over all candidates; the draft is then built over a handful of short rows. A
+request's 1-gram chain is caught up only when a call falls back to it, and the global index is
+not walked when the request's own draft already scores the most a draft could.
 
 Owns: the per-request indexes, the global index (a ring of the cached outputs, separated by -1,
 and its anchor chains), FIFO-evicted by finish order.
-State: per request: as the n-gram proposer's, with its chains. Global: the ring (4 bytes *
+State: per request: its tokens (4 bytes each) and its chains. Global: the ring (4 bytes *
 max_cached_tokens), the live requests (start, length), the chains (8 bytes per anchor per ring
-slot, and one dict entry, ~100 bytes, per distinct live anchor: at most 2 per cached token).
+slot, and one dict entry, ~110 bytes, per distinct live anchor: at most 2 per cached token).
 Bounded by max_cached_tokens (and max_cached_requests) whatever the traffic; measured at the
-default 2**17 tokens: ~4 MiB when outputs repeat (an agent loop), ~28 MiB for random ones. A
-per-request index (~170 bytes per token) lives until remove().
+default 2**17 tokens: ~4 MiB when outputs repeat (an agent loop), ~25-30 MiB for random ones. A
+per-request index (~210 bytes per token with both chains) lives until remove().
 """
 from __future__ import annotations
 
 from array import array
-from collections import Counter, deque
+from collections import deque
+from itertools import chain
 
 import numpy as np
-
-from pipeline.worker.spec.proposer import tail_hashes, window_hashes
 
 ANCHORS = (4, 1)  # anchor lengths, longest first: a 4-gram's occurrences are few and specific
 CANDIDATES = 64  # latest occurrences of the anchor compared per call
 
 
+def _pack(w: array | list[int]) -> int:
+    """An anchor's key: its tokens (each < 2**31) packed 32 bits apiece, exact, as _Chains.add
+    rolls it; an int (36-44 bytes), like the 64-bit hash it replaced, not a GC-tracked tuple."""
+    key = 0
+    for t in w:
+        key = (key << 32) | t
+    return key
+
+
+def _slots(lo: int, end: int, ring: int) -> range | chain[int]:
+    """The slots of positions lo..end-1 (fewer than ``ring`` of them); ring 0: the positions."""
+    if not ring:
+        return range(lo, end)
+    s = lo % ring
+    if s + end - lo <= ring:
+        return range(s, s + end - lo)
+    return chain(range(s, ring), range(0, s + end - lo - ring))
+
+
 class _Chains:
     """Occurrences by anchor, as chains through positions: per anchor length, a dict from the
-    anchor's hash to the latest position that followed it, and per position the previous one
+    anchor's key to the latest position that followed it, and per position the previous one
     that followed the same anchor. Ints in dicts and arrays only: nothing for the garbage
     collector to traverse, however large the index (Python lists of positions made gen-2
     collections of a full global index take ~100 ms)."""
@@ -51,35 +77,52 @@ class _Chains:
         self.last: list[dict[int, int]] = [{} for _ in ANCHORS]
         self.prev = [array("q", [-1]) * ring for _ in ANCHORS]
 
-    def add(self, i: int, keys: list[int], first: int) -> None:
-        """Anchor ANCHORS[i] with hash keys[j] was followed by the token at position first + j."""
-        last, prev, ring = self.last[i], self.prev[i], self.ring
-        if not ring and len(prev) < first + len(keys):
-            prev.extend(array("q", [-1]) * (first + len(keys) - len(prev)))
-        for p, h in enumerate(keys, first):
-            prev[p % ring if ring else p] = last.get(h, -1)
-            last[h] = p
-
-    def recent(self, i: int, key: int, low: int) -> list[int]:
-        """The latest CANDIDATES positions (>= low) that followed the anchor, latest first."""
-        prev, ring = self.prev[i], self.ring
-        out: list[int] = []
-        p = self.last[i].get(key, -1)
-        while p >= low and len(out) < CANDIDATES:
-            out.append(p)
-            p = prev[p % ring if ring else p]
-        return out
+    def add(self, i: int, vals: list[int], pos: int, start: int, lo: int) -> None:
+        """Chain anchor ANCHORS[i]'s continuation positions lo..pos+len(vals) of one sequence
+        that begins at position ``start``; vals: its tokens at positions pos.. but for the
+        last, pos <= max(start, lo - ANCHORS[i]) (the anchor before lo is in them). A token
+        costs a few interpreter steps: one shift to roll the key, a get and two stores."""
+        a, ring = ANCHORS[i], self.ring
+        end = pos + len(vals) + 1  # continuation positions below end
+        lo = max(lo, start + a)  # a continuation needs a whole anchor before it
+        if end <= lo:
+            return
+        last, prev = self.last[i], self.prev[i]
+        if not ring and len(prev) < end:
+            prev.extend(array("q", [-1]) * (end - len(prev)))
+        get = last.get
+        ahead = zip(_slots(lo, end, ring), range(lo, end), vals[lo - 1 - pos:])
+        if a == 1:  # the key is the token
+            for s, p, t in ahead:
+                prev[s] = get(t, -1)
+                last[t] = p
+            return
+        key, mask = _pack(vals[lo - a - pos:lo - 1 - pos]), (1 << 32 * a) - 1
+        for s, p, t in ahead:
+            key = ((key << 32) | t) & mask
+            prev[s] = get(key, -1)
+            last[key] = p
 
 
 class _Local:
-    __slots__ = ("chains", "first", "n", "num_prompt", "tail")
+    """One request's index: its tokens (position -> token) and their chains. Only the longest
+    anchor's chain is kept up to date on every call; a shorter one catches up when a call falls
+    back to it (``upto``: its continuation positions below this are chained), so a request
+    whose 4-gram anchors keep hitting never pays for its 1-gram chain."""
+    __slots__ = ("chains", "num_prompt", "toks", "upto")
 
     def __init__(self, num_prompt: int) -> None:
-        self.n = 0
         self.num_prompt = num_prompt
-        self.first = -1
-        self.tail: list[int] = []
+        self.toks = array("i")
+        self.upto = [0] * len(ANCHORS)
         self.chains = _Chains()
+
+    def index(self, i: int) -> None:
+        lo, end = self.upto[i], len(self.toks)
+        if end > lo:
+            pos = max(0, lo - ANCHORS[i])
+            self.chains.add(i, self.toks[pos:end - 1].tolist(), pos, 0, lo)
+            self.upto[i] = end
 
 
 class SuffixProposer:
@@ -94,7 +137,7 @@ class SuffixProposer:
         self.factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self._local: dict[str, _Local] = {}
-        self._ring = np.full(max_cached_tokens, -1, dtype=np.int32)
+        self._ring = array("i", [-1]) * max_cached_tokens
         self._head = 0  # absolute positions: ring slot = position % len(ring)
         self._cached: deque[tuple[int, int]] = deque()  # live global requests: (start, length)
         self._chains = _Chains(max_cached_tokens)
@@ -106,17 +149,18 @@ class SuffixProposer:
         st = self._sync(req_id, tokens, num_prompt)
         if k <= 0 or length < 1:
             return []
-        pat = np.full(self.depth, -2, dtype=np.int64)  # reversed tail; -2 matches nothing
-        tail = tokens[max(0, length - self.depth):][::-1]
-        pat[:len(tail)] = tail
-        hashes = tail_hashes(tokens, length, max(ANCHORS))
-        best, best_score = [], 0.0
-        for chains, src, lo, hi in ((st.chains, tokens, 0, length),
-                                    (self._chains, self._ring, self._low(), self._head)):
-            draft, score = self._draft(chains, hashes, pat, k, src, lo, hi)
-            if score > best_score:
-                best, best_score = draft, score
-        return best
+        d = min(self.depth, length)  # no match is longer than the sequence
+        tail = st.toks[length - d:]
+        # an anchor longer than d never counts: its matches would be capped below its length
+        keys = [_pack(tail[-a:]) if d >= a else -1 for a in ANCHORS]
+        draft, score = self._draft(st.chains, st.toks, 0, tail, keys, k, st)
+        # the global draft wins only with a larger score, and a score is at most its draft's
+        # length: when the request's own draft has the most any could, skip the global walk
+        if self._cached and score < min(k, int(d * self.factor + 1e-9)):
+            other, s = self._draft(self._chains, self._ring, self._low(), tail, keys, k, None)
+            if s > score:
+                return other
+        return draft if score > 0 else []
 
     def remove(self, req_id: str) -> None:
         self._local.pop(req_id, None)
@@ -124,18 +168,18 @@ class SuffixProposer:
     def finished(self, req_id: str, tokens: np.ndarray, num_prompt: int) -> None:
         if self.max_requests == 0:
             return
-        out = np.ascontiguousarray(tokens[num_prompt:], dtype=np.int32)[:len(self._ring) - 1]
+        ring = self._ring
+        out = tokens[num_prompt:][:len(ring) - 1].tolist()
         n = len(out)
         if n == 0:
             return
-        while self._cached and (self._head + n + 1 - self._low() > len(self._ring)
+        while self._cached and (self._head + n + 1 - self._low() > len(ring)
                                 or 0 < self.max_requests <= len(self._cached)):
             self._evict()
         start = self._head
-        self._ring[np.arange(start, start + n + 1) % len(self._ring)] = np.append(out, -1)
-        for i, a in enumerate(ANCHORS):
-            # the anchor out[e-a+1 : e+1] was followed by out[e+1], at position start + e + 1
-            self._chains.add(i, window_hashes(out, a, a - 1, n - 1), start + a)
+        self._write(start, out + [-1])
+        for i in range(len(ANCHORS)):
+            self._chains.add(i, out[:-1], start, start, start)
         self._cached.append((start, n))
         self._head = start + n + 1
 
@@ -154,103 +198,137 @@ class SuffixProposer:
 
     # -- matching and drafting ----------------------------------------------------------------
 
-    def _draft(self, chains: _Chains, hashes: list[int], pat: np.ndarray, k: int,
-               src: np.ndarray, lo: int, hi: int) -> tuple[list[int], float]:
-        """The draft from one index: the latest occurrences of the longest anchor the tail has,
-        narrowed to those matching the longest suffix, then extended greedily."""
-        ring = chains.ring > 0
+    def _draft(self, chains: _Chains, src: array, lo: int, tail: array, keys: list[int], k: int,
+               local: _Local | None) -> tuple[list[int], float]:
+        """The draft from one index (src: its tokens by position, or by ring slot): the latest
+        occurrences of the longest anchor the tail has, narrowed to those matching the longest
+        suffix, then extended greedily."""
+        ring, d = chains.ring, len(tail)
         for i, a in enumerate(ANCHORS):
-            if len(hashes) < a or not (hits := chains.recent(i, hashes[a - 1], lo)):
+            if keys[i] < 0:
                 continue
-            cand = np.array(hits, dtype=np.int64)  # positions that followed the anchor
-            back = _gather(src, cand[:, None] - np.arange(1, self.depth + 1), lo, hi, ring)
-            match = np.logical_and.accumulate(back == pat, axis=1).sum(axis=1)
-            longest = int(match.max())
-            if longest < a:  # a hash collision: this anchor never occurred
+            if local is not None:
+                local.index(i)
+            p, prev = chains.last[i].get(keys[i], -1), chains.prev[i]
+            # The longest match among the candidates and those that have it, latest first: a
+            # candidate shorter than the best so far fails one C-level slice comparison, and
+            # the token steps past it sum to at most d over all candidates.
+            best, rows, want = 0, [], tail[d:]
+            for _ in range(CANDIDATES):
+                if p < lo:
+                    break
+                s = p % ring if ring else p
+                cap = p - lo  # the tokens before p: positions below lo match nothing
+                if cap > d:
+                    cap = d
+                if cap >= best and (not best or want == (src[s - best:s] if s >= best else
+                                                         src[s - best:] + src[:s])):
+                    n = best  # at least as long: count on (a ring slot below 0 wraps to its end)
+                    while n < cap and src[s - 1 - n] == tail[d - 1 - n]:
+                        n += 1
+                    if n > best:
+                        best, rows, want = n, [p], tail[d - n:]
+                    elif n:
+                        rows.append(p)
+                p = prev[s]
+            if best < a:  # no occurrence (or, at the ring's low edge, too short to count)
                 continue
-            limit = min(k, int(longest * self.factor + 1e-9))
+            limit = min(k, int(best * self.factor + 1e-9))
             if limit <= 0:
                 return [], 0.0
-            rows = cand[match == longest]
-            ahead = _gather(src, rows[:, None] + np.arange(limit), lo, hi, ring)
-            # an occurrence ends at its first -1 (its output's end, or the sequence's)
-            ahead[np.logical_or.accumulate(ahead < 0, axis=1)] = -1
-            return self._extend(ahead)
+            ahead = []
+            for p in rows:
+                s = p % ring if ring else p
+                seq = (src[s:s + limit] if not ring or s + limit <= ring
+                       else src[s:] + src[:s + limit - ring]).tolist()
+                if ring and -1 in seq:  # an occurrence ends with its output
+                    seq = seq[:seq.index(-1)]
+                ahead.append(seq)
+            return self._extend(ahead, limit)
         return [], 0.0
 
-    def _extend(self, rows: np.ndarray) -> tuple[list[int], float]:
-        """Follow the most frequent continuation of ``rows`` (one occurrence per row, -1 once
-        it ended); returns (draft, expected accepted tokens = sum of path probabilities)."""
+    def _extend(self, rows: list[list[int]], width: int) -> tuple[list[int], float]:
+        """Follow the most frequent continuation of ``rows`` (one occurrence each, latest
+        first, shorter once it ended); returns (draft, expected accepted tokens = sum of path
+        probabilities)."""
         draft: list[int] = []
         prob, score = 1.0, 0.0
-        i, width = 0, rows.shape[1]
+        i = 0
         while i < width:
-            rows = rows[rows[:, i] >= 0]  # ended occurrences drop out of the distribution
+            rows = [r for r in rows if len(r) > i]  # ended occurrences drop out
             if len(rows) <= 1:  # one occurrence left: the rest of it, at the same probability
-                rest = rows[0, i:].tolist() if len(rows) else []
-                rest = rest[:rest.index(-1)] if -1 in rest else rest
+                rest = rows[0][i:] if rows else []
                 draft += rest
                 score += prob * len(rest)
                 break
-            # the run all live occurrences agree on costs one comparison, not one per token
-            same = (rows[:, i:] == rows[0, i:]).all(axis=0) & (rows[0, i:] >= 0)
-            run = width - i if same.all() else int(np.argmin(same))
-            if run:
-                draft += rows[0, i:i + run].tolist()
-                score += prob * run
-                i += run
+            # the run all live occurrences agree on: added at the current probability
+            first, end = rows[0], len(rows[0])
+            for r in rows[1:]:
+                end = min(end, len(r))
+                j = i
+                while j < end and r[j] == first[j]:
+                    j += 1
+                end = j
+                if end == i:
+                    break
+            if end > i:
+                draft += first[i:end]
+                score += prob * (end - i)
+                i = end
                 continue
-            col = rows[:, i]
-            # rows are latest first, and most_common keeps first-seen order: ties go to recency
-            tok, count = Counter(col.tolist()).most_common(1)[0]
-            prob *= count / len(col)
+            counts: dict[int, int] = {}
+            for r in rows:
+                counts[r[i]] = counts.get(r[i], 0) + 1
+            # rows are latest first and max keeps the first of equals: ties go to recency
+            tok = max(counts, key=counts.__getitem__)
+            prob *= counts[tok] / len(rows)
             if prob < self.min_token_prob:
                 break
             draft.append(tok)
             score += prob
-            rows = rows[col == tok]
+            rows = [r for r in rows if r[i] == tok]
             i += 1
         return draft, score
 
     # -- index upkeep -------------------------------------------------------------------------
 
     def _sync(self, req_id: str, tokens: np.ndarray, num_prompt: int) -> _Local:
-        length = len(tokens)
         st = self._local.get(req_id)
         if st is None or not _continues(st, tokens, num_prompt):
             st = self._local[req_id] = _Local(num_prompt)  # new, or shrunk/replaced: rebuild
-        if length > st.n:
-            for i, a in enumerate(ANCHORS):
-                lo = max(st.n, a)  # continuation positions lo..length-1 are new
-                st.chains.add(i, window_hashes(tokens, a, lo - 1, length - 1), lo)
-            st.n = length
-            st.first = int(tokens[0])
-            st.tail = tokens[max(0, length - max(ANCHORS)):].tolist()
+        n = len(st.toks)
+        if len(tokens) > n:
+            st.toks.extend(tokens[n:].tolist())
+            st.index(0)  # the longest anchor's chain, which every call walks
         return st
 
     def _low(self) -> int:
         return self._cached[0][0] if self._cached else self._head
 
+    def _write(self, start: int, vals: list[int]) -> None:
+        ring, size = self._ring, len(self._ring)
+        s = start % size
+        cut = min(len(vals), size - s)
+        ring[s:s + cut] = array("i", vals[:cut])
+        ring[:len(vals) - cut] = array("i", vals[cut:])
+
     def _evict(self) -> None:
         start, n = self._cached.popleft()
-        out = self._ring[np.arange(start, start + n) % len(self._ring)]
+        ring, size = self._ring, len(self._ring)
+        s = start % size
+        out = (ring[s:s + n] if s + n <= size else ring[s:] + ring[:s + n - size]).tolist()
         low = self._low()
-        for i, a in enumerate(ANCHORS):
+        for a, last in zip(ANCHORS, self._chains.last):
             # chains stop below low by themselves; an anchor whose latest is gone goes too
-            last = self._chains.last[i]
-            for h in set(window_hashes(out, a, a - 1, n - 1)):
+            for h in {_pack(out[j:j + a]) for j in range(n - a)}:
                 if last.get(h, low) < low:
                     del last[h]
 
 
-def _gather(src: np.ndarray, pos: np.ndarray, lo: int, hi: int, ring: bool) -> np.ndarray:
-    """src at positions ``pos``, -1 outside [lo, hi); a ring maps a position to pos % len."""
-    idx = pos % len(src) if ring else np.clip(pos, 0, len(src) - 1)
-    return np.where((pos >= lo) & (pos < hi), src[idx], -1)
-
-
 def _continues(st: _Local, tokens: np.ndarray, num_prompt: int) -> bool:
-    n = st.n
+    n = len(st.toks)
     if len(tokens) < n or num_prompt != st.num_prompt:
         return False
-    return n == 0 or (int(tokens[0]) == st.first and tokens[n - len(st.tail):n].tolist() == st.tail)
+    lo = max(0, n - max(ANCHORS))
+    return n == 0 or (int(tokens[0]) == st.toks[0]
+                      and tokens[lo:n].tolist() == st.toks[lo:n].tolist())
