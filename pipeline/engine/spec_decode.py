@@ -26,6 +26,10 @@ and verifies feed the line: a prefill's thousands of tokens are compute-bound, w
 more tokens of a decode step that reads its weights from DRAM come nearly free. Adding such a position
 raises tokens per second; one below it lowers them.
 
+Proposing costs the worker time too (a suffix index's lookups, a draft model's forwards): the
+positions worth their price must together gain more than a request's proposal costs
+(``StepCost.proposal_price``), else no request drafts (but for a probe step in 32).
+
 Owns / State: the counters (verify steps with drafts, drafted and accepted tokens, by
 position), the step cost line and the cap it sets; the per-request K, average and probe
 countdown live on Request.
@@ -46,6 +50,19 @@ class StepCost:
 
     def __init__(self) -> None:
         self.w = self.x = self.xx = self.y = self.xy = self.out = 0.0
+        self.propose_s = self.proposed = 0.0  # the worker's proposals: time and requests
+
+    def add_proposals(self, seconds: float, requests: int) -> None:
+        d = COST_DECAY
+        self.propose_s = d * self.propose_s + seconds
+        self.proposed = d * self.proposed + requests
+
+    def proposal_price(self) -> float:
+        """What proposing for one request costs, in tokens produced (its seconds x tokens
+        produced a second)."""
+        if not self.proposed or self.y <= 0.0:
+            return 0.0
+        return self.propose_s / self.proposed * self.out / self.y
 
     def add(self, tokens: int, seconds: float, produced: int) -> None:
         d = COST_DECAY
@@ -116,20 +133,26 @@ class SpecDecode:
         n = min(k, self.step_cap, room, len(req.spec_token_ids))
         return req.spec_token_ids[:n] if n > 0 else []
 
-    def observe_step(self, tokens: int, seconds: float, produced: int) -> None:
-        """A step ran ``tokens`` in ``seconds`` of the worker and produced ``produced``
-        tokens: refit the cost line, and the cap with it."""
+    def observe_step(self, tokens: int, seconds: float, produced: int, propose_s: float = 0.0,
+                     proposed: int = 0) -> None:
+        """A step ran ``tokens`` in ``seconds`` of the worker (``propose_s`` of them proposing
+        drafts for ``proposed`` requests) and produced ``produced`` tokens: refit the cost,
+        and the cap with it: the positions whose gain beats the price of a token, if all
+        of them together gain more than proposing costs (else none)."""
         if seconds <= 0.0 or tokens <= 0:
             return
         self.cost.add(tokens, seconds, produced)
+        if proposed:
+            self.cost.add_proposals(propose_s, proposed)
         price = self.cost.token_price()
-        cap = 0
+        cap, net = 0, 0.0
         # A position's gain: the share of the steps drafting it that kept it (a prior of
         # one in two until it was drafted a few times).
-        while cap < self.k and ((self.accepted_per_position[cap] + 1)
+        while cap < self.k and (gain := (self.accepted_per_position[cap] + 1)
                                 / (self.drafted_per_position[cap] + 2)) > price:
+            net += gain - price
             cap += 1
-        self.cap = cap
+        self.cap = cap if net > self.cost.proposal_price() else 0
 
     def on_verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """``req``'s step verified ``num_drafts`` drafts and accepted the first ``num_accepted``."""
@@ -162,4 +185,5 @@ class SpecDecode:
                 "spec_mean_acceptance_length": 1.0 + self.num_accepted_tokens / n if n else 0.0,
                 "spec_accepted_per_position": list(self.accepted_per_position),
                 "spec_drafted_per_position": list(self.drafted_per_position),
-                "spec_draft_cap": self.cap, "spec_token_price": round(self.cost.token_price(), 4)}
+                "spec_draft_cap": self.cap, "spec_token_price": round(self.cost.token_price(), 4),
+                "spec_proposal_price": round(self.cost.proposal_price(), 4)}

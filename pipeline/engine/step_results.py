@@ -117,7 +117,8 @@ class StepResults:
                 req.spec_token_ids = bytes_to_ids(d).tolist() if d else []
         if s.spec is not None and sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens) + sum(
                 len(d) // 4 for d in verified.values()):  # decode and verify only: no prefill
-            s.spec.observe_step(sched.total_num_scheduled_tokens, out.execute_s, len(out.sampled_token_ids))
+            s.spec.observe_step(sched.total_num_scheduled_tokens, out.execute_s, len(out.sampled_token_ids),
+                                out.propose_s, out.num_proposed)
         if any_finished:
             s.running = [r for r in s.running if r.status == RequestStatus.RUNNING]
         return outputs

@@ -108,6 +108,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # What one more token run costs, in tokens produced (the step cost line's slope x tokens
     # produced a second): a draft position pays when more than this share of steps keep it.
     spec_token_price: float = 0.0
+    spec_proposal_price: float = 0.0  # what proposing for one request costs, the same unit
     # Equal for two instances exactly when they read the same tier files (``KVLayout.
     # tier_group``): the router sends a prefix to a sibling of the instance that computed it.
     # "" without a tier.

@@ -95,3 +95,5 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     num_sampled: list[int] = []
     # req_id -> drafts proposed for its next step (int32 bytes): the engine schedules them.
     draft_token_ids: dict[str, bytes] = {}
+    propose_s: float = 0.0  # the worker's time proposing them
+    num_proposed: int = 0  # for how many requests it proposed

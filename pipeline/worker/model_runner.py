@@ -236,10 +236,12 @@ class ModelRunner(RankModel):
         if self.structured is not None and len(self.structured):
             self.structured.accept([b.req_ids[r] for r in sample_rows.tolist()],
                                    [int(last[i]) for i in range(len(sample_rows))])
+        t0 = time.perf_counter()
+        drafts, proposed = spec.propose(b, sample_rows, idle)
         return ModelRunnerOutput(step_id=step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
                                  sampled_token_ids=v.tokens, logprobs=v.logprobs or [],
-                                 prompt_logprobs=prompt_lps, num_sampled=v.counts,
-                                 draft_token_ids=spec.propose(b, sample_rows, idle))
+                                 prompt_logprobs=prompt_lps, num_sampled=v.counts, draft_token_ids=drafts,
+                                 propose_s=time.perf_counter() - t0, num_proposed=proposed)
 
     def close(self) -> None:
         self._drain_signal_stream()

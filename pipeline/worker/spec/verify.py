@@ -175,30 +175,26 @@ class SpecDecoder:
         self.staged = {}
         return Verified(tokens, counts, lps)
 
-    def propose(self, b: InputBatch, sample_rows: np.ndarray, idle: list[str]) -> dict[str, bytes]:
+    def propose(self, b: InputBatch, sample_rows: np.ndarray, idle: list[str]) -> tuple[dict[str, bytes], int]:
         """Drafts for each sampled row's next step (rank 0; none for a grammar's rows, nor
-        for ``idle``: the engine will not verify drafts for them then)."""
+        for ``idle``: the engine will not verify drafts for them then), and for how many
+        requests it proposed."""
         out: dict[str, bytes] = {}
         if self.proposer is None and self.draft is None:
-            return out
+            return out, 0
         skip = set(idle)
+        rows = [r for r in sample_rows.tolist() if not b.structured[r] and b.req_ids[r] not in skip
+                and b.num_tokens[r] < b.max_model_len]
         if self.draft is not None:
-            rows = [r for r in sample_rows.tolist() if not b.structured[r] and b.req_ids[r] not in skip
-                    and b.num_tokens[r] < b.max_model_len]
             for r, drafts in self.draft.propose(b, rows, self.k).items():
                 if drafts:
                     out[b.req_ids[r]] = ids_to_bytes(drafts)  # type: ignore[index]
-            return out
+            return out, len(rows)
         assert self.proposer is not None
-        for r in sample_rows.tolist():
+        for r in rows:
             rid = b.req_ids[r]
             assert rid is not None  # a live row
-            if b.structured[r] or rid in skip:
-                continue
-            n = int(b.num_tokens[r])
-            if n >= b.max_model_len:
-                continue
-            drafts = self.proposer.propose(rid, b.token_ids[r, :n], int(b.num_prompt_tokens[r]), self.k)
+            drafts = self.proposer.propose(rid, b.token_ids[r, :b.num_tokens[r]], int(b.num_prompt_tokens[r]), self.k)
             if drafts:
                 out[rid] = ids_to_bytes(drafts)
-        return out
+        return out, len(rows)
