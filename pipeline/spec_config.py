@@ -34,6 +34,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # Draft only the positions that pay at this machine's measured price of a token and of a
+    # proposal (engine.spec_decode); false: up to K always (the per-request adaptation stays).
+    cost_aware: bool = True
 
     @classmethod
     def parse(cls, v: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:

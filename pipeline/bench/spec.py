@@ -175,6 +175,9 @@ def measure(args: argparse.Namespace, rep: Report, workload: str, method: str, b
                    tok_s_on=round(statistics.median(on_tps), 1), tok_s_off=round(statistics.median(off_tps), 1),
                    acceptance_length=round(float(st.get("spec_mean_acceptance_length", 0.0)), 3),
                    accepted_per_position=st.get("spec_accepted_per_position", []),
+                   drafted_per_position=st.get("spec_drafted_per_position", []),
+                   draft_cap=st.get("spec_draft_cap", 0), token_price=st.get("spec_token_price", 0.0),
+                   proposal_price=st.get("spec_proposal_price", 0.0),
                    outputs_equal=equal if workload != "floor" else None)
 
 

@@ -107,7 +107,7 @@ class Scheduler:
         spec = config.speculative_config
         # Speculative decoding (engine.spec_decode): a verify step's outcome decides the next
         # step's tokens, so it runs without scheduling ahead.
-        self.spec = SpecDecode(spec.num_speculative_tokens) if spec is not None else None
+        self.spec = SpecDecode(spec.num_speculative_tokens, spec.cost_aware) if spec is not None else None
         # A draft model writes its KV for the K drafts it proposes past a sampling step's
         # tokens: those slots are allocated with the step (worker.spec.draft).
         self.lookahead = spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0

@@ -84,8 +84,9 @@ class StepCost:
 
 
 class SpecDecode:
-    def __init__(self, num_speculative_tokens: int) -> None:
+    def __init__(self, num_speculative_tokens: int, cost_aware: bool = True) -> None:
         self.k = num_speculative_tokens
+        self.cost_aware = cost_aware
         self.num_drafts = 0  # verify steps that carried drafts
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -139,7 +140,7 @@ class SpecDecode:
         drafts for ``proposed`` requests) and produced ``produced`` tokens: refit the cost,
         and the cap with it: the positions whose gain beats the price of a token, if all
         of them together gain more than proposing costs (else none)."""
-        if seconds <= 0.0 or tokens <= 0:
+        if seconds <= 0.0 or tokens <= 0 or not self.cost_aware:
             return
         self.cost.add(tokens, seconds, produced)
         if proposed:

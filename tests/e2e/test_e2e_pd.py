@@ -186,7 +186,8 @@ def test_abort_frees_both_sides(pair, vocab):
 def test_the_decode_side_speculates(model, mixed, vocab):
     """A decode instance with --speculative-config verifies drafts on the KV the prefill side
     sent: the answers are the mixed instance's, token for token."""
-    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    spec = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, '
+            '"cost_aware": false}')
     parts = start_pair(model, "ipc", "--speculative-config", spec)
     try:
         pre, dec, router = parts
