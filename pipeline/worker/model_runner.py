@@ -150,7 +150,10 @@ class ModelRunner(RankModel):
         inp = self.prepare_inputs(sched)
         so = self.structured
         if so is not None:  # grammar masks fill in the pool while the forward runs
-            so.start_masks([self.batch.req_ids[r] for r in inp.rows[inp.sample_batch_idx]] if len(so) else [])
+            # A row verifying drafts gets its masks after the forward (draft_masks), one per position.
+            staged = self.spec.staged if self.spec is not None else {}
+            so.start_masks([None if r in staged else self.batch.req_ids[r]
+                            for r in inp.rows[inp.sample_batch_idx].tolist()] if len(so) else [])
         gov = self.thread_governor
         if gov is not None:
             gov.begin()
@@ -187,6 +190,8 @@ class ModelRunner(RankModel):
             both = model.compute_logits(hidden.index_select(
                 0, torch.cat([inp.logits_indices, torch.from_numpy(idx).to(inp.logits_indices.device)])))
             logits, spec_logits = both[:n], both[n:]
+            if self.structured is not None and len(self.structured):
+                self._mask_drafts(both, sample_rows, by_pos)
         else:
             logits = model.compute_logits(hidden.index_select(0, inp.logits_indices))
         if self.structured is not None:
@@ -213,6 +218,19 @@ class ModelRunner(RankModel):
                                  sampled_token_ids=tokens_np.tolist(), logprobs=logprobs or [],
                                  prompt_logprobs=prompt_lps)
 
+    def _mask_drafts(self, both: torch.Tensor, sample_rows: np.ndarray, by_pos: list[np.ndarray]) -> None:
+        """The grammar's masks of the rows verifying drafts: at each draft position and the
+        last (``both``: the last positions' logits, then the draft positions', p-major)."""
+        so, spec, b = self.structured, self.spec, self.batch
+        assert so is not None and spec is not None
+        offsets = np.cumsum([len(sample_rows)] + [len(w) for w in by_pos])
+        for w, r in enumerate(sample_rows.tolist()):
+            drafts = spec.staged.get(r)
+            if drafts is None or not so.has(b.req_ids[r]):
+                continue
+            rows = [int(offsets[p] + np.searchsorted(by_pos[p], w)) for p in range(len(drafts))] + [w]
+            so.mask_rows(both, rows, so.draft_masks(b.req_ids[r], drafts.tolist()))
+
     def _verify(self, step_id: int, last: torch.Tensor, last_lps: list | None, sample_rows: np.ndarray,
                 logits: torch.Tensor | None, by_pos: list[np.ndarray], prompt_lps: list,
                 idle: list[str]) -> ModelRunnerOutput:
@@ -233,11 +251,13 @@ class ModelRunner(RankModel):
             both = self.tp.broadcast(torch.cat([last.to(torch.int64), draws.to(torch.int64)]), 0)
             last, draws = both[:len(sample_rows)], both[len(sample_rows):]
         v = spec.accept(b, sample_rows, last.cpu().numpy(), last_lps, draws.cpu().numpy(), draw_lps, by_pos)
-        if self.structured is not None and len(self.structured):
-            self.structured.accept([b.req_ids[r] for r in sample_rows.tolist()],
-                                   [int(last[i]) for i in range(len(sample_rows))])
+        so = self.structured
+        if so is not None and len(so):
+            ends = np.cumsum(v.counts)
+            so.accept_many([b.req_ids[r] for r in sample_rows.tolist()],
+                           [v.tokens[e - c:e] for e, c in zip(ends.tolist(), v.counts)])
         t0 = time.perf_counter()
-        drafts, proposed = spec.propose(b, sample_rows, idle)
+        drafts, proposed = spec.propose(b, sample_rows, idle, so.check_drafts if so is not None else None)
         return ModelRunnerOutput(step_id=step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
                                  sampled_token_ids=v.tokens, logprobs=v.logprobs or [],
                                  prompt_logprobs=prompt_lps, num_sampled=v.counts, draft_token_ids=drafts,

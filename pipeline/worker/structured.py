@@ -174,6 +174,61 @@ class StructuredBatch:
                 logger.warning("request %s: token %d is outside its grammar; it may only stop now", r, t)
                 self._matchers[r] = self._pool.submit(_Finished)
 
+    # -- speculative decoding (worker.spec.verify) ----------------------------------------
+    def has(self, req_id: str | None) -> bool:
+        return req_id in self._matchers
+
+    def check_drafts(self, req_id: str, drafts: list[int]) -> int:
+        """How many leading ``drafts`` ``req_id``'s grammar allows (the matcher is left as
+        it was)."""
+        m = self._matchers[req_id].result()
+        n = 0
+        if not m.is_terminated():
+            for t in drafts:
+                if not m.accept_token(t):
+                    break
+                n += 1
+            if n:
+                m.rollback(n)
+        return n
+
+    def draft_masks(self, req_id: str, drafts: list[int]) -> torch.Tensor:
+        """``req_id``'s bitmasks at each draft position and after the last draft
+        (``len(drafts) + 1`` rows): its grammar advanced over the drafts, then rolled back."""
+        import xgrammar as xgr
+        m = self._matchers[req_id].result()
+        bitmask = xgr.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
+        n = 0
+        for p in range(len(drafts) + 1):
+            if m.is_terminated():
+                bitmask[p] = self._stop_row
+            else:
+                m.fill_next_token_bitmask(bitmask, p)
+            if p < len(drafts):
+                if m.is_terminated() or not m.accept_token(drafts[p]):
+                    bitmask[p + 1:] = self._stop_row  # check_drafts let only allowed drafts through
+                    break
+                n += 1
+        if n:
+            m.rollback(n)
+        return bitmask
+
+    def mask_rows(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+        """-inf (in place) where ``bitmask``'s row j bans a token of ``logits[rows[j]]``."""
+        words = bitmask.numpy().view(np.uint8)
+        banned = ~torch.from_numpy(np.unpackbits(words, axis=1, bitorder="little",
+                                                 count=logits.shape[1]).view(bool))
+        idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill_(banned.to(logits.device),
+                                                                            float("-inf")))
+
+    def accept_many(self, req_ids: list[str | None], tokens: list[list[int]]) -> None:
+        """Each request's tokens of a verify step (kept drafts, then one), in order."""
+        width = max((len(t) for t in tokens), default=0)
+        for j in range(width):
+            pairs = [(r, t[j]) for r, t in zip(req_ids, tokens, strict=True) if len(t) > j]
+            self.accept([r for r, _ in pairs], [t for _, t in pairs])
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._matchers.clear()

@@ -164,3 +164,27 @@ def test_k_follows_the_acceptance():
 def test_bad_speculative_configs_are_refused_naming_the_field(text, needle):
     with pytest.raises(ValueError, match=needle):
         make_llm(text)  # type: ignore[arg-type]
+
+
+def test_a_grammar_checks_the_drafts_and_masks_each_position():
+    """Requests with structured outputs verify drafts too: the proposer's drafts are cut at
+    the first token the grammar refuses, each draft position is masked with the grammar
+    advanced over the drafts before it; the answers are those of plain decoding."""
+    prompts = [PROMPTS[i] for i in range(4)]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(
+        regex="(ab|cd|ef)( (ab|cd|ef)){5,30}")),
+              SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(
+                  json={"type": "object", "properties": {"x": {"type": "array", "items": {"type": "integer"}}},
+                        "required": ["x"]})),
+              SamplingParams(max_tokens=40, temperature=0.7, seed=3, structured_outputs=StructuredOutputsParams(
+                  regex="(yes|no)(, (yes|no)){3,20}")),
+              SamplingParams(max_tokens=40, temperature=0.0)]
+    with make_llm(None) as llm:
+        want = outputs(llm, prompts, params)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "cost_aware": False}
+    with make_llm(spec) as llm:
+        got = outputs(llm, prompts, params)
+        st = llm.stats()
+    assert got == want
+    assert st["spec_num_accepted_tokens"] > 0

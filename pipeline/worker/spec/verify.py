@@ -20,6 +20,7 @@ current step with their drafts.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -175,26 +176,27 @@ class SpecDecoder:
         self.staged = {}
         return Verified(tokens, counts, lps)
 
-    def propose(self, b: InputBatch, sample_rows: np.ndarray, idle: list[str]) -> tuple[dict[str, bytes], int]:
-        """Drafts for each sampled row's next step (rank 0; none for a grammar's rows, nor
-        for ``idle``: the engine will not verify drafts for them then), and for how many
-        requests it proposed."""
+    def propose(self, b: InputBatch, sample_rows: np.ndarray, idle: list[str],
+                grammar: Callable[[str, list[int]], int] | None = None) -> tuple[dict[str, bytes], int]:
+        """Drafts for each sampled row's next step (rank 0; none for ``idle``: the engine
+        will not verify drafts for them then), and for how many requests it proposed. A row
+        with a grammar keeps the drafts ``grammar`` allows (StructuredBatch.check_drafts)."""
         out: dict[str, bytes] = {}
         if self.proposer is None and self.draft is None:
             return out, 0
         skip = set(idle)
-        rows = [r for r in sample_rows.tolist() if not b.structured[r] and b.req_ids[r] not in skip
-                and b.num_tokens[r] < b.max_model_len]
+        rows = [r for r in sample_rows.tolist() if b.req_ids[r] not in skip and b.num_tokens[r] < b.max_model_len]
         if self.draft is not None:
-            for r, drafts in self.draft.propose(b, rows, self.k).items():
-                if drafts:
-                    out[b.req_ids[r]] = ids_to_bytes(drafts)  # type: ignore[index]
-            return out, len(rows)
-        assert self.proposer is not None
-        for r in rows:
+            found = self.draft.propose(b, rows, self.k)
+        else:
+            assert self.proposer is not None
+            found = {r: self.proposer.propose(b.req_ids[r], b.token_ids[r, :b.num_tokens[r]],
+                                              int(b.num_prompt_tokens[r]), self.k) for r in rows}
+        for r, drafts in found.items():
             rid = b.req_ids[r]
             assert rid is not None  # a live row
-            drafts = self.proposer.propose(rid, b.token_ids[r, :b.num_tokens[r]], int(b.num_prompt_tokens[r]), self.k)
+            if drafts and b.structured[r]:
+                drafts = drafts[:grammar(rid, drafts)] if grammar is not None else []
             if drafts:
                 out[rid] = ids_to_bytes(drafts)
         return out, len(rows)
