@@ -253,14 +253,10 @@ class Scheduler:
             if len(req.all_token_ids) + req.num_placeholders - start != 1:
                 prefills.append(req)
                 continue
-            drafts: list[int] = []
-            if spec is not None:
-                # Drafts: as many as leave room for the token it samples anyway in the
-                # budget, max_tokens and max_model_len.
-                drafts = spec.drafts_for(req, min(st.budget, min(req.max_num_tokens, max_len)
-                                                  - len(req.all_token_ids)) - 1)
-                if not spec.wants_drafts(req):
-                    st.spec_idle.append(req.req_id)
+            # Drafts: as many as leave room for the token it samples anyway in the budget,
+            # max_tokens and max_model_len.
+            drafts = spec.plan(req, min(st.budget, min(req.max_num_tokens, max_len) - len(req.all_token_ids)) - 1,
+                               st.spec_idle) if spec is not None else []
             n = 1 + len(drafts)
             need = n + min(self.lookahead, max_len - start - n)
             # Fast path: the decode token (and drafts) still fit in the request's last block.

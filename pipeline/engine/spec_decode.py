@@ -107,6 +107,14 @@ class SpecDecode:
             self.step_cap = 1 if self._cap_probe == 0 else 0
             self._cap_probe = (self._cap_probe + 1) % PROBE_EVERY
 
+    def plan(self, req: Request, room: int, idle: list[str]) -> list[int]:
+        """A decode step of ``req``: its drafts (``drafts_for``); its id added to ``idle``
+        when it will not verify drafts at its next step (``wants_drafts``)."""
+        drafts = self.drafts_for(req, room)
+        if not self.wants_drafts(req):
+            idle.append(req.req_id)
+        return drafts
+
     def wants_drafts(self, req: Request) -> bool:
         """Whether ``req``, just scheduled, may verify drafts at its next step: the worker
         proposes for it only then (proposing costs the worker's step time)."""

@@ -32,6 +32,7 @@ from pipeline.worker.prompt_logprobs import prompt_logprobs
 from pipeline.worker.rank_model import RankModel
 from pipeline.worker.sampler import Sampler, build_metadata
 from pipeline.worker.spec.draft import DraftModel
+from pipeline.worker.spec.step import mask_drafts, verify_step
 from pipeline.worker.spec.verify import SpecDecoder
 from pipeline.worker.step_inputs import StepInputs, prepare_inputs
 from pipeline.worker.structured import StructuredBatch
@@ -52,7 +53,7 @@ class ModelRunner(RankModel):
         spec = config.speculative_config
         # Speculative decoding: rank 0 proposes, every rank verifies the drafts it is sent.
         self.spec = SpecDecoder(spec, proposes=rank == 0) if spec is not None else None
-        self._spec_idle: list[str] = []  # the step's requests to propose nothing for
+        self.spec_idle: list[str] = []  # the step's requests to propose nothing for
         self._signal: LayerSignal | None = None
         self._signal_ranks = 1  # ranks sharing the KV segment (and the signal's layers)
         self._signal_stream = None
@@ -120,7 +121,7 @@ class ModelRunner(RankModel):
             b.num_computed_tokens[b.index[cached.req_id]] = cached.num_computed_tokens
         if spec is not None:
             spec.stage(b, sched.spec_token_ids)
-            self._spec_idle = sched.spec_idle
+            self.spec_idle = sched.spec_idle
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         # A decode step replays a CUDA graph unless a layer signal must fire per layer.
@@ -191,7 +192,7 @@ class ModelRunner(RankModel):
                 0, torch.cat([inp.logits_indices, torch.from_numpy(idx).to(inp.logits_indices.device)])))
             logits, spec_logits = both[:n], both[n:]
             if self.structured is not None and len(self.structured):
-                self._mask_drafts(both, sample_rows, by_pos)
+                mask_drafts(self.structured, self.spec, self.batch, both, sample_rows, by_pos)
         else:
             logits = model.compute_logits(hidden.index_select(0, inp.logits_indices))
         if self.structured is not None:
@@ -206,8 +207,7 @@ class ModelRunner(RankModel):
         else:  # rank 0 samples (and masks); its tokens arrive below
             tokens, logprobs = torch.empty(len(sample_rows), dtype=torch.int64, device=self.device), None
         if self.spec is not None:
-            return self._verify(step_id, tokens, logprobs, sample_rows, spec_logits, by_pos, prompt_lps,
-                                self._spec_idle)
+            return verify_step(self, step_id, tokens, logprobs, sample_rows, spec_logits, by_pos, prompt_lps)
         if self.tp is not None and (b.num_needs_sampler or b.num_structured):
             tokens = self.tp.broadcast(tokens.to(torch.int64), 0)
         tokens_np = tokens.cpu().numpy()
@@ -217,51 +217,6 @@ class ModelRunner(RankModel):
         return ModelRunnerOutput(step_id=step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
                                  sampled_token_ids=tokens_np.tolist(), logprobs=logprobs or [],
                                  prompt_logprobs=prompt_lps)
-
-    def _mask_drafts(self, both: torch.Tensor, sample_rows: np.ndarray, by_pos: list[np.ndarray]) -> None:
-        """The grammar's masks of the rows verifying drafts: at each draft position and the
-        last (``both``: the last positions' logits, then the draft positions', p-major)."""
-        so, spec, b = self.structured, self.spec, self.batch
-        assert so is not None and spec is not None
-        offsets = np.cumsum([len(sample_rows)] + [len(w) for w in by_pos])
-        for w, r in enumerate(sample_rows.tolist()):
-            drafts = spec.staged.get(r)
-            if drafts is None or not so.has(b.req_ids[r]):
-                continue
-            rows = [int(offsets[p] + np.searchsorted(by_pos[p], w)) for p in range(len(drafts))] + [w]
-            so.mask_rows(both, rows, so.draft_masks(b.req_ids[r], drafts.tolist()))
-
-    def _verify(self, step_id: int, last: torch.Tensor, last_lps: list | None, sample_rows: np.ndarray,
-                logits: torch.Tensor | None, by_pos: list[np.ndarray], prompt_lps: list,
-                idle: list[str]) -> ModelRunnerOutput:
-        """Speculative decoding: draws at the draft positions (``logits``, None: no drafts),
-        the drafts kept, the next drafts proposed (worker.spec.verify)."""
-        spec, b = self.spec, self.batch
-        assert spec is not None
-        draws, draw_lps = torch.zeros(0, dtype=torch.int64), None
-        if logits is not None:
-            sampler = (self.sampler if b.num_needs_sampler and (self.tp is None or self.rank == 0)
-                       else None)
-            if sampler is None and b.num_needs_sampler:  # rank > 0: rank 0's draws arrive below
-                draws = torch.empty(len(logits), dtype=torch.int64, device=self.device)
-            else:
-                draws, draw_lps = spec.verify(b, sample_rows, last, last_lps, logits, by_pos, sampler,
-                                              self.vocab_size, self.eos_token_ids, self.device)
-        if self.tp is not None and (b.num_needs_sampler or b.num_structured):
-            both = self.tp.broadcast(torch.cat([last.to(torch.int64), draws.to(torch.int64)]), 0)
-            last, draws = both[:len(sample_rows)], both[len(sample_rows):]
-        v = spec.accept(b, sample_rows, last.cpu().numpy(), last_lps, draws.cpu().numpy(), draw_lps, by_pos)
-        so = self.structured
-        if so is not None and len(so):
-            ends = np.cumsum(v.counts)
-            so.accept_many([b.req_ids[r] for r in sample_rows.tolist()],
-                           [v.tokens[e - c:e] for e, c in zip(ends.tolist(), v.counts)])
-        t0 = time.perf_counter()
-        drafts, proposed = spec.propose(b, sample_rows, idle, so.check_drafts if so is not None else None)
-        return ModelRunnerOutput(step_id=step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
-                                 sampled_token_ids=v.tokens, logprobs=v.logprobs or [],
-                                 prompt_logprobs=prompt_lps, num_sampled=v.counts, draft_token_ids=drafts,
-                                 propose_s=time.perf_counter() - t0, num_proposed=proposed)
 
     def close(self) -> None:
         self._drain_signal_stream()
