@@ -141,6 +141,9 @@ class SpecDecoder:
         """Keep each row's drafts up to the first its draw differs from, then that draw (or
         the last position's): appended to the batch (its rejected drafts dropped)."""
         n = len(sample_rows)
+        if not self.staged:  # no drafts in this step: one token each, as plain decoding
+            b.append_tokens(sample_rows, last)
+            return Verified(last.tolist(), [1] * n, last_lps)
         at: list[dict[int, int]] = [{} for _ in range(n)]  # row -> {position: flat draw index}
         j = 0
         for p, who in enumerate(by_pos):
