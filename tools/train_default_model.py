@@ -9,6 +9,9 @@ Usage::
 
     nice -n 5 .venv/bin/python tools/train_default_model.py --out pipeline/default_model \
         [--steps 800] [--seed 0] [--threads 1] [--curve /tmp/curve.json]
+    # a draft for speculative decoding: the default model's tokenizer, one small layer
+    .venv/bin/python tools/train_default_model.py --out /tmp/draft --tokenizer-from \
+        pipeline/default_model --layers 1 --hidden 128 --intermediate 344 --heads 2 --kv-heads 1
     .venv/bin/python tools/train_default_model.py --sample pipeline/default_model \
         [--prompts tools/sample_prompts.txt]
 
@@ -271,10 +274,14 @@ def train(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True)
     train_docs, val_docs = corpus()
-    tok = train_tokenizer(train_docs, args.vocab)
+    # A draft model for speculative decoding shares the target's tokenizer (--tokenizer-from).
+    tok = (Tokenizer.from_file(str(Path(args.tokenizer_from) / "tokenizer.json")) if args.tokenizer_from
+           else train_tokenizer(train_docs, args.vocab))
     tr, va = encode_docs(tok, train_docs), encode_docs(tok, val_docs)
     print(f"tokens: train {len(tr)}, val {len(va)} ({sum(map(len, train_docs))} train chars)", flush=True)
-    model = TinyLlama(ModelArgs(vocab_size=tok.get_vocab_size(), num_layers=args.layers), args.dropout)
+    model = TinyLlama(ModelArgs(vocab_size=tok.get_vocab_size(), num_layers=args.layers, hidden_size=args.hidden,
+                                intermediate_size=args.intermediate, num_heads=args.heads,
+                                num_kv_heads=args.kv_heads), args.dropout)
     print(f"params: {sum(p.numel() for p in model.parameters())}", flush=True)
     decay = [p for p in model.parameters() if p.dim() == 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -337,6 +344,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--intermediate", type=int, default=688)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--tokenizer-from", default=None,
+                    help="a checkpoint whose tokenizer to keep (a draft model for speculative decoding)")
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--eval-every", type=int, default=100)

@@ -96,7 +96,10 @@ class AsyncClient:
         try:
             while not done:
                 try:
-                    item = await asyncio.wait_for(self._get(q), t)
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for drops a cancellation that
+                    # lands as an item arrives, and the stream then waits out its time-out.
+                    async with asyncio.timeout(t):
+                        item = await self._get(q)
                 except TimeoutError:
                     user_id = self._forget(wire, abort=True)
                     raise TimeoutError(f"request {user_id!r}: no answer within {t:.3g}s") from None

@@ -165,15 +165,28 @@ def test_streaming_through_a_pair_sends_each_token_once(pair, mixed, vocab):
 def test_abort_frees_both_sides(pair, vocab):
     pre, dec, router = pair
     ids = prompts(vocab, n=6, seed=2)
+    # The decode engine is held (SIGSTOP) from the moment the client sees a request decode
+    # until the aborts are out: a client the machine starves could otherwise see every
+    # stream end (200 tokens) before its cancel runs.
+    engine = dec.stage_pids()["engine"]
+    held: list[bool] = []
+
+    def hold() -> None:
+        if not held:
+            os.kill(engine, signal.SIGSTOP)
+            held.append(True)
 
     async def run():
         async with AsyncClient(router.address, timeout=120) as c:
             decoding = asyncio.Event()
-            tasks = [asyncio.create_task(_stream(c, p, decoding)) for p in ids]
+            tasks = [asyncio.create_task(_stream(c, p, decoding, hold)) for p in ids]
             await decoding.wait()  # one is decoding; the others are anywhere in the flow
             for t in tasks:
                 t.cancel()  # the client aborts each on its way out
-            return await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                return await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                os.kill(engine, signal.SIGCONT)
 
     outcomes = asyncio.run(run())
     assert any(isinstance(o, asyncio.CancelledError) for o in outcomes)
@@ -261,15 +274,17 @@ def test_a_mixed_instance_refuses_kv_transfer(mixed):
 
 # ---- failures on real processes (last: they kill instances) ----
 
-async def _stream(c: AsyncClient, p: list[int], decoding: asyncio.Event | None = None):
-    """A long request; sets `decoding` once two tokens arrived (the second is the decode
-    instance's: its KV is there); returns (final, when)."""
+async def _stream(c: AsyncClient, p: list[int], decoding: asyncio.Event | None = None, on_decoding=None):
+    """A long request; sets `decoding` (after calling ``on_decoding``) once two tokens
+    arrived (the second is the decode instance's: its KV is there); returns (final, when)."""
     n = 0
     async for out in c.stream(prompt_token_ids=p, max_tokens=200, ignore_eos=True, temperature=0.0):
         if isinstance(out, RequestResult):
             return out, time.monotonic()
         n += len(out.token_ids)
         if decoding is not None and n >= 2:
+            if on_decoding is not None:
+                on_decoding()
             decoding.set()
     raise AssertionError("stream ended without a final")
 
