@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from pipeline.worker.spec.ngram import NgramProposer
 from pipeline.worker.spec.proposer import make_proposer, ngram_window
-from pipeline.worker.spec.suffix import ANCHORS, SuffixProposer
+from pipeline.worker.spec.suffix import SuffixProposer
+from pipeline.worker.spec.suffix_index import ANCHORS
 
 
 def _a(xs) -> np.ndarray:

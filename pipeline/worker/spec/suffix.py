@@ -10,10 +10,7 @@ min_token_prob; at most k tokens and at most max_spec_factor * match length (a l
 a long draft). The index whose draft has the larger expected accepted length (the sum of those
 probabilities) wins.
 
-Index layout (instead of a suffix tree): for an anchor of the last A tokens (A = 4, else 1),
-the positions of the token that followed each occurrence, chained latest first (_Chains); the
-longest match is found among the anchor's latest CANDIDATES occurrences (so frequencies are
-those of recent history). A token costs O(1) to index (a tree costs O(depth)).
+The index: worker/spec/suffix_index.py.
 
 Cost per call (it runs once per request per decode step, on the step's critical path): plain
 Python over array('i') token stores, no numpy -- numpy's ~1 us per operation on arrays of a few
@@ -37,92 +34,10 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from itertools import chain
 
 import numpy as np
 
-ANCHORS = (4, 1)  # anchor lengths, longest first: a 4-gram's occurrences are few and specific
-CANDIDATES = 64  # latest occurrences of the anchor compared per call
-
-
-def _pack(w: array | list[int]) -> int:
-    """An anchor's key: its tokens (each < 2**31) packed 32 bits apiece, exact, as _Chains.add
-    rolls it; an int (36-44 bytes), like the 64-bit hash it replaced, not a GC-tracked tuple."""
-    key = 0
-    for t in w:
-        key = (key << 32) | t
-    return key
-
-
-def _slots(lo: int, end: int, ring: int) -> range | chain[int]:
-    """The slots of positions lo..end-1 (fewer than ``ring`` of them); ring 0: the positions."""
-    if not ring:
-        return range(lo, end)
-    s = lo % ring
-    if s + end - lo <= ring:
-        return range(s, s + end - lo)
-    return chain(range(s, ring), range(0, s + end - lo - ring))
-
-
-class _Chains:
-    """Occurrences by anchor, as chains through positions: per anchor length, a dict from the
-    anchor's key to the latest position that followed it, and per position the previous one
-    that followed the same anchor. Ints in dicts and arrays only: nothing for the garbage
-    collector to traverse, however large the index (Python lists of positions made gen-2
-    collections of a full global index take ~100 ms)."""
-    __slots__ = ("last", "prev", "ring")
-
-    def __init__(self, ring: int = 0) -> None:
-        self.ring = ring  # > 0: positions are absolute, slot = position % ring
-        self.last: list[dict[int, int]] = [{} for _ in ANCHORS]
-        self.prev = [array("q", [-1]) * ring for _ in ANCHORS]
-
-    def add(self, i: int, vals: list[int], pos: int, start: int, lo: int) -> None:
-        """Chain anchor ANCHORS[i]'s continuation positions lo..pos+len(vals) of one sequence
-        that begins at position ``start``; vals: its tokens at positions pos.. but for the
-        last, pos <= max(start, lo - ANCHORS[i]) (the anchor before lo is in them). A token
-        costs a few interpreter steps: one shift to roll the key, a get and two stores."""
-        a, ring = ANCHORS[i], self.ring
-        end = pos + len(vals) + 1  # continuation positions below end
-        lo = max(lo, start + a)  # a continuation needs a whole anchor before it
-        if end <= lo:
-            return
-        last, prev = self.last[i], self.prev[i]
-        if not ring and len(prev) < end:
-            prev.extend(array("q", [-1]) * (end - len(prev)))
-        get = last.get
-        ahead = zip(_slots(lo, end, ring), range(lo, end), vals[lo - 1 - pos:])
-        if a == 1:  # the key is the token
-            for s, p, t in ahead:
-                prev[s] = get(t, -1)
-                last[t] = p
-            return
-        key, mask = _pack(vals[lo - a - pos:lo - 1 - pos]), (1 << 32 * a) - 1
-        for s, p, t in ahead:
-            key = ((key << 32) | t) & mask
-            prev[s] = get(key, -1)
-            last[key] = p
-
-
-class _Local:
-    """One request's index: its tokens (position -> token) and their chains. Only the longest
-    anchor's chain is kept up to date on every call; a shorter one catches up when a call falls
-    back to it (``upto``: its continuation positions below this are chained), so a request
-    whose 4-gram anchors keep hitting never pays for its 1-gram chain."""
-    __slots__ = ("chains", "num_prompt", "toks", "upto")
-
-    def __init__(self, num_prompt: int) -> None:
-        self.num_prompt = num_prompt
-        self.toks = array("i")
-        self.upto = [0] * len(ANCHORS)
-        self.chains = _Chains()
-
-    def index(self, i: int) -> None:
-        lo, end = self.upto[i], len(self.toks)
-        if end > lo:
-            pos = max(0, lo - ANCHORS[i])
-            self.chains.add(i, self.toks[pos:end - 1].tolist(), pos, 0, lo)
-            self.upto[i] = end
+from pipeline.worker.spec.suffix_index import ANCHORS, CANDIDATES, Chains, Local, continues, pack
 
 
 class SuffixProposer:
@@ -136,11 +51,11 @@ class SuffixProposer:
         self.max_requests = max_cached_requests  # 0: no global index; < 0: bounded by tokens only
         self.factor = max_spec_factor
         self.min_token_prob = min_token_prob
-        self._local: dict[str, _Local] = {}
+        self._local: dict[str, Local] = {}
         self._ring = array("i", [-1]) * max_cached_tokens
         self._head = 0  # absolute positions: ring slot = position % len(ring)
         self._cached: deque[tuple[int, int]] = deque()  # live global requests: (start, length)
-        self._chains = _Chains(max_cached_tokens)
+        self._chains = Chains(max_cached_tokens)
 
     # -- the Proposer interface ---------------------------------------------------------------
 
@@ -152,7 +67,7 @@ class SuffixProposer:
         d = min(self.depth, length)  # no match is longer than the sequence
         tail = st.toks[length - d:]
         # an anchor longer than d never counts: its matches would be capped below its length
-        keys = [_pack(tail[-a:]) if d >= a else -1 for a in ANCHORS]
+        keys = [pack(tail[-a:]) if d >= a else -1 for a in ANCHORS]
         draft, score = self._draft(st.chains, st.toks, 0, tail, keys, k, st)
         # the global draft wins only with a larger score, and a score is at most its draft's
         # length: when the request's own draft has the most any could, skip the global walk
@@ -198,8 +113,8 @@ class SuffixProposer:
 
     # -- matching and drafting ----------------------------------------------------------------
 
-    def _draft(self, chains: _Chains, src: array, lo: int, tail: array, keys: list[int], k: int,
-               local: _Local | None) -> tuple[list[int], float]:
+    def _draft(self, chains: Chains, src: array, lo: int, tail: array, keys: list[int], k: int,
+               local: Local | None) -> tuple[list[int], float]:
         """The draft from one index (src: its tokens by position, or by ring slot): the latest
         occurrences of the longest anchor the tail has, narrowed to those matching the longest
         suffix, then extended greedily."""
@@ -292,10 +207,10 @@ class SuffixProposer:
 
     # -- index upkeep -------------------------------------------------------------------------
 
-    def _sync(self, req_id: str, tokens: np.ndarray, num_prompt: int) -> _Local:
+    def _sync(self, req_id: str, tokens: np.ndarray, num_prompt: int) -> Local:
         st = self._local.get(req_id)
-        if st is None or not _continues(st, tokens, num_prompt):
-            st = self._local[req_id] = _Local(num_prompt)  # new, or shrunk/replaced: rebuild
+        if st is None or not continues(st, tokens, num_prompt):
+            st = self._local[req_id] = Local(num_prompt)  # new, or shrunk/replaced: rebuild
         n = len(st.toks)
         if len(tokens) > n:
             st.toks.extend(tokens[n:].tolist())
@@ -320,15 +235,6 @@ class SuffixProposer:
         low = self._low()
         for a, last in zip(ANCHORS, self._chains.last):
             # chains stop below low by themselves; an anchor whose latest is gone goes too
-            for h in {_pack(out[j:j + a]) for j in range(n - a)}:
+            for h in {pack(out[j:j + a]) for j in range(n - a)}:
                 if last.get(h, low) < low:
                     del last[h]
-
-
-def _continues(st: _Local, tokens: np.ndarray, num_prompt: int) -> bool:
-    n = len(st.toks)
-    if len(tokens) < n or num_prompt != st.num_prompt:
-        return False
-    lo = max(0, n - max(ANCHORS))
-    return n == 0 or (int(tokens[0]) == st.toks[0]
-                      and tokens[lo:n].tolist() == st.toks[lo:n].tolist())
