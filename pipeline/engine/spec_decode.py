@@ -36,6 +36,8 @@ countdown live on Request.
 """
 from __future__ import annotations
 
+import math
+
 from pipeline.engine.request import Request
 
 DORMANT_BELOW = 0.2  # accepted drafts per verify step, averaged, under which a request stops drafting
@@ -105,7 +107,10 @@ class SpecDecode:
             self.step_cap, self._cap_probe = self.cap, 0
         else:
             self.step_cap = 1 if self._cap_probe == 0 else 0
-            self._cap_probe = (self._cap_probe + 1) % PROBE_EVERY
+            # A probe costs a proposal (a draft model's forwards: several tokens' worth), so
+            # the dearer proposing is, the rarer the probe: its cost stays ~1/PROBE_EVERY.
+            every = PROBE_EVERY * max(1, math.ceil(self.cost.proposal_price()))
+            self._cap_probe = (self._cap_probe + 1) % every
 
     def plan(self, req: Request, room: int, idle: list[str]) -> list[int]:
         """A decode step of ``req``: its drafts (``drafts_for``); its id added to ``idle``
