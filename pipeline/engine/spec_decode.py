@@ -128,9 +128,11 @@ class SpecDecode:
         return req.spec_k > 0 or req.spec_probe <= 1
 
     def start(self, req: Request) -> None:
-        """A request's first run (or a rerun after preemption): K from the top."""
-        req.spec_k = self.k
-        req.spec_ema = float(self.k)  # optimistic: a few rejections to go dormant
+        """A new request: two drafts first; K grows with what it keeps (2 x the average + 1:
+        all kept, 2 -> 3 -> 5 -> 8 ...), so a request that keeps nothing costs little before it
+        goes dormant."""
+        req.spec_k = min(self.k, 2)
+        req.spec_ema = 1.0
         req.spec_probe = req.spec_backoff = 0
         req.spec_token_ids = []
 

@@ -133,9 +133,9 @@ def test_a_request_that_never_accepts_goes_dormant_and_probes():
             drafted += len(drafts)
             spec.on_verified(req, len(drafts), 0)
     assert req.spec_k == 0
-    # Shrinking K (4, 4, 3, 2, 1), probes after 2, 4, 8, 16 steps, then one draft every
-    # PROBE_EVERY steps: the 3 % budget.
-    assert drafted <= 4 + 4 + 3 + 2 + 1 + 4 + steps / PROBE_EVERY + 1
+    # Two drafts, then K shrinking (2, 1), probes after 2, 4, 8, 16 steps, then one draft
+    # every PROBE_EVERY steps: the 3 % budget.
+    assert drafted <= 2 + 2 + 1 + 4 + steps / PROBE_EVERY + 1
     assert drafted / steps <= 0.04
 
 
@@ -143,12 +143,13 @@ def test_k_follows_the_acceptance():
     spec = SpecDecode(8)
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=1000))
     spec.start(req)
-    for _ in range(4):
-        spec.on_verified(req, req.spec_k, 0)
-    assert 1 <= req.spec_k < 8
+    assert req.spec_k == 2  # a new request starts small
     for _ in range(6):
         spec.on_verified(req, req.spec_k, req.spec_k)
-    assert req.spec_k == 8
+    assert req.spec_k == 8  # all kept: K grows to the configured one
+    spec.on_verified(req, 8, 0)
+    spec.on_verified(req, req.spec_k, 0)
+    assert 1 <= req.spec_k < 8  # nothing kept: it shrinks
 
 
 @pytest.mark.parametrize("text, needle", [
