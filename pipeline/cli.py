@@ -6,6 +6,7 @@ A subcommand module exposes ``add_args(parser)`` and ``main(args) -> int``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
@@ -57,13 +58,43 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return p
 
 
+def chosen_parser(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the command asked for: the one whose flags a stray argument missed."""
+    for dest in ("command", "bench"):
+        name = getattr(args, dest, None)
+        sub = next((a for a in p._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if name is None or sub is None or name not in sub.choices:
+            break
+        p = sub.choices[name]
+    return p
+
+
+def unrecognized(p: argparse.ArgumentParser, extra: list[str]) -> str:
+    """argparse's message for arguments no flag took, with the nearest flag for a misspelt one
+    (`--max-num-seq` -> `--max-num-seqs`), as vLLM's parser suggests."""
+    flags = [s for a in p._actions for s in a.option_strings]
+    hints = []
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        if name.startswith("-"):
+            near = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
+            if near:
+                hints.append(f"{name} (did you mean {near[0]}?)")
+    msg = "unrecognized arguments: " + " ".join(extra)
+    return msg + ("; " + ", ".join(hints) if hints else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # a command, not a call in another program's process
         from pipeline.runtime.process import die_with_parent_env
 
         die_with_parent_env()  # PIPELINE_DIE_WITH=<parent pid>: the test suite's daemons
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # exit status 2, as argparse's own error
+        sub = chosen_parser(parser, args)
+        sub.error(unrecognized(sub, extra))
     return int(args._main(args) or 0)
 
 

@@ -26,6 +26,8 @@ CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bflo
            "kv_transfer": ("auto", "ipc", "tcp"), "pd_fallback": ("none", "local"),
            "distributed_backend": ("auto", "nccl", "gloo")}
 
+# vLLM's other names for the number formats (--dtype half, LLM(dtype="float")).
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 DEFAULT_KV_OFFLOAD_SIZE = 16 << 30
 SIZE_FIELDS = ("kv_cache_memory", "kv_offload_size", "kv_offload_host")
@@ -223,6 +225,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                     v = parse_size(v)
                 except ValueError as e:
                     raise ValueError(f"{_flag(name)}: {e}") from None
+            if name == "dtype" and isinstance(v, str):
+                v = DTYPE_ALIASES.get(v, v)
             if name == "speculative_config" and v is not None and not isinstance(v, SpeculativeConfig):
                 v = SpeculativeConfig.parse(v)  # type: ignore[arg-type]  # JSON text or a dict
             if g is not None:

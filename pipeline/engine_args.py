@@ -10,6 +10,7 @@ import os
 from pipeline.config import (
     CHOICES,
     DEFAULT_KV_OFFLOAD_SIZE,
+    DTYPE_ALIASES,
     FIELD_GROUP,
     GROUPS,
     INT4_GROUP_SIZES,
@@ -17,7 +18,7 @@ from pipeline.config import (
     MAX_CHAT_TEMPLATE_BYTES,
     EngineConfig,
 )
-from pipeline.sizes import parse_size
+from pipeline.sizes import size_arg
 
 
 class _Defaults:
@@ -31,19 +32,22 @@ class _Defaults:
 GROUP_DEFAULTS = {g: cls() for g, cls in GROUPS.items()}
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _dtype(text: str) -> str:
+    return DTYPE_ALIASES.get(text, text)  # argparse checks the choices after this
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    # The model as vLLM takes it: positional (`pipeline serve MODEL`) or --model, one of them;
+    # None until resolve_model, so that both given and different can be told apart.
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint directory, as --model (default: the embedded tiny model)")
+    p.add_argument("--model", default=None, help="checkpoint directory (Hugging Face format)")
+    p.add_argument("--device", default=_Defaults().device, choices=CHOICES["device"])
+    p.add_argument("--dtype", default=_Defaults().dtype, type=_dtype, choices=CHOICES["dtype"],
+                   metavar="{auto,half,float16,bfloat16,float,float32}",
+                   help="half: float16, float: float32 (vLLM's names); on CPU, bfloat16 packs the "
+                        "weights as bf16 under float32 activations")
     d = _Defaults()
-    p.add_argument("--model", default=d.model, help="checkpoint directory (Hugging Face format)")
-    p.add_argument("--device", default=d.device, choices=CHOICES["device"])
-    p.add_argument("--dtype", default=d.dtype, choices=CHOICES["dtype"],
-                   help="on CPU, bfloat16 packs the weights as bf16 under float32 activations")
     p.add_argument("--quantization", default=d.quantization, choices=CHOICES["quantization"],
                    help="int8: quantise float weights per output channel at load (CPU); int4: "
                         "in groups of --quantization-group-size inputs (CPU; GPTQ/AWQ checkpoints "
@@ -53,7 +57,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help=f"tokens per KV block: a power of two up to {MAX_BLOCK_SIZE} (0: 16 on CPU, 64 on GPU)")
     p.add_argument("--num-blocks", type=int, default=d.num_blocks)
-    p.add_argument("--kv-cache-memory", type=_size, default=d.kv_cache_memory,
+    p.add_argument("--kv-cache-memory", type=size_arg, default=d.kv_cache_memory,
                    help="bytes of KV cache (CPU). Default: as much as the weights take, at least 64 MiB "
                         "and one max_model_len sequence, at most what max_num_seqs sequences of "
                         "max_model_len fill and half the free memory; pages are allocated as used")
@@ -61,10 +65,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-offload-dir", default=d.kv_offload_dir,
                    help="a second KV tier: prefix blocks kept in files under this directory, across "
                         "restarts and shared by the instances of this host (docs/kv_tier.md)")
-    p.add_argument("--kv-offload-size", type=_size, default=d.kv_offload_size,
+    p.add_argument("--kv-offload-size", type=size_arg, default=d.kv_offload_size,
                    help=f"bytes the --kv-offload-dir tier keeps, e.g. 20GiB (0: "
                         f"{DEFAULT_KV_OFFLOAD_SIZE >> 30} GiB)")
-    p.add_argument("--kv-offload-host", type=_size, default=d.kv_offload_host,
+    p.add_argument("--kv-offload-host", type=size_arg, default=d.kv_offload_host,
                    help="a KV tier in pinned host memory: for a KV cache on CUDA (not built yet)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
@@ -154,9 +158,20 @@ def read_chat_template(path: str | os.PathLike[str]) -> str:
     return text
 
 
+def resolve_model(a: argparse.Namespace) -> None:
+    """``a.model`` from the positional MODEL or --model (the default model if neither);
+    ValueError naming both when both are given and differ."""
+    tag, flag = getattr(a, "model_tag", None), getattr(a, "model", None)
+    if tag is not None and flag is not None and tag != flag:
+        raise ValueError(f"the model is given twice and differs: positional {tag!r} and "
+                         f"--model {flag!r}; give one")
+    a.model = tag if tag is not None else flag if flag is not None else _Defaults().model
+
+
 def config_from_args(a: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of the engine flags; ValueError naming a flag whose value is out of range
     or a --chat-template file that cannot be used (its text is what the config holds)."""
+    resolve_model(a)
     fields = {f: getattr(a, f) for f in EngineConfig.field_names() if hasattr(a, f)}
     if fields.get("chat_template") is not None:
         fields["chat_template"] = read_chat_template(fields["chat_template"])

@@ -1,8 +1,10 @@
-"""Sizes in bytes as users write them (``20GiB``, ``512MB``, ``1.5G``): the flags that take
-sizes (``--kv-cache-memory``, ``--kv-offload-size``) and ``LLM(...)``'s string values. Owns no
-state.
+"""Sizes in bytes as users write them (``20GiB``, ``512MB``, ``1.5G``): every flag that takes
+bytes (``--kv-cache-memory``, ``--max-frame-bytes``, ...: ``size_arg``) and ``LLM(...)``'s
+string values. Owns no state.
 """
 from __future__ import annotations
+
+import argparse
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 1 << 10, "m": 10**6, "mb": 10**6,
           "mib": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12,
@@ -24,3 +26,11 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"{text!r} is not a size: a number of bytes with an optional unit "
                          f"(KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 20GiB")
     return int(value * _UNITS[unit])
+
+
+def size_arg(text: str) -> int:
+    """``parse_size`` as an argparse ``type=``: every flag that takes bytes takes ``2GiB``."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

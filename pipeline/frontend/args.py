@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 
 from pipeline.bind import check_bind
 from pipeline.frontend import protocol as P
+from pipeline.sizes import size_arg
 
 FRAME_BYTES_RANGE = (1 << 10, 1 << 30)
 
@@ -23,7 +24,7 @@ FRAME_BYTES_RANGE = (1 << 10, 1 << 30)
 def add_front_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/Ctrl-C, seconds to let in-flight requests finish")
-    p.add_argument("--max-frame-bytes", type=int, default=P.MAX_FRAME_BYTES,
+    p.add_argument("--max-frame-bytes", type=size_arg, default=P.MAX_FRAME_BYTES,
                    help="larger client frames are answered with an error")
     p.add_argument("--curve-keys", default="", metavar="DIR",
                    help="ZMQ CURVE keys (`pipeline keys DIR`) securing every channel this process "

@@ -14,6 +14,7 @@ from pipeline.frontend.args import FrontArgs, add_front_args
 from pipeline.http.launcher import parse_http
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7001"
+DEFAULT_HTTP_PORT = 8000  # vLLM's
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -25,6 +26,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "tcp://0.0.0.0:PORT with --curve-keys to open it)")
     p.add_argument("--http", default=None, metavar="[HOST:]PORT",
                    help="serve the OpenAI API over HTTP too (HOST 127.0.0.1 by default)")
+    # vLLM's names for the same thing: `--host H --port P` serves the OpenAI API on H:P.
+    p.add_argument("--host", default=None,
+                   help="as --http HOST:PORT: the HTTP API's address (default 127.0.0.1, not all "
+                        "interfaces as vLLM: beyond loopback needs --api-key)")
+    p.add_argument("--port", type=int, default=None,
+                   help=f"as --http HOST:PORT: the HTTP API's port (default {DEFAULT_HTTP_PORT} when "
+                        "--host is given)")
     p.add_argument("--api-key", default=os.environ.get("PIPELINE_API_KEY"),
                    help="--http requires `Authorization: Bearer KEY` (default: $PIPELINE_API_KEY)")
     p.add_argument("--served-model-name", default=None,
@@ -69,12 +77,28 @@ def tcp(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+def http_address(args: argparse.Namespace) -> str | None:
+    """--http, or vLLM's --host/--port as the same [HOST:]PORT (ValueError if both forms)."""
+    host, port = getattr(args, "host", None), getattr(args, "port", None)
+    if host is None and port is None:
+        return args.http
+    if args.http is not None:
+        raise ValueError(f"--http {args.http} and --host/--port both give the HTTP API's address; "
+                         "give one")
+    port = DEFAULT_HTTP_PORT if port is None else port
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    host = host or "127.0.0.1"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def check_args(args: argparse.Namespace) -> ServeArgs:
     """The parsed flags, checked and typed (the command's edge). ``--listen`` defaults to
-    DEFAULT_LISTEN unless only ``--http`` is given."""
-    listen = DEFAULT_LISTEN if args.listen is None and args.http is None else args.listen
+    DEFAULT_LISTEN unless only ``--http`` (or ``--host``/``--port``) is given."""
+    http = http_address(args)
+    listen = DEFAULT_LISTEN if args.listen is None and http is None else args.listen
     return ServeArgs(listen=listen, drain_timeout=args.drain_timeout, max_frame_bytes=args.max_frame_bytes,
-                     http=args.http, api_key=args.api_key, served_model_name=args.served_model_name,
+                     http=http, api_key=args.api_key, served_model_name=args.served_model_name,
                      curve_keys=args.curve_keys, allow_insecure_network=args.allow_insecure_network,
                      metrics_port=args.metrics_port,
                      metrics_host=args.metrics_host)

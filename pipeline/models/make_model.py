@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import DEFAULT_MODEL
+from pipeline.sizes import size_arg
 
 ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
          "qwen3": ("Qwen3ForCausalLM", "qwen3")}
@@ -160,7 +161,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rms-norm-eps", type=float, default=1e-6)
     p.add_argument("--tie-word-embeddings", action="store_true")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--max-shard-size", type=int, default=0, help="bytes per shard; 0: one file")
+    p.add_argument("--max-shard-size", type=size_arg, default=0, help="bytes per shard; 0: one file")
     p.add_argument("--seed", type=int, default=0)
 
 
