@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from pipeline import llm_compat
 from pipeline.config import DEFAULT_MODEL, EngineConfig
 from pipeline.engine.core import EngineCore, LocalExecutor
 from pipeline.engine.scheduler import Scheduler
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, worker: Any = None,
                  skip_tokenizer_init: bool = False, **engine_args: Any) -> None:
+        tokenizer_dir = llm_compat.take(model, engine_args)  # vLLM's arguments without a field here
         unknown = set(engine_args) - EngineConfig.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}; valid: "
@@ -85,7 +87,7 @@ class LLM:
             self.scheduler = Scheduler(self.config, worker.num_blocks, worker.block_size,
                                        worker.max_model_len, hash_key, connector=connector)
             if not skip_tokenizer_init:
-                self._init_tokenizer(Path(model))
+                self._init_tokenizer(tokenizer_dir)
             self.prompts = PromptReader(self.tokenizer, worker, worker.max_model_len)
         except BaseException:
             if owned:  # release the KV cache (shared memory) of a half-built engine
@@ -129,16 +131,21 @@ class LLM:
         return self.tokenizer
 
     # ---- the API ----------------------------------------------------------------------------
-    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool | None = None, priority: Sequence[int] | None = None,
-                 cache_salt: str | None = None) -> list[RequestOutput]:
+    def generate(self, prompts: Any = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool | None | Callable[..., Any] = None,
+                 priority: Sequence[int] | None = None, cache_salt: str | None = None,
+                 prompt_token_ids: Any = None, lora_request: Any = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order.
 
         ``prompts``: one prompt or a sequence of them, each a string, a list of token ids, or
         a dict: vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``, or a request
         of pipe mode / ZMQ (``messages``, sampling fields, ``priority``, ``cache_salt``, ``id``;
         its sampling fields override ``sampling_params``). ``use_tqdm``: a progress bar on
-        stderr; None shows it when stderr is a terminal."""
+        stderr; None shows it when stderr is a terminal; a callable: a tqdm class to draw it.
+        ``prompt_token_ids=``: vLLM's older form of token-id prompts."""
+        llm_compat.check_lora(lora_request)
+        prompts = llm_compat.prompts_of(prompts, prompt_token_ids)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         else:
@@ -160,12 +167,14 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | None = None, *, chat_template: str | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             use_tqdm: bool | None | Callable[..., Any] = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: Any = None) -> list[RequestOutput]:
         """``generate`` on conversations (one, or a list of them) rendered with the model's
         chat template, or ``chat_template``; ``chat_template_kwargs`` become template
         variables (e.g. ``tools``)."""
+        llm_compat.check_lora(lora_request)
         convs = cast("list[list[dict]]", [messages] if messages and isinstance(messages[0], dict)
                      else list(messages))
         self._check_open()
@@ -225,7 +234,8 @@ class LLM:
         self.close()
 
     # ---- running ----------------------------------------------------------------------------
-    def _run_batch(self, batch: list[Prompt], use_tqdm: bool | None) -> list[RequestOutput]:
+    def _run_batch(self, batch: list[Prompt],
+                   use_tqdm: bool | None | Callable[..., Any]) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         queued: list[str] = []
         progress = ProgressBar(len(batch), use_tqdm)

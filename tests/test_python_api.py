@@ -5,11 +5,11 @@ the same answer in-process and through the real stage processes (pipe mode)."""
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import select
 import sys
+from pathlib import Path
 
 import pytest
 from e2e_helpers import make_tiny_model, run_pipe
@@ -148,7 +148,7 @@ def test_progress_bar_on_stderr_when_asked_or_a_terminal(capsys, monkeypatch):
     os.close(master)
     assert "2/2 [" in shown.decode() and "3/3" not in shown.decode()
     with pytest.raises(TypeError, match="use_tqdm"):
-        llm.generate(prompts, GREEDY4, use_tqdm=io.StringIO)
+        llm.generate(prompts, GREEDY4, use_tqdm=1)  # a callable is a tqdm class (vLLM)
 
 
 def test_n_completions_without_a_tokenizer_from_the_engine():
@@ -279,3 +279,98 @@ def test_a_failing_step_raises_and_leaves_nothing_queued(skip_tokenizer_init):
     assert llm.processor is None or llm.processor.num_unfinished == 0
     assert not llm._raw._reqs
     assert tokens(llm.generate([[5, 6, 7]], GREEDY4)) == tokens(fake_llm().generate([[5, 6, 7]], GREEDY4))
+
+
+# ---- vLLM users' habits (issue 28) --------------------------------------------------------
+def test_vllm_arguments_accepted_with_a_warning_where_they_mean_nothing(recwarn):
+    fake_llm(trust_remote_code=False, enforce_eager=False, swap_space=0, disable_log_stats=True)
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]  # they change nothing
+    for kw, says in [({"trust_remote_code": True}, r"trust_remote_code=True\) ignored"),
+                     ({"enforce_eager": True}, r"enforce_eager=True\) ignored"),
+                     ({"swap_space": 4}, r"swap_space=4\) ignored")]:
+        with pytest.warns(UserWarning, match=says) as got:
+            fake_llm(**kw)
+        assert len(got) == 1 and "\n" not in str(got[0].message)
+        assert got[0].filename == __file__  # pointed at the LLM(...) call: stacklevel
+    with pytest.raises(TypeError, match="unknown engine arguments"):
+        fake_llm(tensor_paralel_size=2)  # still refused: a misspelt argument is not a habit
+
+
+def test_tokenizer_argument(tmp_path):
+    assert fake_llm(tokenizer=DEFAULT_MODEL).get_tokenizer().encode("Hi")
+    other = tmp_path / "tok"
+    other.mkdir()
+    (other / "tokenizer.json").write_bytes((Path(DEFAULT_MODEL) / "tokenizer.json").read_bytes())
+    llm = fake_llm(tokenizer=str(other))
+    assert llm.get_tokenizer().chat_template is None  # read from there: no tokenizer_config
+    with pytest.raises(ValueError, match="tokenizer='meta-llama/x': not the model directory"):
+        fake_llm(tokenizer="meta-llama/x")
+
+
+def test_generate_prompt_token_ids_and_lora_request_none():
+    llm = fake_llm()
+    want = tokens(llm.generate([[5, 6, 7], [8, 9]], GREEDY4))
+    assert tokens(llm.generate(prompt_token_ids=[[5, 6, 7], [8, 9]], sampling_params=GREEDY4)) == want
+    assert tokens(llm.generate(prompt_token_ids=[5, 6, 7], sampling_params=GREEDY4)) == want[:1]
+    assert tokens(llm.generate([[5, 6, 7]], GREEDY4, lora_request=None)) == want[:1]
+    with pytest.raises(TypeError, match="not both"):
+        llm.generate([[1]], prompt_token_ids=[[1]])
+    with pytest.raises(ValueError, match="LoRA adapters are not supported"):
+        llm.generate([[5]], GREEDY4, lora_request=object())
+    with pytest.raises(ValueError, match="LoRA adapters are not supported"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY4, lora_request=object())
+
+
+def test_prompt_typeddicts():
+    from pipeline.inputs import TextPrompt, TokensPrompt
+
+    llm = fake_llm()
+    outs = llm.generate([TextPrompt(prompt="Hello"), TokensPrompt(prompt_token_ids=[5, 6])], GREEDY4)
+    assert outs[0].prompt == "Hello" and outs[1].prompt_token_ids == [5, 6]
+    assert TokensPrompt.__required_keys__ == {"prompt_token_ids"}
+    assert TextPrompt.__required_keys__ == {"prompt"} and "cache_salt" in TextPrompt.__optional_keys__
+
+
+def test_use_tqdm_callable_is_the_bar(capsys):
+    made = []
+
+    class Bar:  # what vLLM calls on its tqdm class
+        def __init__(self, **kw):
+            self.kw, self.n, self.closed = kw, 0, False
+            made.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            self.closed = True
+
+    fake_llm().generate([[5, 6, 7 + i] for i in range(3)], GREEDY4, use_tqdm=Bar)
+    (bar,) = made
+    assert bar.kw["total"] == 3 and bar.n == 3 and bar.closed
+    assert capsys.readouterr().err == ""  # ours does not draw too
+    with pytest.raises(TypeError, match="tqdm-like callable"):
+        fake_llm().generate([[5]], GREEDY4, use_tqdm="yes")
+
+
+def test_sampling_params_clone():
+    sp = SamplingParams(max_tokens=4, stop=["x"], logit_bias={3: 1.0})
+    c = sp.clone()
+    assert c == sp and c is not sp
+    c.stop.append("y")
+    c.logit_bias[4] = 2.0
+    assert sp.stop == ["x"] and sp.logit_bias == {3: 1.0}
+
+
+def test_tokenizer_as_hugging_faces():
+    tok = fake_llm().get_tokenizer()
+    assert tok.eos_token_id is not None and tok.eos_token_id in tok.eos_token_ids
+    assert tok.decode([tok.eos_token_id], skip_special_tokens=False) == tok.eos_token
+    enc = tok("Hello there")
+    assert enc["input_ids"] == tok.encode("Hello there") and enc["attention_mask"] == [1] * len(enc["input_ids"])
+    assert tok(["a", "b c"])["input_ids"] == [tok.encode("a"), tok.encode("b c")]
+    msgs = [{"role": "user", "content": "Hi"}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert isinstance(text, str) and text == tok.render_chat(msgs) and "tokenize" not in text
+    ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    assert ids == tok.encode(text, add_special_tokens=False) == tok.apply_chat_template(msgs)

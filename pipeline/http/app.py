@@ -107,6 +107,12 @@ def build_app(state: HttpState) -> FastAPI:
         except RequestError as exc:
             raise C.from_error(exc.error) from None
 
+    @app.get("/version")
+    async def version() -> Response:  # vLLM's
+        from pipeline import __version__
+        return _json({"version": __version__})
+
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's probe): /health
     @app.get("/health")
     async def health() -> Response:
         try:

@@ -1,7 +1,7 @@
 """ASGI middleware in front of every route: the API key, then the body's size and time.
 
 Owns no state beyond one request's byte count. A request is judged on its headers first:
-without the key (``Authorization: Bearer KEY``; every route but ``/health``) it gets 401 at
+without the key (``Authorization: Bearer KEY``; every route but OPEN_PATHS) it gets 401 at
 once, its body never read, so a client without the key costs the headers and nothing
 more. Then a body over ``MAX_BODY_BYTES`` gets 413, whether the client declared its length
 or sends it chunked, and one not in within ``BODY_TIMEOUT_S`` gets 408 (a client trickling
@@ -22,7 +22,8 @@ from pipeline.messages.requests import MAX_PROMPT_BYTES
 
 MAX_BODY_BYTES = 8 * MAX_PROMPT_BYTES
 BODY_TIMEOUT_S = 60.0
-OPEN_PATHS = frozenset({"/health"})  # answered without the key (load balancers probe it)
+# Answered without the key, as vLLM's: load balancers probe /health and /ping; /version.
+OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
 Scope = dict[str, Any]
 
 

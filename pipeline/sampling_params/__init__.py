@@ -90,6 +90,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.stop_token_ids = []
         self._check()
 
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's ``clone``): changing it leaves this one as it was."""
+        import copy
+        return copy.deepcopy(self)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

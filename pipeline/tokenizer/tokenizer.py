@@ -16,7 +16,7 @@ import json
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -211,11 +211,37 @@ class Tokenizer:
             text = text[:at + (n if text[at:at + n] == final else len(final.strip()))]
         return text
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **options: Any) -> list[int]:
-        """Token ids of the rendered conversation (``render_chat``'s options); the template
-        already places BOS."""
+    @property
+    def eos_token_id(self) -> int | None:
+        """As Hugging Face's: the id of tokenizer_config's eos_token (else the checkpoint's first)."""
+        eos = self.tok.token_to_id(self.eos_token) if self.eos_token else None
+        return eos if eos is not None else next(iter(self.eos_token_ids), None)
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict[str, Any]:
+        """As a Hugging Face tokenizer called on text: ``{"input_ids": [...], "attention_mask":
+        [...]}`` (lists of lists for a list of texts)."""
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens)
+            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        batch = [self.encode(t, add_special_tokens) for t in text]
+        return {"input_ids": batch, "attention_mask": [[1] * len(ids) for ids in batch]}
+
+    @overload
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            tokenize: Literal[True] = True, **options: Any) -> list[int]: ...
+
+    @overload
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            tokenize: Literal[False], **options: Any) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            tokenize: bool = True, **options: Any) -> list[int] | str:
+        """Token ids of the rendered conversation (``render_chat``'s options; the template
+        already places BOS), or its text with ``tokenize=False``, as transformers' (``tokenize``
+        is this call's, never a template variable)."""
         text = self.render_chat(messages, add_generation_prompt, **options)
+        if not tokenize:
+            return text
         return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
 
 

@@ -308,6 +308,17 @@ def test_health_is_open_and_metrics_need_the_key(daemon):
     assert {"pipeline_requests_finished", "pipeline_kv_blocks_used"} <= names
 
 
+def test_version_and_ping_as_vllms(daemon):
+    """vLLM's /version and /ping (its /health for SageMaker, GET or POST), open as /health."""
+    from pipeline import __version__
+
+    r = httpx.get(f"{daemon.http_url}/version")
+    assert r.status_code == 200 and r.json() == {"version": __version__}
+    for method in ("GET", "POST"):
+        r = httpx.request(method, f"{daemon.http_url}/ping")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
 # ---- load, disconnects, limits -----------------------------------------------------------
 def test_256_concurrent_streams_each_answered_once(daemon, name):
     before = finished(wait_idle(daemon))
