@@ -6,9 +6,9 @@ only needs ``SamplingParams`` (a client) does not import the engine.
 from __future__ import annotations
 
 from pipeline.sampling_params import SamplingParams
+from pipeline.version import __version__
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
 
 _OUTPUT_NAMES = ("CompletionOutput", "Logprob", "RequestOutput")
 

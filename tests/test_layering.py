@@ -24,6 +24,7 @@ STAGE_BASE = {"runtime", "ipc", "messages", "config", "spec_config", "sampling_p
 LAYERS: dict[str, set[str]] = {
     "_ext": set(),
     "sizes": set(),
+    "version": set(),
     "bind": set(),
     "spec_config": set(),
     "config": {"sizes", "bind", "spec_config"},
@@ -38,16 +39,17 @@ LAYERS: dict[str, set[str]] = {
     "cache": STAGE_BASE | {"_ext"},  # kv_tier: the disk tier's file I/O and checksum (kv_io)
     "worker": STAGE_BASE | {"models", "layers", "structured_outputs"},
     "layers": {"_ext", "config"},
-    "models": {"layers", "config"},
+    "models": {"layers", "config", "sizes"},  # make_model's --max-shard-size
     # the wire protocol, client sessions, the one ZMQ server base (CURVE keys: ipc.curve)
-    "frontend": {"messages", "sampling_params", "config", "bind", "ipc"},
+    "frontend": {"messages", "sampling_params", "config", "bind", "ipc", "sizes"},
     "client": {"messages", "frontend", "sampling_params", "config", "ipc"},
     # of the gateway, its systemd notifier only (ROUTER_MAY_USE)
     "router": {"client", "frontend", "messages", "sampling_params", "config", "bind", "gateway", "http",
                "ipc"},
     # the OpenAI HTTP front end: a client of the daemon (and its Tokenizer for /tokenize; the
     # launcher, the daemon's side, sweeps the ipc directories of dead instances)
-    "http": {"client", "frontend", "messages", "sampling_params", "config", "tokenizer", "ipc"},
+    "http": {"client", "frontend", "messages", "sampling_params", "config", "tokenizer", "ipc",
+             "version"},
     # the in-process LLM's TP ranks: stage processes it starts itself, never through the gateway
     "llm_tp": STAGE_BASE | {"worker"},
 }

@@ -35,6 +35,7 @@ from pipeline.http.stream import disconnected, sse_response
 from pipeline.messages import RequestResult
 from pipeline.sampling_params.limits import max_tokens_that_fit
 from pipeline.tokenizer.tokenizer import Tokenizer
+from pipeline.version import __version__
 
 T = TypeVar("T")
 
@@ -109,7 +110,6 @@ def build_app(state: HttpState) -> FastAPI:
 
     @app.get("/version")
     async def version() -> Response:  # vLLM's
-        from pipeline import __version__
         return _json({"version": __version__})
 
     @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's probe): /health
