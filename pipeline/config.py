@@ -64,6 +64,9 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     seed: int = 0
     # The --chat-template file's text (read once, by config_from_args); None: the checkpoint's.
     chat_template: str | None = None
+    # CUDA: run every step eagerly, no captured decode graphs (vLLM's --enforce-eager). CPU
+    # steps always run eagerly.
+    enforce_eager: bool = False
 
     def check(self) -> None:
         _check_ranges(self, (("max_model_len", 0, None), ("seed", 0, 2**64 - 1)))

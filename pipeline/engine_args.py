@@ -88,6 +88,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-log", metavar="FILE", default=d.step_log,
                    help="append one JSON line per engine step to FILE: tokens, queues, and where the "
                         "time went (schedule, worker, the worker's wait for the step, update)")
+    p.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
+                   help="CUDA: no captured decode graphs, every step eager (CPU steps always are)")
     p.add_argument("--speculative-config", metavar="JSON", default=None,
                    help='speculative decoding, vLLM\'s keys: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 5} or {"method": '

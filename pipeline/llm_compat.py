@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 # vLLM's LLM arguments with no engine field here; popped from **engine_args by ``take``.
-ACCEPTED = ("tokenizer", "trust_remote_code", "enforce_eager", "swap_space", "disable_log_stats")
+ACCEPTED = ("tokenizer", "trust_remote_code", "swap_space", "disable_log_stats")
 
 
 def _warn(text: str) -> None:
@@ -24,9 +24,6 @@ def take(model: str, engine_args: dict[str, Any]) -> Path:
     if engine_args.pop("trust_remote_code", False):
         _warn("LLM(trust_remote_code=True) ignored: only the built-in architectures run, never "
               "a checkpoint's own code")
-    if engine_args.pop("enforce_eager", False):
-        _warn("LLM(enforce_eager=True) ignored: CPU steps always run eagerly; on CUDA, decode "
-              "steps replay captured graphs (no switch to turn them off yet)")
     swap = engine_args.pop("swap_space", None)
     if swap:
         _warn(f"LLM(swap_space={swap}) ignored: a preempted request is recomputed, not swapped "

@@ -286,7 +286,6 @@ def test_vllm_arguments_accepted_with_a_warning_where_they_mean_nothing(recwarn)
     fake_llm(trust_remote_code=False, enforce_eager=False, swap_space=0, disable_log_stats=True)
     assert not [w for w in recwarn if issubclass(w.category, UserWarning)]  # they change nothing
     for kw, says in [({"trust_remote_code": True}, r"trust_remote_code=True\) ignored"),
-                     ({"enforce_eager": True}, r"enforce_eager=True\) ignored"),
                      ({"swap_space": 4}, r"swap_space=4\) ignored")]:
         with pytest.warns(UserWarning, match=says) as got:
             fake_llm(**kw)
@@ -294,6 +293,13 @@ def test_vllm_arguments_accepted_with_a_warning_where_they_mean_nothing(recwarn)
         assert got[0].filename == __file__  # pointed at the LLM(...) call: stacklevel
     with pytest.raises(TypeError, match="unknown engine arguments"):
         fake_llm(tensor_paralel_size=2)  # still refused: a misspelt argument is not a habit
+
+
+def test_enforce_eager_is_an_engine_field():
+    """vLLM's enforce_eager: no captured CUDA decode graphs (a CPU step is always eager)."""
+    llm = fake_llm(enforce_eager=True)
+    assert llm.config.model_config.enforce_eager is True
+    assert tokens(llm.generate([[5, 6, 7]], GREEDY4)) == tokens(fake_llm().generate([[5, 6, 7]], GREEDY4))
 
 
 def test_tokenizer_argument(tmp_path):

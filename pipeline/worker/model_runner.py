@@ -66,8 +66,10 @@ class ModelRunner(RankModel):
             assert self.kv_cache is not None  # loaded just now
             self.spec.attach_draft(DraftModel(self.config, spec.model, self.device, self.num_blocks,
                                               self.block_size, self.max_model_len, self.vocab_size))
-        # A prefill instance keeps its layer signal attached, which rules the graphs out.
-        if self.device.type == "cuda" and self.tp is None and self.config.kv_transfer_config.role != "prefill":
+        # A prefill instance keeps its layer signal attached, which rules the graphs out;
+        # --enforce-eager rules them out too.
+        if (self.device.type == "cuda" and self.tp is None and self.config.kv_transfer_config.role != "prefill"
+                and not self.config.model_config.enforce_eager):
             assert self.model is not None and self.kv_cache is not None  # loaded just now
             self.graphs = DecodeGraphs(self.model, self.kv_cache.layers,
                                        self.config.scheduler_config.max_num_seqs,
