@@ -35,6 +35,16 @@ def test_no_graphs_on_cpu(tmp_path):
         runner.close()
 
 
+@needs_cuda
+def test_enforce_eager_captures_no_graphs(tmp_path):
+    tiny_hf_model("llama", str(tmp_path))
+    runner = make_runner(str(tmp_path), device="cuda", enforce_eager=True)
+    try:
+        assert runner.graphs is None
+    finally:
+        runner.close()
+
+
 def _drive(runner, prompts, preempt_at=None):
     d = Driver(runner, token_budget=40)  # the long prompt is chunked over several steps
     for i, (p, n) in enumerate(prompts):
