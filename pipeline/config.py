@@ -107,6 +107,11 @@ class CacheConfig(msgspec.Struct, kw_only=True):
                              ("kv_offload_size", 0, None), ("kv_offload_host", 0, None)))
         if self.kv_offload_size and not self.kv_offload_dir:
             raise ValueError("--kv-offload-size sizes the tier under --kv-offload-dir, which is not set")
+        if self.kv_offload_host:
+            raise ValueError("--kv-offload-host (a tier in pinned host memory) is for a KV cache "
+                             "on CUDA; on CPU the pool already is host memory (give it more with "
+                             "--kv-cache-memory), and the CUDA tier is not built yet: use "
+                             "--kv-offload-dir")
         if self.kv_offload_dir and not self.enable_prefix_caching:
             raise ValueError("--kv-offload-dir keys its files by the prefix cache's block hashes: "
                              "it needs prefix caching (drop --no-enable-prefix-caching)")
@@ -270,10 +275,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                                  "(make the keys with `pipeline keys DIR`)")
         if self.speculative_config is not None:
             self.speculative_config.check()
-            draft = self.speculative_config.model
-            if draft and not (Path(draft) / "config.json").is_file():
-                raise ValueError(f'--speculative-config "model": {draft} is not a checkpoint '
-                                 f"directory (no config.json)")
         pd, par = self.kv_transfer_config, self.parallel_config
         cc = self.cache_config
         if cc.kv_offload_dir and par.nnodes > 1:
@@ -283,13 +284,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--kv-offload-dir with --device cuda: the disk tier moves blocks "
                              "between files and a pool in host memory; from GPU memory it is not "
                              "built yet (docs/kv_tier.md)")
-        if cc.kv_offload_host:
-            raise ValueError("--kv-offload-host (a tier in pinned host memory) is for a KV cache "
-                             "on CUDA; on CPU the pool already is host memory (give it more with "
-                             "--kv-cache-memory), and the CUDA tier is not built yet: use "
-                             "--kv-offload-dir")
         if pd.kv_listen:  # the decode side's KV listener: who reaches it writes into the cache
-
             check_bind("--kv-listen", pd.kv_listen, self.curve_keys, self.allow_insecure_network)
         if pd.role != "mixed" and par.tensor_parallel_size > 1 and (
                 par.nnodes > 1 or self.model_config.device == "cuda"):

@@ -8,6 +8,7 @@ nothing). Owns no state.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -84,6 +85,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         if self.method == "draft_model" and not self.model:
             raise ValueError('--speculative-config method "draft_model" needs "model": the draft '
                              "checkpoint's directory")
+        if self.method == "draft_model" and not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f'--speculative-config "model": {self.model} is not a checkpoint '
+                             f"directory (no config.json)")
         if self.method != "draft_model" and self.model:
             raise ValueError(f'--speculative-config "model" is for method "draft_model", not '
                              f"{self.method!r}")

@@ -36,6 +36,7 @@ from pipeline.engine import inflight
 from pipeline.engine.admission import Admission, StepBudget
 from pipeline.engine.audit import audit_scheduler
 from pipeline.engine.families import Families
+from pipeline.engine.growth import grow
 from pipeline.engine.kv_cache_manager import KVCacheManager
 from pipeline.engine.kv_connector import make_connector
 from pipeline.engine.kv_connector.base import KVConnector
@@ -197,20 +198,6 @@ class Scheduler:
             self._finished_ids.append(req.req_id)
         self.families.finished(req, self.requests)
 
-    def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        inflight.reset(req)
-        req.sent_to_worker = False
-        req.spec_token_ids = []
-        req.num_preemptions += 1
-        if self.connector is not None:
-            self.connector.on_preempt(req)
-        self.num_preemptions += 1
-        self.admission.preempted()
-        self.waiting.add_front(req)
-
     # -- what a connector hands back ----------------------------------------------------
     def resume(self, req: Request) -> None:
         """``req``'s KV is in (it holds its blocks): admitted first thing (``_admit``)."""
@@ -260,7 +247,7 @@ class Scheduler:
             n = 1 + len(drafts)
             need = n + min(self.lookahead, max_len - start - n)
             # Fast path: the decode token (and drafts) still fit in the request's last block.
-            if start + need <= len(req.blocks) * bs or self._grow(req, need, st):
+            if start + need <= len(req.blocks) * bs or grow(self, req, need, st):
                 st.num_sched[req.req_id] = n
                 st.budget -= n
                 inflight.mark_scheduled(req, step, n, len(drafts))
@@ -280,7 +267,7 @@ class Scheduler:
                 n = min(n, threshold)
             start = req.num_computed_tokens + req.num_inflight_tokens
             last = start + n == len(req.all_token_ids) + req.num_placeholders  # it samples
-            if self._grow(req, n + (min(self.lookahead, max_len - start - n) if last else 0), st):
+            if grow(self, req, n + (min(self.lookahead, max_len - start - n) if last else 0), st):
                 st.num_sched[req.req_id] = n
                 st.budget -= n
                 inflight.mark_scheduled(req, step, n)
@@ -300,30 +287,6 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(step, new_reqs, cached_reqs, num_sched, sum(num_sched.values()),
                                finished, [r.req_id for r in preempted], st.spec, st.spec_idle)
-
-    def _grow(self, req: Request, n: int, st: StepBudget) -> bool:
-        """Room for ``n`` more tokens of running ``req``, preempting victims until it fits.
-
-        False when ``req`` itself had to go. A victim already scheduled in this step gives
-        its tokens back to the budget.
-        """
-        while (blocks := self.kv.allocate_slots(req, req.num_inflight_tokens + n)) is None:
-            victim = self.policy.select_victim(self.running)
-            if self.running[-1] is victim:
-                self.running.pop()
-            else:
-                self.running.remove(victim)
-            if victim.req_id in st.num_sched:  # its bookkeeping goes with _preempt's reset
-                st.budget += st.num_sched.pop(victim.req_id)
-                st.new_blocks.pop(victim.req_id, None)
-                st.spec.pop(victim.req_id, None)
-            self._preempt(victim)
-            st.preempted.append(victim)
-            if victim is req:
-                return False
-        if blocks:
-            st.new_blocks[req.req_id] = [b.block_id for b in blocks]
-        return True
 
     def update_from_output(self, sched: SchedulerOutput,
                            out: ModelRunnerOutput) -> list[EngineOutput]:

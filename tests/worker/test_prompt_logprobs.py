@@ -18,6 +18,7 @@ from model_driver import Driver, instance_id, make_runner, tiny_hf_model
 
 from pipeline.config import EngineConfig
 from pipeline.engine.fake_worker import FakeWorker
+from pipeline.engine.growth import preempt
 from pipeline.engine.scheduler import Scheduler
 from pipeline.messages import EngineOutput, EngineRequest, ids_to_bytes
 from pipeline.sampling_params import SamplingParams
@@ -95,7 +96,7 @@ def test_engine_sends_each_prompt_token_once_across_preemption():
         outs += sched.update_from_output(so, worker.execute(so))
     req = sched.requests["a"]
     sched.running.remove(req)
-    sched._preempt(req)  # what a block shortage does: the prefill reruns from token 0
+    preempt(sched, req)  # what a block shortage does: the prefill reruns from token 0
     while sched.has_unfinished_requests():
         so = sched.schedule()
         outs += sched.update_from_output(so, worker.execute(so))
