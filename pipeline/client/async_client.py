@@ -96,8 +96,7 @@ class AsyncClient:
         try:
             while not done:
                 try:
-                    # asyncio.timeout, not wait_for: on 3.11 wait_for drops a cancellation that
-                    # lands as an item arrives, and the stream then waits out its time-out.
+                    # Not wait_for: on 3.11 it drops a cancellation landing as an item arrives.
                     async with asyncio.timeout(t):
                         item = await self._get(q)
                 except TimeoutError:
