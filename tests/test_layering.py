@@ -29,6 +29,7 @@ LAYERS: dict[str, set[str]] = {
     "spec_config": set(),
     "config": {"sizes", "bind", "spec_config"},
     "sampling_params": set(),
+    "reasoning": set(),  # the think-tag parsers (--reasoning-parser): a leaf
     "ipc": {"_ext"},
     "messages": {"config", "sampling_params"},
     "runtime": {"ipc", "messages", "config", "sampling_params"},
