@@ -20,6 +20,10 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent / "default_model")
 MAX_BLOCK_SIZE = 256
 INT4_GROUP_SIZES = (32, 64, 128)  # layers/int4.py GROUP_SIZES (not imported: no torch here)
 MAX_CHAT_TEMPLATE_BYTES = 1 << 20  # --chat-template: the file travels to every stage
+# The parsers' names (pipeline.tool_parsers / pipeline.reasoning register them; a test checks
+# these agree).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16", "float16"),
            "quantization": ("none", "int8", "int4"),
            "preemption_policy": ("newest", "lowest_priority"), "role": ("mixed", "prefill", "decode"),
@@ -67,10 +71,21 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     # CUDA: run every step eagerly, no captured decode graphs (vLLM's --enforce-eager). CPU
     # steps always run eagerly.
     enforce_eager: bool = False
+    # How the model's chat answers are parsed by the front ends (vLLM's flags): tool calls in
+    # `tool_call_parser`'s format for tool_choice "auto", `<think>` reasoning.
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
 
     def check(self) -> None:
         _check_ranges(self, (("max_model_len", 0, None), ("seed", 0, 2**64 - 1)))
         _check_choices(self)
+        for name, known in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+            if getattr(self, name) not in (None, *known):
+                raise ValueError(f"{_flag(name)} must be one of {', '.join(known)}, got {getattr(self, name)!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format the model "
+                             f"calls tools in: {', '.join(TOOL_CALL_PARSERS)})")
         if self.chat_template is not None:
             size = len(self.chat_template.encode("utf-8", "surrogatepass"))
             if size > MAX_CHAT_TEMPLATE_BYTES:

@@ -16,6 +16,8 @@ from pipeline.config import (
     INT4_GROUP_SIZES,
     MAX_BLOCK_SIZE,
     MAX_CHAT_TEMPLATE_BYTES,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
     EngineConfig,
 )
 from pipeline.sizes import size_arg
@@ -97,6 +99,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", metavar="FILE", default=None,
                    help="a Jinja chat template file that replaces the checkpoint's (at most "
                         f"{MAX_CHAT_TEMPLATE_BYTES >> 20} MiB)")
+    g = p.add_argument_group("chat answers: tool calls and reasoning (docs/openai.md)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true", default=d.enable_auto_tool_choice,
+                   help='tool_choice "auto": parse the calls the model makes (needs --tool-call-parser)')
+    g.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=TOOL_CALL_PARSERS,
+                   help="the format the model calls tools in (hermes: Qwen2.5/Qwen3)")
+    g.add_argument("--reasoning-parser", default=d.reasoning_parser, choices=REASONING_PARSERS,
+                   help="<think>...</think> goes to reasoning_content (qwen3, deepseek_r1)")
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests, metavar="N",
                    help="refuse a request (error queue_full) when max-num-seqs + N are already in "
                         "flight (0: no limit)")

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from pipeline import llm_compat
+from pipeline import llm_chat, llm_compat
 from pipeline.config import DEFAULT_MODEL, EngineConfig
 from pipeline.engine.core import EngineCore, LocalExecutor
 from pipeline.engine.scheduler import Scheduler
@@ -170,17 +170,24 @@ class LLM:
              use_tqdm: bool | None | Callable[..., Any] = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-             lora_request: Any = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
+             parallel_tool_calls: bool | None = None, lora_request: Any = None) -> list[RequestOutput]:
         """``generate`` on conversations (one, or a list of them) rendered with the model's
         chat template, or ``chat_template``; ``chat_template_kwargs`` become template
-        variables (e.g. ``tools``)."""
+        variables. ``tools`` (OpenAI's) are rendered by the template; ``tool_choice`` as on
+        the OpenAI API ("required" or a named function: a grammar forces a valid call; "auto":
+        needs ``tool_call_parser`` and ``enable_auto_tool_choice`` on the LLM); the calls and
+        the reasoning land in each output's ``tool_calls`` / ``reasoning_content`` / ``content``."""
         llm_compat.check_lora(lora_request)
         convs = cast("list[list[dict]]", [messages] if messages and isinstance(messages[0], dict)
                      else list(messages))
         self._check_open()
-        params = per_prompt(sampling_params, len(convs))
+        parsing = llm_chat.chat_parsing(self.config.model_config, tools, tool_choice, parallel_tool_calls)
+        params = llm_chat.forced(per_prompt(sampling_params, len(convs)), parsing)
         options = dict(chat_template_kwargs or {}, chat_template=chat_template,
                        continue_final_message=continue_final_message)
+        if tools:
+            options["tools"] = tools
         batch = []
         for i, (conv, sp) in enumerate(zip(convs, params)):
             try:
@@ -188,7 +195,7 @@ class LLM:
                 batch.append(self.prompts.make(text, ids, "messages", sp, 0, None, None))
             except ValueError as exc:
                 raise InvalidRequest(f"conversations[{i}]: {exc}" if len(convs) > 1 else str(exc)) from None
-        return self._run_batch(batch, use_tqdm)
+        return llm_chat.parse_answers(self._run_batch(batch, use_tqdm), parsing)
 
     def _check_open(self) -> None:
         if self.worker is None:

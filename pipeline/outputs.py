@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pipeline.messages import ErrorInfo, RequestResult, Timings, TokenLogprobs
 from pipeline.messages.answers import Completion
@@ -33,6 +34,10 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None  # per position: sampled token first, then top-N
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # LLM.chat with tools or a reasoning parser (llm_chat): ``text`` parsed into OpenAI's parts
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # [{"id", "type": "function", "function": {...}}]
+    reasoning_content: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

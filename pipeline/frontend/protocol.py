@@ -105,8 +105,14 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     # message). Sizes are bytes, checked by the gateway (see "Size limits" above).
     content: str | list[TextPart] | None
     name: str | None = None
+    # An assistant turn's tool calls (OpenAI's shape, content may be null) and a tool
+    # message's answer to one: passed to the chat template as they are.
+    tool_calls: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Annotated[str, Meta(max_length=256)] | None = None
 
 
+# Tools one chat request may declare (OpenAI's limit), and the calls one message may carry.
+MAX_TOOLS = 128
 # Template variables a chat request may set (vLLM's chat_template_kwargs, e.g.
 # enable_thinking): string keys, at most MAX_TEMPLATE_KWARGS of them; their size counts in the
 # encoded request's (MAX_REQUEST_BYTES).
@@ -127,6 +133,9 @@ class _Request(_Msg):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    # OpenAI's `tools` (function declarations), rendered by the chat template; choosing and
+    # parsing calls is the front end's (tool_choice becomes a structured_outputs grammar).
+    tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
     stream: bool = False
     priority: Annotated[int, Meta(ge=-(2**31), lt=2**31)] = 0
     cache_salt: Annotated[str, Meta(max_length=256)] | None = None

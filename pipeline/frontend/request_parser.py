@@ -64,5 +64,5 @@ def gateway_request(gen: Generate, sp: SamplingParams, req_id: str) -> GatewayRe
         messages=None if gen.messages is None else [msgspec.to_builtins(m) for m in gen.messages],
         add_generation_prompt=gen.add_generation_prompt,
         continue_final_message=gen.continue_final_message,
-        chat_template_kwargs=gen.chat_template_kwargs,
+        chat_template_kwargs=gen.chat_template_kwargs, tools=gen.tools,
         priority=gen.priority, cache_salt=gen.cache_salt, kv_transfer=gen.kv_transfer)

@@ -28,7 +28,8 @@ from pydantic import ValidationError
 from pipeline.frontend.protocol import MAX_ID_LEN, ProtocolError
 from pipeline.frontend.request_parser import gateway_request, request_from_json
 from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest
-from pipeline.http.openai_convert import ApiError, body_error, chat_fields, completion_fields, invalid
+from pipeline.http.chat_parse import ChatParsers, ChatParsing
+from pipeline.http.openai_convert import ApiError, body_error, chat_fields, chat_parsing, completion_fields, invalid
 from pipeline.http.openai_response import (
     chat_body,
     completion_body,
@@ -96,6 +97,7 @@ class BatchLine(msgspec.Struct):
     model: str
     requests: list[GatewayRequest]
     results: list[RequestResult | None] = []
+    parsing: ChatParsing | None = None  # a chat's tool calls and reasoning (http.chat_parse)
 
 
 class Refused(Exception):
@@ -108,7 +110,8 @@ class Refused(Exception):
 
 class BatchLines:
     def __init__(self, model_dir: str, model: ModelInfo | None, max_model_len: int,
-                 answer_limit: int = 0) -> None:
+                 answer_limit: int = 0, chat_parsers: ChatParsers = ChatParsers()) -> None:
+        self.chat_parsers = chat_parsers  # --tool-call-parser and co
         self.served = served_model_name(model_dir)
         self.fingerprint = fingerprint(model.kv.model_hash if model is not None else "")
         self.max_model_len = max_model_len
@@ -176,8 +179,10 @@ class BatchLines:
         if req.model is not None and req.model != self.served:
             raise ApiError(404, f"field `model`: the model `{req.model}` does not exist; this "
                                 f"server serves `{self.served}`", "model")
+        parsing = None
         if isinstance(req, ChatCompletionRequest):
-            all_fields = [chat_fields(req, self.max_model_len, self.implied_max_tokens)]
+            parsing = chat_parsing(req, self.chat_parsers)
+            all_fields = [chat_fields(req, self.max_model_len, self.implied_max_tokens, parsing)]
         else:
             all_fields = completion_fields(req, self.max_model_len, self.implied_max_tokens)
         requests = []
@@ -188,7 +193,7 @@ class BatchLines:
                 raise invalid(exc.error.message) from None
             requests.append(gateway_request(gen, sp, f"{index}.{k}"))
         return BatchLine(cid, isinstance(req, ChatCompletionRequest), req.n, self.served, requests,
-                         [None] * len(requests))
+                         [None] * len(requests), parsing)
 
     def start(self, index: int, line: BatchLine) -> None:
         """Its requests are about to be submitted (the writer's lock held)."""
@@ -212,7 +217,7 @@ class BatchLines:
         created = int(time.time())
         if line.chat:
             body = chat_body(f"chatcmpl-{_hex()}", created, line.model, self.fingerprint,
-                             results[0], self.text)
+                             results[0], self.text, line.parsing)
         else:
             body = completion_body(f"cmpl-{_hex()}", created, line.model, self.fingerprint,
                                    line.n, results, self.text)

@@ -54,7 +54,7 @@ def size_problem(req: GatewayRequest, encoded_size: int, limit: int) -> str | No
     if encoded_size <= limit:
         return None
     fields = {f: len(msgspec.msgpack.encode(getattr(req, f))) for f in
-              ("prompt", "prompt_token_ids", "messages", "chat_template_kwargs", "sampling_params",
+              ("prompt", "prompt_token_ids", "messages", "chat_template_kwargs", "tools", "sampling_params",
                "cache_salt", "req_id")}
     name = max(fields, key=fields.__getitem__)
     return (f"request: {encoded_size} bytes encoded, the limit is {limit} bytes "

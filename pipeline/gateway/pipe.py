@@ -27,6 +27,8 @@ from pipeline.gateway.batch import MIXED, BatchLines, Refused, is_batch_line, ou
 from pipeline.gateway.gateway import Gateway
 from pipeline.gateway.pipe_input import RequestError, RunIds, line_text, parse_line, read_lines
 from pipeline.gateway.pipe_output import AnswerWriter
+from pipeline.http.chat_parse import ChatParsers
+from pipeline.http.launcher import CHAT_PARSER_FIELDS
 from pipeline.messages import GatewayRequest, error_result
 from pipeline.runtime.lifecycle import StartupError
 from pipeline.runtime.rings import message_limits
@@ -105,7 +107,8 @@ def feed(gw: Gateway, writer: AnswerWriter, args, lines: Iterator[bytes | int],
                     assert gw.model is not None  # started
                     batch = writer.batch = BatchLines(
                         gw.config.model_config.model, gw.model, gw.model.max_model_len,
-                        message_limits(gw.config, gw.model.max_model_len)["answers"])
+                        message_limits(gw.config, gw.model.max_model_len)["answers"],
+                        ChatParsers(**{k: getattr(gw.config.model_config, k) for k in CHAT_PARSER_FIELDS}))
             if batch is not None:
                 line = batch.parse(index, text, defaults)
             elif is_batch_line(text):

@@ -29,6 +29,7 @@ from pipeline.client.base import RequestError
 from pipeline.http import openai_convert as C
 from pipeline.http import openai_response as R
 from pipeline.http.body import check_sizes, decode, off_loop
+from pipeline.http.chat_parse import ChatParsers, ChatParsing
 from pipeline.http.limit import BodyLimit
 from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pipeline.http.stream import disconnected, sse_response
@@ -52,6 +53,7 @@ class HttpState:
     created: int = 0
     answer_limit: int = 0  # the daemon's largest answer (bytes; 0: unknown, no budget)
     token_text_bytes: int = 0  # the most text one token adds (tokenizer.stage.max_token_text_bytes)
+    chat_parsers: ChatParsers = ChatParsers()  # --tool-call-parser and co: how answers are parsed
 
     def implied_max_tokens(self, n: int, logprobs: int | None) -> int:
         """max_tokens of a body that set none: as many as the context and the answer's
@@ -137,11 +139,12 @@ def build_app(state: HttpState) -> FastAPI:
 
     async def answer(request: Request, body: CompletionRequest | ChatCompletionRequest,
                      reqs: list[dict[str, Any]], prefix: str,
-                     build: Callable[[str, int, list[RequestResult]], dict[str, Any]]) -> Response:
+                     build: Callable[[str, int, list[RequestResult]], dict[str, Any]],
+                     parsing: ChatParsing | None = None) -> Response:
         """A body's engine requests, streamed or as one answer built by ``build``."""
         rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return await sse_response(request, state, reqs, body, rid, created, token_text)
+            return await sse_response(request, state, reqs, body, rid, created, token_text, parsing)
         results = await until_done(request, asyncio.gather(
             *(state.client.generate(timeout=None, **f) for f in reqs)))
         if (err := R.failure(results)) is not None:
@@ -156,12 +159,13 @@ def build_app(state: HttpState) -> FastAPI:
         check_sizes(body.prompt)
         return body, C.completion_fields(body, state.max_model_len, state.implied_max_tokens)
 
-    def chat_request(raw: bytes) -> tuple[ChatCompletionRequest, dict[str, Any]]:
+    def chat_request(raw: bytes) -> tuple[ChatCompletionRequest, dict[str, Any], ChatParsing]:
         body = decode(raw, ChatCompletionRequest)
         check_model(body.model)
-        fields = C.chat_fields(body, state.max_model_len, state.implied_max_tokens)
+        parsing = C.chat_parsing(body, state.chat_parsers)
+        fields = C.chat_fields(body, state.max_model_len, state.implied_max_tokens, parsing)
         check_sizes(messages=fields["messages"])
-        return body, fields
+        return body, fields, parsing
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -171,9 +175,9 @@ def build_app(state: HttpState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        body, fields = await off_loop(chat_request, await request.body())
+        body, fields, parsing = await off_loop(chat_request, await request.body())
         return await answer(request, body, [fields], "chatcmpl", lambda rid, created, results: R.chat_body(
-            rid, created, state.model, state.fingerprint, results[0], token_text))
+            rid, created, state.model, state.fingerprint, results[0], token_text, parsing), parsing)
 
     def tokenized(raw: bytes) -> bytes:
         body = decode(raw, TokenizeRequest)

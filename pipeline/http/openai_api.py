@@ -7,8 +7,8 @@ Types are checked here (the framework names the field); value limits are the eng
 the same message. Unknown fields are refused (400 naming them), as the ZMQ protocol does;
 OpenAI fields with no meaning here are accepted and ignored only where ignoring them cannot
 change the answer (``user``, ``store``, ``metadata``, ``service_tier``,
-``parallel_tool_calls``); the others (tools, echo, suffix, audio...) are refused when set,
-naming the field. docs/openai.md lists them all.
+``service_tier``); the others (echo, suffix, audio...) are refused when set, naming the
+field. docs/openai.md lists them all.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from pipeline.frontend.protocol import MAX_MESSAGES
+from pipeline.frontend.protocol import MAX_MESSAGES, MAX_TOOLS
 from pipeline.messages import MAX_PROMPT_TOKENS
 from pipeline.sampling_params import SamplingParams
 
@@ -39,10 +39,47 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: Annotated[str, Field(max_length=256)]
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class ToolCallParam(_Body):
+    """An earlier assistant turn's call, as the API returned it."""
+    id: Annotated[str, Field(max_length=256)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageParam(_Body):
     role: Annotated[str, Field(min_length=1, max_length=64)]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCallParam], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None  # role "tool"
+
+
+class FunctionDefinition(_Body):
+    # OpenAI: a-z, A-Z, 0-9, underscores and dashes, at most 64; dots too (namespaced names).
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # accepted: required/named choices are always enforced
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: Annotated[str, Field(max_length=64)]
+
+
+class NamedToolChoice(_Body):
+    """``tool_choice`` naming one function: the answer is a call of it."""
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(_Body):
@@ -131,9 +168,10 @@ class ChatCompletionRequest(SamplingBody):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[dict[str, Any]] | None = None  # refused when non-empty
-    tool_choice: Literal["none", "auto"] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    # None: "auto" with tools (OpenAI's default), else "none" (http.chat_parse)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
     # vLLM's chat extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeline.frontend import protocol as P
 from pipeline.frontend.request_parser import sampling_params
+from pipeline.http.chat_parse import ChatParseError, ChatParsers, ChatParsing
 from pipeline.http.openai_api import ChatCompletionRequest, ChatMessageParam, CompletionRequest, SamplingBody
 from pipeline.messages import ErrorInfo
 from pipeline.sampling_params import SAMPLING_FIELDS
@@ -223,13 +224,29 @@ def completion_fields(req: CompletionRequest, max_model_len: int,
     return [fields | {"prompt_token_ids": p}]
 
 
+def chat_parsing(req: ChatCompletionRequest, server: ChatParsers) -> ChatParsing:
+    """How the body's answers are parsed (its tools and tool_choice, the server's parsers);
+    ApiError naming the field the server cannot honour."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = req.tool_choice if isinstance(req.tool_choice, str | None) else req.tool_choice.model_dump()
+    try:
+        return ChatParsing(tools, choice, req.parallel_tool_calls, server)
+    except ChatParseError as exc:
+        raise invalid(str(exc), exc.field) from None
+
+
 def chat_fields(req: ChatCompletionRequest, max_model_len: int,
-                implied: Implied | None = None) -> dict[str, Any]:
-    if req.tools:
-        raise invalid("field `tools`: tool calling is not supported", "tools")
+                implied: Implied | None = None, parsing: ChatParsing | None = None) -> dict[str, Any]:
+    """The engine request of a chat body; ``parsing`` (``chat_parsing``): its tools go to the
+    chat template and a forced tool choice becomes its grammar."""
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("field `top_logprobs`: needs `logprobs` true", "top_logprobs")
     fields = _common(req)
+    if parsing is not None and parsing.structured is not None:
+        if "structured_outputs" in fields:
+            raise invalid(f"field `tool_choice`: {parsing.mode!r} forces the answer's shape; it cannot "
+                          "be combined with response_format, structured_outputs or guided_*", "tool_choice")
+        fields["structured_outputs"] = parsing.structured
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     fields["max_tokens"] = _max_tokens(limit, max_model_len, implied, req.n,
                                        (req.top_logprobs or 0) if req.logprobs else None)
@@ -241,4 +258,6 @@ def chat_fields(req: ChatCompletionRequest, max_model_len: int,
     fields["continue_final_message"] = req.continue_final_message
     if req.chat_template_kwargs:
         fields["chat_template_kwargs"] = req.chat_template_kwargs
+    if req.tools:  # rendered with tool_choice "none" too, as vLLM does
+        fields["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
     return fields

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
+from pipeline.http.chat_parse import ChatParsing
 from pipeline.http.openai_convert import ApiError, from_error
 from pipeline.messages import Completion, RequestResult
 from pipeline.messages.step import TokenLogprobs
@@ -94,11 +95,21 @@ def completion_body(rid: str, created: int, model: str, fingerprint: str, n: int
             "system_fingerprint": fingerprint, "choices": choices, "usage": usage(results)}
 
 
+def chat_choice(c: Completion, text: TokenText, parsing: ChatParsing | None) -> dict[str, Any]:
+    """A non-streamed chat choice: its message parsed by ``parsing`` (reasoning, tool calls)."""
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    reason = finish_reason(c)
+    if parsing is not None and parsing.active:
+        parser = parsing.answer()
+        message |= parser.message(c.text)
+        reason = parser.finish_reason(reason)
+    return {"index": c.index, "message": message, "logprobs": chat_logprobs(c.logprobs, text),
+            "finish_reason": reason, "stop_reason": c.stop_reason}
+
+
 def chat_body(rid: str, created: int, model: str, fingerprint: str, res: RequestResult,
-              text: TokenText) -> dict[str, Any]:
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c.logprobs, text), "finish_reason": finish_reason(c),
-                "stop_reason": c.stop_reason} for c in completions_of(res)]
+              text: TokenText, parsing: ChatParsing | None = None) -> dict[str, Any]:
+    choices = [chat_choice(c, text, parsing) for c in completions_of(res)]
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "system_fingerprint": fingerprint, "choices": choices, "usage": usage([res])}
 

@@ -48,6 +48,7 @@ async def serve(spec: HttpSpec) -> None:
 
     from pipeline.client import AsyncClient
     from pipeline.http.app import HttpState, build_app
+    from pipeline.http.chat_parse import ChatParsers
     from pipeline.http.conn import HEAD_TIMEOUT_S, GuardedProtocol, raise_fd_limit
     from pipeline.tokenizer.tokenizer import Tokenizer, max_token_text_bytes
 
@@ -71,7 +72,9 @@ async def serve(spec: HttpSpec) -> None:
     state = HttpState(client=client, tokenizer=tokenizer,
                       model=spec.model, model_path=spec.model_path, max_model_len=spec.max_model_len,
                       fingerprint=spec.fingerprint, api_key=spec.api_key, created=int(time.time()),
-                      answer_limit=spec.answer_limit, token_text_bytes=max_token_text_bytes(tokenizer.tok))
+                      answer_limit=spec.answer_limit, token_text_bytes=max_token_text_bytes(tokenizer.tok),
+                      chat_parsers=ChatParsers(spec.tool_call_parser, spec.enable_auto_tool_choice,
+                                               spec.reasoning_parser))
     raise_fd_limit()
     # GuardedProtocol: the connection cap and the head time-out (http.conn).
     config = uvicorn.Config(build_app(state), http=GuardedProtocol, lifespan="off", log_level="warning",

@@ -22,6 +22,7 @@ from fastapi.responses import StreamingResponse
 
 from pipeline.http import openai_convert as C
 from pipeline.http import openai_response as R
+from pipeline.http.chat_parse import AnswerParser, ChatParsing
 from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest
 from pipeline.messages import RequestDelta, RequestResult
 
@@ -45,10 +46,12 @@ class _Chunks:
     """Builds the chunks of one response (chat or text completion)."""
 
     def __init__(self, body: CompletionRequest | ChatCompletionRequest, rid: str, created: int,
-                 state: HttpState, text: R.TokenText) -> None:
+                 state: HttpState, text: R.TokenText, parsing: ChatParsing | None = None) -> None:
         self.chat = isinstance(body, ChatCompletionRequest)
         self.n = body.n
         self.text = text
+        self.parsing = parsing if parsing is not None and parsing.active else None
+        self.parsers: dict[int, AnswerParser] = {}  # choice index -> its parser (chat, parsing)
         self.usage = bool(body.stream_options and body.stream_options.include_usage)
         self.head: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": created, "model": state.model, "system_fingerprint": state.fingerprint}
@@ -70,22 +73,39 @@ class _Chunks:
             return None
         index = prompt * self.n + d.index
         if self.chat:
-            return self.chunk([{"index": index, "delta": {"content": d.text},
+            delta: dict[str, Any] = {"content": d.text}
+            if self.parsing is not None:
+                delta = self._parser(index).feed(d.text)
+                if not delta and not d.logprobs:
+                    return None  # held back (a tag may be starting)
+            return self.chunk([{"index": index, "delta": delta,
                                 "logprobs": R.chat_logprobs(d.logprobs, self.text), "finish_reason": None}])
         return self.chunk([{"index": index, "text": d.text,
                             "logprobs": R.completion_logprobs(d.logprobs, self.text), "finish_reason": None}])
 
     def finish(self, prompt: int, res: RequestResult) -> bytes:
-        choices = []
+        choices, held = [], []
         for c in R.completions_of(res):
-            choice: dict[str, Any] = {"index": prompt * self.n + c.index, "logprobs": None,
+            index = prompt * self.n + c.index
+            choice: dict[str, Any] = {"index": index, "logprobs": None,
                                       "finish_reason": R.finish_reason(c), "stop_reason": c.stop_reason}
             if self.chat:
                 choice["delta"] = {}
+                if self.parsing is not None:  # what the parsers held, then the finish
+                    parser = self._parser(index)
+                    if rest := parser.finish():
+                        held.append({"index": index, "delta": rest, "logprobs": None, "finish_reason": None})
+                    choice["finish_reason"] = parser.finish_reason(choice["finish_reason"])
             else:
                 choice["text"] = ""
             choices.append(choice)
-        return self.chunk(choices)
+        return (self.chunk(held) if held else b"") + self.chunk(choices)
+
+    def _parser(self, index: int) -> AnswerParser:
+        if (p := self.parsers.get(index)) is None:
+            assert self.parsing is not None
+            p = self.parsers[index] = self.parsing.answer()
+        return p
 
     def usage_chunk(self, results: list[RequestResult]) -> bytes:
         return _event(self.head | {"choices": [], "usage": R.usage(results)})
@@ -184,7 +204,7 @@ async def _events(streams: _Streams, early: list[tuple[int, Any]], chunks: _Chun
 
 async def sse_response(request: Request, state: HttpState, reqs: list[dict[str, Any]],
                        body: CompletionRequest | ChatCompletionRequest, rid: str, created: int,
-                       text: R.TokenText) -> StreamingResponse:
+                       text: R.TokenText, parsing: ChatParsing | None = None) -> StreamingResponse:
     """The stream, once every engine request has answered once: a refused one makes the
     whole response its error status (the status line has not gone out yet)."""
     streams = _Streams(request, state, reqs)
@@ -193,7 +213,7 @@ async def sse_response(request: Request, state: HttpState, reqs: list[dict[str, 
     except BaseException:
         await streams.close()
         raise
-    chunks = _Chunks(body, rid, created, state, text)
+    chunks = _Chunks(body, rid, created, state, text, parsing)
     return EventStream(streams, _events(streams, early, chunks), media_type="text/event-stream",
                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

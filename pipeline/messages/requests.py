@@ -62,6 +62,7 @@ class GatewayRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI's function declarations, for the template
     stream: bool = False
     arrival_time: float = 0.0
     priority: int = 0

@@ -23,9 +23,19 @@ ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, with OpenAI `tools` and assistant tool calls in the hermes format (Qwen2.5's):
+# the tool-call parser `hermes` reads what a model trained on it answers.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{{ bos_token }}{% if tools %}{{ '<|im_start|>system\\n# Tools\\n\\nYou may call these functions. "
+    "To call one, answer <tool_call>{\"name\": NAME, \"arguments\": ARGUMENTS}</tool_call>\\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is not none %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}{{ '<tool_call>{\"name\": \"' }}"
+    "{{ call['function']['name'] }}{{ '\", \"arguments\": ' }}"
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}{{ '}</tool_call>' }}{% endfor %}"
+    "<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 

@@ -108,7 +108,7 @@ class TokenizerLoop:
         options = check_chat_options(has_messages=req.messages is not None,
                                      add_generation_prompt=req.add_generation_prompt,
                                      continue_final_message=req.continue_final_message,
-                                     chat_template_kwargs=req.chat_template_kwargs)
+                                     chat_template_kwargs=req.chat_template_kwargs, tools=req.tools)
         if req.prompt is not None:  # the gateway checked its size
             return self.tokenizer.encode(req.prompt), field
         if req.messages is not None:

@@ -44,18 +44,20 @@ def _raise(message: str) -> None:
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Template variables that come from the chat itself or pick the template: never a kwarg's.
 RESERVED_TEMPLATE_VARS = ("messages", "add_generation_prompt", "continue_final_message",
-                          "chat_template")
+                          "chat_template", "tools")
 
 
 def check_chat_options(*, has_messages: bool, add_generation_prompt: bool,
                        continue_final_message: bool,
-                       chat_template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+                       chat_template_kwargs: dict[str, Any] | None,
+                       tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A request's chat options (defaults: True, False, None) as apply_chat_template's keyword
     arguments; ValueError naming the field when they are set without ``messages`` or collide."""
     if not has_messages:
         for name, is_set in (("add_generation_prompt", not add_generation_prompt),
                              ("continue_final_message", continue_final_message),
-                             ("chat_template_kwargs", chat_template_kwargs is not None)):
+                             ("chat_template_kwargs", chat_template_kwargs is not None),
+                             ("tools", tools is not None)):
             if is_set:
                 raise ValueError(f"field `{name}`: only valid with `messages` (a chat request)")
     kwargs = dict(chat_template_kwargs or {})
@@ -65,7 +67,24 @@ def check_chat_options(*, has_messages: bool, add_generation_prompt: bool,
         if key in RESERVED_TEMPLATE_VARS:
             raise ValueError(f"field `chat_template_kwargs`: `{key}` cannot be set here (it comes "
                              "from the request itself)")
+    if tools is not None:
+        kwargs["tools"] = check_tools(tools)
     return kwargs | {"continue_final_message": continue_final_message}
+
+
+def check_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """OpenAI's ``tools``: each ``{"type": "function", "function": {"name": ..., ...}}``;
+    ValueError naming the tool. None for an empty list (a template tests ``tools`` for
+    truthiness, as transformers passes None)."""
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ValueError(f"field `tools[{i}]`: must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"field `tools[{i}].function.name`: a non-empty string is required")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise ValueError(f"field `tools[{i}].function.parameters`: must be a JSON schema object")
+    return tools or None
 
 
 @lru_cache(maxsize=8)
