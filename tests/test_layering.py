@@ -29,7 +29,8 @@ LAYERS: dict[str, set[str]] = {
     "spec_config": set(),
     "config": {"sizes", "bind", "spec_config"},
     "sampling_params": set(),
-    "reasoning": set(),  # the think-tag parsers (--reasoning-parser): a leaf
+    "reasoning": set(),
+    "tool_parsers": set(),  # the tool-call formats (--tool-call-parser, tool_choice): a leaf
     "ipc": {"_ext"},
     "messages": {"config", "sampling_params"},
     "runtime": {"ipc", "messages", "config", "sampling_params"},
@@ -50,7 +51,7 @@ LAYERS: dict[str, set[str]] = {
     # the OpenAI HTTP front end: a client of the daemon (and its Tokenizer for /tokenize; the
     # launcher, the daemon's side, sweeps the ipc directories of dead instances)
     "http": {"client", "frontend", "messages", "sampling_params", "config", "tokenizer", "ipc",
-             "version"},
+             "version", "tool_parsers", "reasoning"},
     # the in-process LLM's TP ranks: stage processes it starts itself, never through the gateway
     "llm_tp": STAGE_BASE | {"worker"},
 }
@@ -64,7 +65,7 @@ HTTP_MAY_USE = {"pipeline.tokenizer.tokenizer", "pipeline.tokenizer.validate", "
 # What of the HTTP front end the gateway imports (the app, FastAPI, never).
 # (The launcher is the router's too: `pipeline router --http`.)
 HTTP_SHARED = {"pipeline.http.launcher", "pipeline.http.openai_api", "pipeline.http.openai_convert",
-               "pipeline.http.openai_response"}
+               "pipeline.http.openai_response", "pipeline.http.chat_parse"}
 
 
 def modules() -> dict[str, Path]:

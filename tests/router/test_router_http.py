@@ -77,6 +77,22 @@ def test_streaming_through_the_router(oai, front):
     assert len(parts) > 1 and "".join(parts) == whole
 
 
+def test_tool_calls_through_the_router(oai, front):
+    """Issue 28: tools reach the instances' chat template and a named tool_choice is a
+    valid call; "auto" follows the instances' flags (none here: refused naming the field)."""
+    name = front[2]
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}]
+    ask = [{"role": "user", "content": "what time is it?"}]
+    r = oai.chat.completions.create(model=name, messages=ask, tools=tools, max_tokens=16,
+                                    tool_choice={"type": "function", "function": {"name": "get_time"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_time", "{}")
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=name, messages=ask, tools=tools, max_tokens=4)
+    assert err.value.body["param"] == "tool_choice"
+
+
 def test_a_bad_key_is_refused(front):
     with openai.OpenAI(base_url=front[0], api_key="wrong", max_retries=0) as c, \
             pytest.raises(openai.AuthenticationError):
