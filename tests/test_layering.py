@@ -35,6 +35,7 @@ LAYERS: dict[str, set[str]] = {
     "messages": {"config", "sampling_params"},
     "runtime": {"ipc", "messages", "config", "sampling_params"},
     "structured_outputs": {"sampling_params"},
+    "tool_parsers": set(),  # tool-call parsers: a leaf, used by the front ends and the LLM
     "tokenizer": STAGE_BASE | {"structured_outputs"},
     "engine": STAGE_BASE,
     "output": STAGE_BASE,
