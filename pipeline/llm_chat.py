@@ -1,7 +1,7 @@
 """``LLM.chat``'s tools and reasoning: the conversation's ``tools`` for the chat template, a
 forced ``tool_choice`` as each request's grammar, and the answers parsed into
 ``CompletionOutput.tool_calls`` / ``reasoning_content`` / ``content`` with the same parsers
-the OpenAI front ends use (``http.chat_parse``). Owns no state.
+the OpenAI front ends use (``chat_parse``). Owns no state.
 
 ``text`` stays the model's whole answer, as vLLM's ``LLM.chat`` returns it; the parsed fields
 are set only when there is something to parse (tools, or ``reasoning_parser`` on the LLM).
@@ -13,8 +13,7 @@ from typing import Any
 import msgspec
 
 from pipeline.config import ModelConfig
-from pipeline.http.chat_parse import ChatParsers, ChatParsing
-from pipeline.http.launcher import CHAT_PARSER_FIELDS
+from pipeline.chat_parse import ChatParsers, ChatParsing
 from pipeline.outputs import RequestOutput
 from pipeline.sampling_params import SamplingParams
 from pipeline.sampling_params.structured import StructuredOutputsParams
@@ -29,7 +28,9 @@ def chat_parsing(model: ModelConfig, tools: list[dict[str, Any]] | None,
         check_tools(tools)
     if tools is None and tool_choice is None and model.reasoning_parser is None:
         return None
-    server = ChatParsers(**{k: getattr(model, k) for k in CHAT_PARSER_FIELDS})
+    server = ChatParsers.of(model)
+    if tool_choice is None and tools and not (server.enable_auto_tool_choice and server.tool_call_parser):
+        tool_choice = "none"  # vLLM's LLM.chat: tools rendered, the answer left as text
     return ChatParsing(tools, tool_choice, parallel_tool_calls, server)
 
 

@@ -30,7 +30,8 @@ LAYERS: dict[str, set[str]] = {
     "config": {"sizes", "bind", "spec_config"},
     "sampling_params": set(),
     "reasoning": set(),
-    "tool_parsers": set(),  # the tool-call formats (--tool-call-parser, tool_choice): a leaf
+    # a chat answer's parts (reasoning, tool calls, content): the front ends' and LLM.chat's
+    "chat_parse": {"tool_parsers", "reasoning"},
     "ipc": {"_ext"},
     "messages": {"config", "sampling_params"},
     "runtime": {"ipc", "messages", "config", "sampling_params"},
@@ -52,7 +53,7 @@ LAYERS: dict[str, set[str]] = {
     # the OpenAI HTTP front end: a client of the daemon (and its Tokenizer for /tokenize; the
     # launcher, the daemon's side, sweeps the ipc directories of dead instances)
     "http": {"client", "frontend", "messages", "sampling_params", "config", "tokenizer", "ipc",
-             "version", "tool_parsers", "reasoning"},
+             "version", "chat_parse"},
     # the in-process LLM's TP ranks: stage processes it starts itself, never through the gateway
     "llm_tp": STAGE_BASE | {"worker"},
 }
@@ -66,7 +67,7 @@ HTTP_MAY_USE = {"pipeline.tokenizer.tokenizer", "pipeline.tokenizer.validate", "
 # What of the HTTP front end the gateway imports (the app, FastAPI, never).
 # (The launcher is the router's too: `pipeline router --http`.)
 HTTP_SHARED = {"pipeline.http.launcher", "pipeline.http.openai_api", "pipeline.http.openai_convert",
-               "pipeline.http.openai_response", "pipeline.http.chat_parse"}
+               "pipeline.http.openai_response"}
 
 
 def modules() -> dict[str, Path]:

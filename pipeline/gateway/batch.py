@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from pipeline.frontend.protocol import MAX_ID_LEN, ProtocolError
 from pipeline.frontend.request_parser import gateway_request, request_from_json
 from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest
-from pipeline.http.chat_parse import ChatParsers, ChatParsing
+from pipeline.chat_parse import ChatParsers, ChatParsing
 from pipeline.http.openai_convert import ApiError, body_error, chat_fields, chat_parsing, completion_fields, invalid
 from pipeline.http.openai_response import (
     chat_body,
@@ -97,7 +97,7 @@ class BatchLine(msgspec.Struct):
     model: str
     requests: list[GatewayRequest]
     results: list[RequestResult | None] = []
-    parsing: ChatParsing | None = None  # a chat's tool calls and reasoning (http.chat_parse)
+    parsing: ChatParsing | None = None  # a chat's tool calls and reasoning (chat_parse)
 
 
 class Refused(Exception):

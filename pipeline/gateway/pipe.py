@@ -27,8 +27,7 @@ from pipeline.gateway.batch import MIXED, BatchLines, Refused, is_batch_line, ou
 from pipeline.gateway.gateway import Gateway
 from pipeline.gateway.pipe_input import RequestError, RunIds, line_text, parse_line, read_lines
 from pipeline.gateway.pipe_output import AnswerWriter
-from pipeline.http.chat_parse import ChatParsers
-from pipeline.http.launcher import CHAT_PARSER_FIELDS
+from pipeline.chat_parse import ChatParsers
 from pipeline.messages import GatewayRequest, error_result
 from pipeline.runtime.lifecycle import StartupError
 from pipeline.runtime.rings import message_limits
@@ -108,7 +107,7 @@ def feed(gw: Gateway, writer: AnswerWriter, args, lines: Iterator[bytes | int],
                     batch = writer.batch = BatchLines(
                         gw.config.model_config.model, gw.model, gw.model.max_model_len,
                         message_limits(gw.config, gw.model.max_model_len)["answers"],
-                        ChatParsers(**{k: getattr(gw.config.model_config, k) for k in CHAT_PARSER_FIELDS}))
+                        ChatParsers.of(gw.config.model_config))
             if batch is not None:
                 line = batch.parse(index, text, defaults)
             elif is_batch_line(text):

@@ -30,9 +30,10 @@ from pipeline.frontend import protocol as P
 from pipeline.frontend.args import cannot_start
 from pipeline.frontend.zmq_server import DISCONNECT_SETTLE_S
 from pipeline.gateway.serve_args import ServeArgs, add_args, check_args
+from pipeline.chat_parse import ChatParsers
 from pipeline.gateway.serve_front import DaemonFront
 from pipeline.gateway.systemd import Notifier
-from pipeline.http.launcher import CHAT_PARSER_FIELDS, HttpFront
+from pipeline.http.launcher import HttpFront
 from pipeline.http.openai_response import fingerprint, served_model_name
 from pipeline.runtime.lifecycle import StartupError
 from pipeline.runtime.rings import message_limits
@@ -178,7 +179,7 @@ class Server(DaemonFront):
                     model=served_model_name(self.config.model_config.model, self.args.served_model_name),
                     fingerprint=fingerprint(model.kv.model_hash), chat_template=self.config.model_config.chat_template,
                     answer_limit=message_limits(self.config, model.max_model_len)["answers"],
-                    **{k: getattr(self.config.model_config, k) for k in CHAT_PARSER_FIELDS})
+                    **vars(ChatParsers.of(self.config.model_config)))
                 if self.http is not None:
                     self.notify.status("starting the HTTP front end")
                     self.http.start(dict(self.model_detail, api_key=self.args.api_key))

@@ -38,13 +38,12 @@ class HttpSpec(msgspec.Struct, kw_only=True):
     chat_template: str | None = None
     api_key: str | None = None
     answer_limit: int = 0  # the answers ring's message limit (bytes)
-    # How the model's chat answers are parsed (--tool-call-parser and co; http.chat_parse)
+    # How the model's chat answers are parsed (--tool-call-parser and co; chat_parse)
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
 
 
-CHAT_PARSER_FIELDS = ("tool_call_parser", "enable_auto_tool_choice", "reasoning_parser")
 # The daemon stops the front end with this (it ignores SIGTERM/SIGINT: see pipeline.http.process).
 STOP_SIGNAL = signal.SIGUSR1
 READY_TIMEOUT_S = 60.0

@@ -169,7 +169,7 @@ class ChatCompletionRequest(SamplingBody):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
-    # None: "auto" with tools (OpenAI's default), else "none" (http.chat_parse)
+    # None: "auto" with tools (OpenAI's default), else "none" (chat_parse)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call
     # vLLM's chat extras

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from pipeline.http.chat_parse import ChatParsing
+from pipeline.chat_parse import ChatParsing
 from pipeline.http.openai_convert import ApiError, from_error
 from pipeline.messages import Completion, RequestResult
 from pipeline.messages.step import TokenLogprobs

@@ -48,7 +48,7 @@ async def serve(spec: HttpSpec) -> None:
 
     from pipeline.client import AsyncClient
     from pipeline.http.app import HttpState, build_app
-    from pipeline.http.chat_parse import ChatParsers
+    from pipeline.chat_parse import ChatParsers
     from pipeline.http.conn import HEAD_TIMEOUT_S, GuardedProtocol, raise_fd_limit
     from pipeline.tokenizer.tokenizer import Tokenizer, max_token_text_bytes
 

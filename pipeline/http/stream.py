@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 
 from pipeline.http import openai_convert as C
 from pipeline.http import openai_response as R
-from pipeline.http.chat_parse import AnswerParser, ChatParsing
+from pipeline.chat_parse import AnswerParser, ChatParsing
 from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest
 from pipeline.messages import RequestDelta, RequestResult
 

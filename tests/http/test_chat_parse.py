@@ -1,4 +1,4 @@
-"""Issue 28: a chat body's tools and tool_choice (``http.chat_parse``), the reasoning parser
+"""Issue 28: a chat body's tools and tool_choice (``chat_parse``), the reasoning parser
 before the tool parser, the flags that pick them, and the chat template that renders tools."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import REASONING_PARSERS, TOOL_CALL_PARSERS, EngineConfig
-from pipeline.http.chat_parse import ChatParseError, ChatParsers, ChatParsing
+from pipeline.chat_parse import ChatParseError, ChatParsers, ChatParsing
 from pipeline.http.openai_api import ChatCompletionRequest
 from pipeline.http.openai_convert import ApiError, chat_fields, chat_parsing
 from pipeline.reasoning import REASONING_PARSERS as REASONING_REGISTRY
@@ -53,8 +53,8 @@ def test_forced_choices_become_the_grammar():
     schema = fields["structured_outputs"]["json"]
     assert schema["type"] == "array" and schema["maxItems"] == 1
     assert fields["tools"] == TOOLS
-    named = req.model_copy(update={"tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
-    named = ChatCompletionRequest.model_validate(named.model_dump(exclude_none=True))
+    named = ChatCompletionRequest.model_validate(
+        req.model_dump(exclude_none=True) | {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
     fields = chat_fields(named, 256, None, chat_parsing(named, ChatParsers()))
     assert fields["structured_outputs"]["json"] == TOOLS[0]["function"]["parameters"]
     both = ChatCompletionRequest.model_validate(

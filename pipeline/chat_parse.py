@@ -36,12 +36,21 @@ class ChatParseError(ValueError):
         self.field = field
 
 
+# ModelConfig's fields (the flags) that pick the parsers; the HTTP front end's spec carries them.
+CHAT_PARSER_FIELDS = ("tool_call_parser", "enable_auto_tool_choice", "reasoning_parser")
+
+
 @dataclass(frozen=True)
 class ChatParsers:
     """The server's choice (vLLM's flags): which formats its model answers in."""
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+
+    @classmethod
+    def of(cls, model_config: Any) -> ChatParsers:
+        """A ModelConfig's (or anything with the same fields)."""
+        return cls(**{k: getattr(model_config, k) for k in CHAT_PARSER_FIELDS})
 
 
 def tool_calls_json(calls: list[ToolCall]) -> list[dict[str, Any]]:
