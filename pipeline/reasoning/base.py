@@ -3,9 +3,10 @@
 then ``finish``).
 
 Both parsers we ship (``parsers``) mark the reasoning with the same two tags and differ in
-one decision: what an output that does not open with ``<think>`` is. DeepSeek-R1's template
-already opened the tag in the prompt, so such an output is reasoning (``opens_in_reasoning``);
-Qwen3's model writes the tag itself when it thinks, so such an output is content. The tags
+what an output that does not open with ``<think>`` is (``opens_in_reasoning``) and what an
+output that never closes it is (``unclosed_is_reasoning``, for ``extract``): DeepSeek-R1's
+template already opened the tag in the prompt, so both are reasoning; Qwen3's model writes
+the tag itself when it thinks, so both are content. The tags
 are matched as text, not as token ids: the detokenizer's deltas may cut a tag anywhere
 (``</th`` + ``ink>``), so ``feed`` holds back a tail that could still become a tag and lets it
 go once the next delta (or ``finish``) shows it is not one.
