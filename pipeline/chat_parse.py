@@ -101,7 +101,7 @@ class ChatParsing:
             self.structured = {"json": schema if self.parallel else schema | {"maxItems": 1}}
         elif choice == "named":
             try:
-                self.structured = {"json": named_schema(self.tools, self.named)}
+                self.structured = {"json": named_schema(self.tools, self.named or "")}
             except ValueError as exc:
                 raise ChatParseError(str(exc), "tool_choice") from None
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import msgspec
 
-from pipeline.config import ModelConfig
 from pipeline.chat_parse import ChatParsers, ChatParsing
+from pipeline.config import ModelConfig
 from pipeline.outputs import RequestOutput
 from pipeline.sampling_params import SamplingParams
 from pipeline.sampling_params.structured import StructuredOutputsParams

@@ -25,10 +25,10 @@ from typing import Any
 import msgspec
 from pydantic import ValidationError
 
+from pipeline.chat_parse import ChatParsers, ChatParsing
 from pipeline.frontend.protocol import MAX_ID_LEN, ProtocolError
 from pipeline.frontend.request_parser import gateway_request, request_from_json
 from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest
-from pipeline.chat_parse import ChatParsers, ChatParsing
 from pipeline.http.openai_convert import ApiError, body_error, chat_fields, chat_parsing, completion_fields, invalid
 from pipeline.http.openai_response import (
     chat_body,
@@ -110,8 +110,8 @@ class Refused(Exception):
 
 class BatchLines:
     def __init__(self, model_dir: str, model: ModelInfo | None, max_model_len: int,
-                 answer_limit: int = 0, chat_parsers: ChatParsers = ChatParsers()) -> None:
-        self.chat_parsers = chat_parsers  # --tool-call-parser and co
+                 answer_limit: int = 0, chat_parsers: ChatParsers | None = None) -> None:
+        self.chat_parsers = chat_parsers or ChatParsers()  # --tool-call-parser and co
         self.served = served_model_name(model_dir)
         self.fingerprint = fingerprint(model.kv.model_hash if model is not None else "")
         self.max_model_len = max_model_len

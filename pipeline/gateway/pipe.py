@@ -22,12 +22,13 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from pipeline.chat_parse import ChatParsers
 from pipeline.engine_args import add_engine_args, config_from_args
 from pipeline.gateway.batch import MIXED, BatchLines, Refused, is_batch_line, output_line
 from pipeline.gateway.gateway import Gateway
+from pipeline.gateway.pipe_chat import PipeChats
 from pipeline.gateway.pipe_input import RequestError, RunIds, line_text, parse_line, read_lines
 from pipeline.gateway.pipe_output import AnswerWriter
-from pipeline.chat_parse import ChatParsers
 from pipeline.messages import GatewayRequest, error_result
 from pipeline.runtime.lifecycle import StartupError
 from pipeline.runtime.rings import message_limits
@@ -114,7 +115,11 @@ def feed(gw: Gateway, writer: AnswerWriter, args, lines: Iterator[bytes | int],
                 raise RequestError(f"line: an OpenAI batch line in an input of plain or JSON "
                                    f"request lines; {MIXED}")
             else:
-                req, named = parse_line(text, str(index), defaults)
+                req, named, tool_fields = parse_line(text, str(index), defaults)
+                try:
+                    writer.chats.prepare(req, tool_fields, str(index))
+                except ValueError as exc:
+                    raise RequestError(str(exc), req.req_id) from None
         except Refused as exc:
             writer.answer_line(index, exc.line, True)
             continue
@@ -136,6 +141,7 @@ def feed(gw: Gateway, writer: AnswerWriter, args, lines: Iterator[bytes | int],
             continue
         first = ids.claim(req.req_id, index, named)
         if first is not None:
+            writer.chats.drop(str(index))
             refuse(index, req.req_id, "duplicate_id",
                    f"id: {req.req_id!r} is already the id of the line at index {first}; ids are "
                    f"unique within a run, so this line (index {index}) was not run")
@@ -170,7 +176,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     progress = sys.stderr.isatty()
     stop = threading.Event()
-    writer = AnswerWriter(sys.stdout.buffer, args.ordered, args.stream, progress, stop)
+    writer = AnswerWriter(sys.stdout.buffer, args.ordered, args.stream, progress, stop,
+                          PipeChats(ChatParsers.of(cfg.model_config)))
     gw = Gateway(cfg, writer)
     try:
         gw.start()

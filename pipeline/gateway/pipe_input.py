@@ -30,6 +30,7 @@ import msgspec
 
 from pipeline.frontend.protocol import Generate, ProtocolError
 from pipeline.frontend.request_parser import gateway_request, request_from_json, sampling_params
+from pipeline.gateway.pipe_chat import ToolFields, split_tool_fields
 from pipeline.messages import GatewayRequest
 from pipeline.messages.requests import MAX_PROMPT_BYTES
 
@@ -83,12 +84,15 @@ def line_text(raw: bytes | int) -> str:
     return line
 
 
-def parse_line(line: str, default_id: str, defaults: dict) -> tuple[GatewayRequest, bool]:
-    """The request of one non-empty input line (``line_text``) and whether it named its id.
-    RequestError for a line that is no request (its message names what is wrong)."""
+def parse_line(line: str, default_id: str, defaults: dict) -> tuple[GatewayRequest, bool, ToolFields]:
+    """The request of one non-empty input line (``line_text``), whether it named its id, and
+    its tool_choice / parallel_tool_calls (``pipe_chat``). RequestError for a line that is no
+    request (its message names what is wrong)."""
+    tool_fields: ToolFields = {}
     try:
         if line.startswith("{"):
-            gen, sp = request_from_json(line, defaults)
+            data, tool_fields = split_tool_fields(line)
+            gen, sp = request_from_json(data, defaults)
         else:
             try:
                 value = msgspec.json.decode(line)
@@ -102,7 +106,7 @@ def parse_line(line: str, default_id: str, defaults: dict) -> tuple[GatewayReque
     except ProtocolError as exc:
         raise RequestError(str(exc), exc.req_id or _loose_id(line)) from None
     req = gateway_request(gen, sp, default_id if gen.id is None else str(gen.id))
-    return req, gen.id is not None
+    return req, gen.id is not None, tool_fields
 
 
 def _index_of(rid: str) -> int | None:

@@ -16,8 +16,10 @@ import time
 
 import msgspec
 
+from pipeline.chat_parse import ChatParsers
 from pipeline.gateway.batch import BatchLine, BatchLines
 from pipeline.gateway.gateway import Answer
+from pipeline.gateway.pipe_chat import PipeChats
 from pipeline.messages import RequestDelta, RequestResult
 
 
@@ -25,8 +27,9 @@ class AnswerWriter:
     """Writes answers as JSON lines; maps internal ids (line numbers) back to the user's."""
 
     def __init__(self, out, ordered: bool, stream: bool, progress: bool,
-                 stop: threading.Event) -> None:
+                 stop: threading.Event, chats: PipeChats | None = None) -> None:
         self.out = out
+        self.chats = chats or PipeChats(ChatParsers())  # chat lines' tool calls and reasoning
         self.stop = stop  # set when stdout is gone: nobody reads the answers any more
         self.broken = False
         self.ordered = ordered
@@ -80,7 +83,9 @@ class AnswerWriter:
             del self.user_ids[out.id]
             self.done += 1
             self.tokens += len(out.token_ids)
-            self.emit(index, self.enc.encode(msgspec.structs.replace(out, id=user_id)),
+            answer = msgspec.structs.replace(out, id=user_id)
+            parsed = self.chats.result(out)
+            self.emit(index, self.enc.encode(answer if parsed is None else msgspec.to_builtins(answer) | parsed),
                       out.finish_reason == "error")
 
     def emit(self, index: int, line: bytes, failed: bool) -> None:

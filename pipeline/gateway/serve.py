@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from pipeline.chat_parse import ChatParsers
 from pipeline.config import EngineConfig
 from pipeline.engine_args import config_from_args
 from pipeline.frontend import protocol as P
 from pipeline.frontend.args import cannot_start
 from pipeline.frontend.zmq_server import DISCONNECT_SETTLE_S
 from pipeline.gateway.serve_args import ServeArgs, add_args, check_args
-from pipeline.chat_parse import ChatParsers
 from pipeline.gateway.serve_front import DaemonFront
 from pipeline.gateway.systemd import Notifier
 from pipeline.http.launcher import HttpFront

@@ -24,12 +24,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
+from pipeline.chat_parse import ChatParsers, ChatParsing
 from pipeline.client import AsyncClient
 from pipeline.client.base import RequestError
 from pipeline.http import openai_convert as C
 from pipeline.http import openai_response as R
 from pipeline.http.body import check_sizes, decode, off_loop
-from pipeline.chat_parse import ChatParsers, ChatParsing
 from pipeline.http.limit import BodyLimit
 from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pipeline.http.stream import disconnected, sse_response

@@ -13,9 +13,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from pipeline.chat_parse import ChatParseError, ChatParsers, ChatParsing
 from pipeline.frontend import protocol as P
 from pipeline.frontend.request_parser import sampling_params
-from pipeline.chat_parse import ChatParseError, ChatParsers, ChatParsing
 from pipeline.http.openai_api import ChatCompletionRequest, ChatMessageParam, CompletionRequest, SamplingBody
 from pipeline.messages import ErrorInfo
 from pipeline.sampling_params import SAMPLING_FIELDS

@@ -46,9 +46,9 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
 async def serve(spec: HttpSpec) -> None:
     import uvicorn
 
+    from pipeline.chat_parse import ChatParsers
     from pipeline.client import AsyncClient
     from pipeline.http.app import HttpState, build_app
-    from pipeline.chat_parse import ChatParsers
     from pipeline.http.conn import HEAD_TIMEOUT_S, GuardedProtocol, raise_fd_limit
     from pipeline.tokenizer.tokenizer import Tokenizer, max_token_text_bytes
 

@@ -20,9 +20,9 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from pipeline.chat_parse import AnswerParser, ChatParsing
 from pipeline.http import openai_convert as C
 from pipeline.http import openai_response as R
-from pipeline.chat_parse import AnswerParser, ChatParsing
 from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest
 from pipeline.messages import RequestDelta, RequestResult
 

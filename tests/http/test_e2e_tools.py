@@ -229,6 +229,31 @@ def test_batch_file_lines_call_tools(model):
         "the user asks about paris"
 
 
+def test_pipe_mode_chat_lines_call_tools(model):
+    """A plain JSON chat line takes tool_choice / parallel_tool_calls as the API does; its
+    final line carries content, tool_calls, reasoning_content beside the raw text."""
+    lines = [{"id": "req", "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200,
+              "parallel_tool_calls": False},
+             {"id": "auto", "messages": ASK, "tools": TOOLS, "max_tokens": 120,
+              "structured_outputs": {"regex": THINK_CALL}},
+             {"id": "bad", "messages": ASK, "tools": TOOLS, "tool_choice": "sometimes"},
+             {"id": "plain", "prompt": "hi", "tool_choice": "required"}]
+    p = subprocess.run([*PIPELINE, "run", "--model", str(model), "--device", "cpu", "--ordered",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"],
+                       input="".join(json.dumps(x) + "\n" for x in lines), capture_output=True,
+                       text=True, timeout=240, cwd=ROOT, env=env())
+    assert p.returncode == 1, p.stderr  # two lines were refused
+    req, auto, bad, plain = [json.loads(x) for x in p.stdout.splitlines() if x.strip()]
+    assert req["id"] == "req" and req["finish_reason"] == "tool_calls" and req["content"] is None
+    (call,) = req["tool_calls"]
+    check_call(call["function"]["name"], call["function"]["arguments"])
+    assert auto["reasoning_content"].strip() == "the user asks about paris"
+    assert [c["function"]["name"] for c in auto["tool_calls"]] == ["get_weather"]
+    assert auto["text"].startswith("<think>")  # the raw answer stays
+    assert bad["finish_reason"] == "error" and "tool_choice" in bad["error"]["message"]
+    assert plain["finish_reason"] == "error" and "only valid with `messages`" in plain["error"]["message"]
+
+
 def test_llm_chat_with_tools(model):
     from pipeline import LLM, SamplingParams
     with LLM(model=str(model), device="cpu", max_model_len=512) as llm:
