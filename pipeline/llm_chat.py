@@ -36,6 +36,9 @@ def chat_parsing(model: ModelConfig, tools: list[dict[str, Any]] | None,
 
 def forced(params: list[SamplingParams], parsing: ChatParsing | None) -> list[SamplingParams]:
     """Each request's SamplingParams with the grammar a forced tool_choice implies."""
+    if parsing is not None and parsing.mode == "auto":
+        # The call markers of some formats are special tokens: the parser must see them.
+        params = [msgspec.structs.replace(sp, skip_special_tokens=False) for sp in params]
     if parsing is None or parsing.structured is None:
         return params
     out = []

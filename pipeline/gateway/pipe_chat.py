@@ -76,6 +76,9 @@ class PipeChats:
                                  "cannot be combined with structured_outputs")
             req.sampling_params = msgspec.structs.replace(
                 req.sampling_params, structured_outputs=StructuredOutputsParams(**parsing.structured))
+        if parsing.mode == "auto":
+            # The call markers of some formats are special tokens: the parser must see them.
+            req.sampling_params = msgspec.structs.replace(req.sampling_params, skip_special_tokens=False)
         if parsing.active:
             self.answers[key] = parsing
 

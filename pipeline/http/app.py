@@ -35,7 +35,7 @@ from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest, D
 from pipeline.http.stream import disconnected, sse_response
 from pipeline.messages import RequestResult
 from pipeline.sampling_params.limits import max_tokens_that_fit
-from pipeline.tokenizer.tokenizer import Tokenizer
+from pipeline.tokenizer.tokenizer import Tokenizer, check_chat_options
 from pipeline.version import __version__
 
 T = TypeVar("T")
@@ -184,13 +184,18 @@ def build_app(state: HttpState) -> FastAPI:
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise C.invalid("exactly one of `prompt` and `messages` is required", "prompt")
+        if body.tools and body.messages is None:
+            raise C.invalid("field `tools`: only valid with `messages`", "tools")
         try:
             if body.messages is not None:
                 msgs = C.messages(body.messages)
                 check_sizes(messages=msgs)
-                ids = state.tokenizer.apply_chat_template(
-                    msgs, body.add_generation_prompt,
-                    continue_final_message=body.continue_final_message, **(body.chat_template_kwargs or {}))
+                options = check_chat_options(
+                    has_messages=True, add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                    chat_template_kwargs=body.chat_template_kwargs,
+                    tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
+                ids = state.tokenizer.apply_chat_template(msgs, body.add_generation_prompt, **options)
             else:
                 check_sizes(body.prompt)
                 ids = state.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)

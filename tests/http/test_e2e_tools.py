@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from e2e_helpers import PIPELINE, ROOT, Daemon, env, make_tiny_model, shm_entries
@@ -193,6 +194,15 @@ def test_a_conversation_with_calls_and_tool_answers(oai, model):
     assert r.usage is not None and r.usage.prompt_tokens > 40  # the tools and the call were rendered
 
 
+def test_tokenize_renders_the_tools(daemon):
+    def count(**extra: Any) -> int:
+        r = httpx.post(f"{daemon.http_url}/tokenize", json={"messages": ASK, **extra},
+                       headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200, r.text
+        return r.json()["count"]
+    assert count(tools=TOOLS) > count() + 40
+
+
 def test_bad_tool_requests_name_the_field(oai, model):
     cases = [
         ({"tool_choice": "required"}, "tool_choice"),  # no tools
@@ -266,3 +276,14 @@ def test_llm_chat_with_tools(model):
         assert call["function"]["arguments"] == c.text  # the whole answer is the arguments
         with pytest.raises(ValueError, match="tool_choice"):
             llm.chat(ASK, tools=TOOLS, tool_choice="auto")  # no tool_call_parser on this LLM
+        (plain,) = llm.chat(ASK, SamplingParams(max_tokens=4), tools=TOOLS)  # rendered, not parsed
+        assert plain.outputs[0].tool_calls is None
+    from pipeline.sampling_params.structured import StructuredOutputsParams
+    with LLM(model=str(model), device="cpu", max_model_len=512, tool_call_parser="hermes",
+             enable_auto_tool_choice=True, reasoning_parser="qwen3") as llm:
+        sp = SamplingParams(max_tokens=120, structured_outputs=StructuredOutputsParams(regex=THINK_CALL))
+        (c,) = llm.chat(ASK, sp, tools=TOOLS)[0].outputs
+        assert c.reasoning_content is not None and c.reasoning_content.strip() == "the user asks about paris"
+        assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in c.tool_calls or []] \
+            == [("get_weather", {"city": "Paris"})]
+        assert c.finish_reason == "tool_calls" and c.text.startswith("<think>")
