@@ -13,7 +13,7 @@ then on it is a call whatever follows (a truncated call keeps the arguments text
 OpenAI's own ``finish_reason: length`` answers do). Text that never reached a committed call
 (a tag followed by no JSON, a JSON object without a name, a list that is no list of calls) is
 content: nothing the model wrote is dropped but the calls' own syntax (tags, separators) and
-the whitespace next to a call.
+the whitespace between the calls and the ends of the content (``stream.ContentFilter``).
 
 Owns / State: a parser instance holds one answer's streaming state: ``_buf`` (text received
 but not yet decided), ``_raw`` (call syntax consumed but not committed: content if the call
