@@ -77,6 +77,7 @@ class ToolParser:
         self._raw = ""
         self._content = ContentFilter()
         self._out = StreamDelta()
+        self._frags: list[str] = []  # the arguments of _out's last item, joined when taken out
         self._n_calls = 0
         self._open: int | None = None  # index of the committed call whose arguments may grow
         self._open_args = False  # an arguments fragment was sent for the open call
@@ -202,6 +203,7 @@ class ToolParser:
         self._open = self._n_calls
         self._open_args = False
         self._n_calls += 1
+        self._join_frags()
         self._out.tool_calls.append(ToolCallDelta(self._open, id=self._new_id(), name=name))
 
     def _args(self, fragment: str) -> None:
@@ -209,10 +211,10 @@ class ToolParser:
             return
         self._open_args = True
         last = self._out.tool_calls[-1] if self._out.tool_calls else None
-        if last is not None and last.index == self._open:
-            last.arguments += fragment  # one delta per call per step: fewer, larger items
-        else:
-            self._out.tool_calls.append(ToolCallDelta(self._open, arguments=fragment))
+        if last is None or last.index != self._open:
+            self._join_frags()
+            self._out.tool_calls.append(ToolCallDelta(self._open))
+        self._frags.append(fragment)  # one item per call per delta: fewer, larger items
 
     def _close_call(self) -> None:
         if self._open is None:
@@ -221,6 +223,12 @@ class ToolParser:
             self._args("{}")  # a call without arguments still has an arguments object
         self._open = None
 
+    def _join_frags(self) -> None:
+        if self._frags:
+            self._out.tool_calls[-1].arguments += "".join(self._frags)
+            self._frags = []
+
     def _take_out(self) -> StreamDelta:
+        self._join_frags()
         out, self._out = self._out, StreamDelta()
         return out

@@ -27,7 +27,8 @@ REFS = [
     # no closing tag at the end (Qwen stops after the object)
     (f"Sure. <tool_call>\n{W}", "Sure.", [("get_weather", WA)]),
     # the arguments before the name; arguments as a JSON string; null arguments
-    ('<tool_call>{"arguments": {"a": [1, {"b": "}"}]}, "name": "f"}</tool_call>', "", [("f", '{"a": [1, {"b": "}"}]}')]),
+    ('<tool_call>{"arguments": {"a": [1, {"b": "}"}]}, "name": "f"}</tool_call>', "",
+     [("f", '{"a": [1, {"b": "}"}]}')]),
     ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "", [("f", '{"a": 1}')]),
     ('<tool_call>{"name": "f", "arguments": null}</tool_call>', "", [("f", "{}")]),
     # broken or unclosed calls with no name are content, tags and all
@@ -38,6 +39,9 @@ REFS = [
     ("a <tool_", "a <tool_", []),
     # a call truncated after its name stays a call with the arguments it got (the commit rule)
     ('<tool_call>{"name": "f", "arguments": {"a": "x', "", [("f", '{"a": "x')]),
+    # an object left unclosed before the next tag: the arguments end with their object
+    ('<tool_call>{"name": "f", "arguments": {"a": 1}\n<tool_call>{"name": "g"}</tool_call>', "",
+     [("f", '{"a": 1}'), ("g", "{}")]),
     # a doubled tag: the first is content, the second opens the call
     (f"<tool_call>\n<tool_call>\n{W}\n</tool_call>", "<tool_call>", [("get_weather", WA)]),
     # content between and after calls, as written, trimmed next to the calls

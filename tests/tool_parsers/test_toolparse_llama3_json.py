@@ -18,7 +18,8 @@ REFS = [
     ('{"name": "now", "parameters": {}}', "", [("now", "{}")]),
     ('<|python_tag|>{"name": "now"}', "", [("now", "{}")]),
     ('{"name": "f", "arguments": {"x": 1}}', "", [("f", '{"x": 1}')]),  # the other key
-    (f'{{"name": "now", "parameters": {{}}}}; {W};{{"name": "g"}}', "", [("now", "{}"), ("get_weather", WA), ("g", "{}")]),
+    (f'{{"name": "now", "parameters": {{}}}}; {W};{{"name": "g"}}', "",
+     [("now", "{}"), ("get_weather", WA), ("g", "{}")]),
     (f"\n  {W}\n", "", [("get_weather", WA)]),
     ('{"name": "say", "parameters": {"text": "\\"quoted\\" é ✓ 日本 \\\\ }", "n": [1, 2.5e-3]}}', "",
      [("say", '{"text": "\\"quoted\\" é ✓ 日本 \\\\ }", "n": [1, 2.5e-3]}')]),

@@ -19,7 +19,8 @@ REFS = [
     ('[TOOL_CALLS][{"name": "now"}]', "", [("now", "{}")]),
     (f'[TOOL_CALLS][{{"name": "now", "arguments": {{}}}}, {W}]', "", [("now", "{}"), ("get_weather", WA)]),
     (f"Checking.[TOOL_CALLS][{W}]", "Checking.", [("get_weather", WA)]),
-    ('[TOOL_CALLS][{"name": "say", "arguments": {"t": "a \\"b\\" ]} é ✓"}}]', "", [("say", '{"t": "a \\"b\\" ]} é ✓"}')]),
+    ('[TOOL_CALLS][{"name": "say", "arguments": {"t": "a \\"b\\" ]} é ✓"}}]', "",
+     [("say", '{"t": "a \\"b\\" ]} é ✓"}')]),
     # the v11+ form
     (f"[TOOL_CALLS]get_weather[ARGS]{WA}", "", [("get_weather", WA)]),
     (f"Checking.[TOOL_CALLS]now[ARGS]{{}}[TOOL_CALLS]get_weather[ARGS]{WA}", "Checking.",

@@ -16,7 +16,8 @@ REFS = [
     ("[now()]", "", [("now", "{}")]),
     ('[now(), get_weather(city="Oslo")]', "", [("now", "{}"), ("get_weather", '{"city": "Oslo"}')]),
     ("[f(a=1, b=-2.5, c=True, d=None, e=[1, 'x'], g={'k': {'n': false}}, h=null, i=true)]", "",
-     [("f", '{"a": 1, "b": -2.5, "c": true, "d": null, "e": [1, "x"], "g": {"k": {"n": false}}, "h": null, "i": true}')]),
+     [("f", '{"a": 1, "b": -2.5, "c": true, "d": null, "e": [1, "x"], "g": {"k": {"n": false}}, '
+            '"h": null, "i": true}')]),
     ("""[say(text='He said "hi" ) é ✓ 日本', t='''a'b)''', u="\\"q\\"")]""", "",
      [("say", json.dumps({"text": 'He said "hi" ) é ✓ 日本', "t": "a'b)", "u": '"q"'}, ensure_ascii=False))]),
     ("  [f(x=1),\n g(y='')] ", "", [("f", '{"x": 1}'), ("g", '{"y": ""}')]),
