@@ -100,6 +100,7 @@ class ToolParser:
     def finish(self) -> StreamDelta:
         if not self._done:
             self._run(final=True)
+            self._content_upto(len(self._buf))  # every step decides when final: a guard, never text lost
             self._eof()
             self._emit_content(self._raw)
             self._raw = ""
