@@ -13,7 +13,7 @@ then on it is a call whatever follows (a truncated call keeps the arguments text
 OpenAI's own ``finish_reason: length`` answers do). Text that never reached a committed call
 (a tag followed by no JSON, a JSON object without a name, a list that is no list of calls) is
 content: nothing the model wrote is dropped but the calls' own syntax (tags, separators) and
-the whitespace next to a call.
+the whitespace between the calls and the ends of the content (``stream.ContentFilter``).
 
 Owns / State: a parser instance holds one answer's streaming state: ``_buf`` (text received
 but not yet decided), ``_raw`` (call syntax consumed but not committed: content if the call
@@ -77,6 +77,7 @@ class ToolParser:
         self._raw = ""
         self._content = ContentFilter()
         self._out = StreamDelta()
+        self._frags: list[str] = []  # the arguments of _out's last item, joined when taken out
         self._n_calls = 0
         self._open: int | None = None  # index of the committed call whose arguments may grow
         self._open_args = False  # an arguments fragment was sent for the open call
@@ -99,6 +100,7 @@ class ToolParser:
     def finish(self) -> StreamDelta:
         if not self._done:
             self._run(final=True)
+            self._content_upto(len(self._buf))  # every step decides when final: a guard, never text lost
             self._eof()
             self._emit_content(self._raw)
             self._raw = ""
@@ -202,6 +204,7 @@ class ToolParser:
         self._open = self._n_calls
         self._open_args = False
         self._n_calls += 1
+        self._join_frags()
         self._out.tool_calls.append(ToolCallDelta(self._open, id=self._new_id(), name=name))
 
     def _args(self, fragment: str) -> None:
@@ -209,10 +212,10 @@ class ToolParser:
             return
         self._open_args = True
         last = self._out.tool_calls[-1] if self._out.tool_calls else None
-        if last is not None and last.index == self._open:
-            last.arguments += fragment  # one delta per call per step: fewer, larger items
-        else:
-            self._out.tool_calls.append(ToolCallDelta(self._open, arguments=fragment))
+        if last is None or last.index != self._open:
+            self._join_frags()
+            self._out.tool_calls.append(ToolCallDelta(self._open))
+        self._frags.append(fragment)  # one item per call per delta: fewer, larger items
 
     def _close_call(self) -> None:
         if self._open is None:
@@ -221,6 +224,12 @@ class ToolParser:
             self._args("{}")  # a call without arguments still has an arguments object
         self._open = None
 
+    def _join_frags(self) -> None:
+        if self._frags:
+            self._out.tool_calls[-1].arguments += "".join(self._frags)
+            self._frags = []
+
     def _take_out(self) -> StreamDelta:
+        self._join_frags()
         out, self._out = self._out, StreamDelta()
         return out

@@ -28,20 +28,27 @@ class Sink(Protocol):
 
 class JsonValue:
     def __init__(self) -> None:
-        self.raw = ""  # the value's text so far, without leading or trailing whitespace
+        self.first = ""  # the value's first character ("" before it starts)
+        self._parts: list[str] = []  # its text so far (a list: values can be long)
         self._ws = ""  # whitespace after the value at depth 0: trailing unless more follows
         self._depth = 0
         self._str = False
         self._esc = False
 
     @property
+    def raw(self) -> str:
+        """The value's text so far, without leading or trailing whitespace."""
+        return "".join(self._parts)
+
+    @property
     def complete(self) -> bool:
         """An object, array or string that has closed."""
-        return bool(self.raw) and self.raw[0] in '{["' and self._depth == 0 and not self._str
+        return self.first in ('{', '[', '"') and self._depth == 0 and not self._str
 
     def push(self, c: str) -> str | None:
-        """The text ``c`` adds to the value now ("" when held), or None when ``c`` is a delimiter
-        of the enclosing structure (``,`` ``}`` ``]`` at depth 0), which ends the value."""
+        """The text ``c`` adds to the value now ("" when held), or None when ``c`` ends the
+        value: a delimiter of the enclosing structure (``,`` ``}`` ``]`` at depth 0), or
+        anything but whitespace after a closed object, array or string."""
         if self._str:
             if self._esc:
                 self._esc = False
@@ -49,26 +56,30 @@ class JsonValue:
                 self._esc = True
             elif c == '"':
                 self._str = False
-            self.raw += c
+            self._parts.append(c)
             return c
         if self._depth == 0 and c in ",}]":
             return None
         if c in WS:
-            if not self.raw:
+            if not self.first:
                 return ""
             if self._depth == 0:
                 self._ws += c
                 return ""
-            self.raw += c
+            self._parts.append(c)
             return c
+        if self.complete:
+            return None
         out, self._ws = self._ws + c, ""
+        if not self.first:
+            self.first = c
         if c == '"':
             self._str = True
         elif c in "{[":
             self._depth += 1
         elif c in "}]":
             self._depth -= 1
-        self.raw += out
+        self._parts.append(out)
         return out
 
 
@@ -94,8 +105,8 @@ class ArgsValue:
         out = self.value.push(c)
         if out is None:
             return None
-        if self._stream is None and self.value.raw:
-            self._stream = self.value.raw[0] == "{"
+        if self._stream is None and self.value.first:
+            self._stream = self.value.first == "{"
         return out if self._stream else ""
 
     def end(self) -> str:

@@ -103,7 +103,7 @@ class MistralToolParser(ToolParser):
         """The arguments object, streamed as written; it ends with its closing brace."""
         v, n = self._value, 0
         for c in self._buf:
-            if not v.raw and c not in WS and c != "{":
+            if not v.first and c not in WS and c != "{":
                 break  # no object: the call has no arguments, the rest is content
             n += 1
             self._args(v.push(c) or "")

@@ -90,13 +90,13 @@ class _NotLiteral(Exception):
 
 def _literal(node: ast.expr) -> Any:
     if isinstance(node, ast.Constant):
-        v = node.value
-        if v is None or isinstance(v, (str, bool, int)) or (isinstance(v, float) and math.isfinite(v)):
-            return v
+        c = node.value
+        if c is None or isinstance(c, (str, bool, int)) or (isinstance(c, float) and math.isfinite(c)):
+            return c
     elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        v = _literal(node.operand)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return -v if isinstance(node.op, ast.USub) else v
+        n = _literal(node.operand)
+        if isinstance(n, (int, float)) and not isinstance(n, bool):
+            return -n if isinstance(node.op, ast.USub) else n
     elif isinstance(node, ast.List):
         return [_literal(e) for e in node.elts]
     elif isinstance(node, ast.Dict):

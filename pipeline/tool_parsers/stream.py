@@ -1,10 +1,10 @@
 """Small pieces of streaming text handling shared by the tool-call parsers.
 
-- ``ContentFilter``: the content around the calls, streamed so that the concatenation of what
-  it lets out depends only on the text, never on where the deltas split it. Whitespace is
-  held until it is known what it touches: whitespace next to a call (before its tag, after
-  its end) is dropped, and content that is whitespace only is never sent (the non-streamed
-  content is then None).
+- ``ContentFilter``: the content around the calls (the outside text joined as written),
+  streamed so that the concatenation of what it lets out depends only on the text, never on
+  where the deltas split it. Whitespace is held until it is known what it touches: the
+  whitespace that starts the content after a call, or ends it before a call, is dropped, and
+  content that is whitespace only is never sent (the non-streamed content is then None).
 - ``find_marker``: where a marker starts in a buffer, or where a partial marker at its end
   could start (text to hold back until the next delta decides it).
 
@@ -17,8 +17,9 @@ from __future__ import annotations
 class ContentFilter:
     def __init__(self) -> None:
         self._held = ""  # trailing whitespace not yet known to be content
-        self._after_call = False  # a call came after the last content sent
         self._started = False  # some non-whitespace content was sent
+        self._call_before = False  # a call came before any content
+        self._call_since = False  # a call came after the last content sent
 
     def text(self, s: str) -> str:
         """The next content; returns what may be sent now."""
@@ -27,19 +28,18 @@ class ContentFilter:
         self._held = s[len(body):]
         if not body:
             return ""
-        if self._after_call:
-            body = body.lstrip()  # the whitespace between a call and the text after it
-            self._after_call = False
-        self._started = True
+        if not self._started and self._call_before:
+            body = body.lstrip()  # the whitespace between the first call and the content
+        self._started, self._call_since = True, False
         return body
 
     def call(self) -> None:
-        """A call starts here: the whitespace before it is no content."""
-        self._held = ""
-        self._after_call = True
+        self._call_before = self._call_before or not self._started
+        self._call_since = True
 
     def finish(self) -> str:
-        out = self._held if self._started and not self._after_call else ""
+        """The output ended: the whitespace that ends the content, unless a call came after it."""
+        out = self._held if self._started and not self._call_since else ""
         self._held = ""
         return out
 
