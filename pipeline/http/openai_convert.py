@@ -247,7 +247,7 @@ def chat_fields(req: ChatCompletionRequest, max_model_len: int,
             raise invalid(f"field `tool_choice`: {parsing.mode!r} forces the answer's shape; it cannot "
                           "be combined with response_format, structured_outputs or guided_*", "tool_choice")
         fields["structured_outputs"] = parsing.structured
-    if parsing is not None and parsing.mode == "auto" and req.skip_special_tokens is None:
+    if parsing is not None and parsing.mode == "auto" and getattr(req, "skip_special_tokens", None) is None:
         # The call markers of some formats are special tokens ([TOOL_CALLS], <|python_tag|>):
         # the parser must see them (as vLLM's parsers ask for).
         fields["skip_special_tokens"] = False
