@@ -177,7 +177,8 @@ class Server(DaemonFront):
                     model_path=self.config.model_config.model, max_model_len=model.max_model_len,
                     model=served_model_name(self.config.model_config.model, self.args.served_model_name),
                     fingerprint=fingerprint(model.kv.model_hash), chat_template=self.config.model_config.chat_template,
-                    answer_limit=message_limits(self.config, model.max_model_len)["answers"])
+                    answer_limit=message_limits(self.config, model.max_model_len)["answers"],
+                    hidden_size=model.hidden_size)
                 if self.http is not None:
                     self.notify.status("starting the HTTP front end")
                     self.http.start(dict(self.model_detail, api_key=self.args.api_key))

@@ -38,6 +38,7 @@ class HttpSpec(msgspec.Struct, kw_only=True):
     chat_template: str | None = None
     api_key: str | None = None
     answer_limit: int = 0  # the answers ring's message limit (bytes)
+    hidden_size: int = 0  # the model's: an embedding's length (/v1/embeddings `dimensions`)
 
 
 # The daemon stops the front end with this (it ignores SIGTERM/SIGINT: see pipeline.http.process).

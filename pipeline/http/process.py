@@ -71,7 +71,8 @@ async def serve(spec: HttpSpec) -> None:
     state = HttpState(client=client, tokenizer=tokenizer,
                       model=spec.model, model_path=spec.model_path, max_model_len=spec.max_model_len,
                       fingerprint=spec.fingerprint, api_key=spec.api_key, created=int(time.time()),
-                      answer_limit=spec.answer_limit, token_text_bytes=max_token_text_bytes(tokenizer.tok))
+                      answer_limit=spec.answer_limit, token_text_bytes=max_token_text_bytes(tokenizer.tok),
+                      hidden_size=spec.hidden_size)
     raise_fd_limit()
     # GuardedProtocol: the connection cap and the head time-out (http.conn).
     config = uvicorn.Config(build_app(state), http=GuardedProtocol, lifespan="off", log_level="warning",
