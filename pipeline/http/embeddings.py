@@ -65,9 +65,9 @@ def embedding_fields(body: EmbeddingRequest, hidden_size: int) -> list[dict[str,
     elif not inp:
         raise invalid("field `input`: must not be empty", "input")
     elif isinstance(inp[0], int):
-        inputs = [inp]  # type: ignore[list-item]  # one list of token ids
+        inputs = [inp]  # one list of token ids
     else:
-        inputs = list(inp)  # type: ignore[arg-type]  # strings, or token-id lists
+        inputs = list(inp)  # strings, or token-id lists
     if len(inputs) > MAX_INPUTS:
         raise invalid(f"field `input`: {len(inputs)} inputs, at most {MAX_INPUTS}", "input")
     out = []
