@@ -28,7 +28,7 @@ CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bflo
            "quantization": ("none", "int8", "int4"),
            "preemption_policy": ("newest", "lowest_priority"), "role": ("mixed", "prefill", "decode"),
            "kv_transfer": ("auto", "ipc", "tcp"), "pd_fallback": ("none", "local"),
-           "distributed_backend": ("auto", "nccl", "gloo")}
+           "distributed_backend": ("auto", "nccl", "gloo"), "pooling": ("last", "mean")}
 
 # vLLM's other names for the number formats (--dtype half, LLM(dtype="float")).
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -76,6 +76,9 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    # Embeddings (LLM.embed, /v1/embeddings): the final-norm hidden states of the prompt pooled
+    # as the last token's (last) or their mean (mean), then L2-normalised (worker/pooling.py).
+    pooling: str = "last"
 
     def check(self) -> None:
         _check_ranges(self, (("max_model_len", 0, None), ("seed", 0, 2**64 - 1)))

@@ -92,6 +92,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "time went (schedule, worker, the worker's wait for the step, update)")
     p.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                    help="CUDA: no captured decode graphs, every step eager (CPU steps always are)")
+    p.add_argument("--pooling", default=d.pooling, choices=CHOICES["pooling"],
+                   help="embeddings: the prompt's final hidden states pooled as the last token's or "
+                        "their mean, L2-normalised (mean turns the prefix cache off for embeddings)")
     p.add_argument("--speculative-config", metavar="JSON", default=None,
                    help='speculative decoding, vLLM\'s keys: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 5} or {"method": '

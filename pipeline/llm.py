@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pipeline import llm_chat, llm_compat
 from pipeline.config import DEFAULT_MODEL, EngineConfig
@@ -36,7 +36,7 @@ from pipeline.messages import (
     RequestResult,
     ids_to_bytes,
 )
-from pipeline.outputs import RequestOutput, request_output
+from pipeline.outputs import EmbeddingRequestOutput, RequestOutput, embedding_output, request_output
 from pipeline.progress import ProgressBar
 from pipeline.sampling_params import SamplingParams
 from pipeline.tokenizer.validate import InvalidRequest
@@ -44,6 +44,9 @@ from pipeline.tokenizer.validate import InvalidRequest
 if TYPE_CHECKING:
     from pipeline.output.processor import OutputProcessor
     from pipeline.tokenizer.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, worker: Any = None,
@@ -145,25 +148,45 @@ class LLM:
         stderr; None shows it when stderr is a terminal; a callable: a tqdm class to draw it.
         ``prompt_token_ids=``: vLLM's older form of token-id prompts."""
         llm_compat.check_lora(lora_request)
-        prompts = llm_compat.prompts_of(prompts, prompt_token_ids)
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        else:
-            prompts = list(prompts)
-            if prompts and is_token_id(prompts[0]):  # one prompt of token ids
-                prompts = [prompts]
+        prompts = _prompt_list(llm_compat.prompts_of(prompts, prompt_token_ids))
         self._check_open()
         params = per_prompt(sampling_params, len(prompts))
         prios = [0] * len(prompts) if priority is None else list(priority)
         if len(prios) != len(prompts):
             raise InvalidRequest(f"priority: got {len(prios)} values for {len(prompts)} prompts")
+        batch = self._read(prompts, params, prios, cache_salt)
+        return self._run_batch(batch, use_tqdm, self._request_output)
+
+    def embed(self, prompts: Any, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool | None | Callable[..., Any] = None, pooling_params: Any = None,
+              lora_request: Any = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (prompts as ``generate`` takes them), in their order: the
+        prompt's final hidden states pooled as the engine's ``pooling`` says (last token or
+        mean), L2-normalised. They run through the same scheduler as generation, prefill only.
+        ``truncate_prompt_tokens``: keep the prompt's last k tokens."""
+        llm_compat.check_lora(lora_request)
+        if pooling_params is not None:
+            raise ValueError("pooling_params: not supported; the pooling is the engine's "
+                             "(LLM(pooling='last'|'mean')) and vectors are always normalised")
+        prompts = _prompt_list(prompts)
+        self._check_open()
+        sp = SamplingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        batch = self._read(prompts, [sp] * len(prompts), [0] * len(prompts), None, embed=True)
+        return self._run_batch(batch, use_tqdm,
+                               lambda r, pr: embedding_output(r, pr.request_id, pr.token_ids))
+
+    def _read(self, prompts: list[Any], params: list[SamplingParams], prios: list[int],
+              cache_salt: str | None, embed: bool = False) -> list[Prompt]:
         batch = []
         for i, (p, sp, prio) in enumerate(zip(prompts, params, prios)):
             try:
-                batch.append(self.prompts.read(p, sp, prio, cache_salt))
+                batch.append(self.prompts.read(p, sp, prio, cache_salt, embed))
             except ValueError as exc:
                 raise InvalidRequest(f"prompts[{i}]: {exc}") from None
-        return self._run_batch(batch, use_tqdm)
+        return batch
+
+    def _request_output(self, r: RequestResult, pr: Prompt) -> RequestOutput:
+        return request_output(r, pr.request_id, pr.text, pr.token_ids, self._decode1)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -195,7 +218,7 @@ class LLM:
                 batch.append(self.prompts.make(text, ids, "messages", sp, 0, None, None))
             except ValueError as exc:
                 raise InvalidRequest(f"conversations[{i}]: {exc}" if len(convs) > 1 else str(exc)) from None
-        return llm_chat.parse_answers(self._run_batch(batch, use_tqdm), parsing)
+        return llm_chat.parse_answers(self._run_batch(batch, use_tqdm, self._request_output), parsing)
 
     def _check_open(self) -> None:
         if self.worker is None:
@@ -241,9 +264,9 @@ class LLM:
         self.close()
 
     # ---- running ----------------------------------------------------------------------------
-    def _run_batch(self, batch: list[Prompt],
-                   use_tqdm: bool | None | Callable[..., Any]) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
+    def _run_batch(self, batch: list[Prompt], use_tqdm: bool | None | Callable[..., Any],
+                   convert: Callable[[RequestResult, Prompt], T]) -> list[T]:
+        results: dict[str, T] = {}
         queued: list[str] = []
         progress = ProgressBar(len(batch), use_tqdm)
         try:
@@ -255,7 +278,7 @@ class LLM:
 
             def emit(r: RequestResult) -> None:
                 pr = by_rid[r.id]
-                results[r.id] = request_output(r, pr.request_id, pr.text, pr.token_ids, self._decode1)
+                results[r.id] = convert(r, pr)
                 progress.update(len(pr.token_ids), r.usage.completion_tokens)
 
             self._run(emit)
@@ -271,7 +294,7 @@ class LLM:
         now = time.time()
         self.scheduler.add_request(EngineRequest(pr.rid, ids_to_bytes(pr.token_ids), pr.params, now,
                                                  list(self.worker.eos_token_ids), pr.priority,
-                                                 pr.cache_salt))
+                                                 pr.cache_salt, embed=pr.embed))
         if self.processor is not None:
             self.processor.add_request(pr.rid, pr.params, now, prompt_token_ids=pr.token_ids[-8:],
                                        num_prompt_tokens=len(pr.token_ids))
@@ -307,3 +330,13 @@ class LLM:
 
     def _decode1(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _prompt_list(prompts: Any) -> list[Any]:
+    """One prompt (a string, a dict, a list of token ids) or a sequence of them, as a list."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and is_token_id(prompts[0]):  # one prompt of token ids
+        return [prompts]
+    return prompts

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 # vLLM's LLM arguments with no engine field here; popped from **engine_args by ``take``.
-ACCEPTED = ("tokenizer", "trust_remote_code", "swap_space", "disable_log_stats")
+ACCEPTED = ("tokenizer", "trust_remote_code", "swap_space", "disable_log_stats", "task", "runner")
+# task= / runner=: every model here both generates and embeds (LLM.embed), so these say nothing.
+TASKS = {"task": ("auto", "generate", "embed"), "runner": ("auto", "generate", "pooling")}
 
 
 def _warn(text: str) -> None:
@@ -30,6 +32,11 @@ def take(model: str, engine_args: dict[str, Any]) -> Path:
               "to CPU memory (a second KV tier is kv_offload_dir=)")
     # disable_log_stats: LLM logs no stats either way (stats() returns them), nothing to warn.
     engine_args.pop("disable_log_stats", None)
+    for name, choices in TASKS.items():
+        v = engine_args.pop(name, "auto")
+        if v not in choices:
+            raise ValueError(f"LLM({name}={v!r}): one of {', '.join(choices)} (every model here "
+                             "generates and embeds)")
     return tokenizer_dir(model, tokenizer)
 
 

@@ -34,6 +34,7 @@ class Prompt:
     params: SamplingParams
     priority: int
     cache_salt: str | None
+    embed: bool = False  # LLM.embed's: pooled, not generated
 
 
 class PromptReader:
@@ -43,12 +44,13 @@ class PromptReader:
         self.max_model_len = max_model_len
         self._ids = itertools.count()
 
-    def read(self, p: Any, sp: SamplingParams, priority: int, salt: str | None) -> Prompt:
+    def read(self, p: Any, sp: SamplingParams, priority: int, salt: str | None,
+             embed: bool = False) -> Prompt:
         if isinstance(p, str):
             check_prompt_text(p)
-            return self.make(p, self.encode(p), "prompt", sp, priority, salt, None)
+            return self.make(p, self.encode(p), "prompt", sp, priority, salt, None, embed)
         if isinstance(p, dict):
-            return self._from_dict(p, sp, priority, salt)
+            return self._from_dict(p, sp, priority, salt, embed)
         if isinstance(p, Sequence):
             ids = []
             for j, t in enumerate(p):
@@ -56,10 +58,11 @@ class PromptReader:
                     raise InvalidRequest(f"field `prompt_token_ids[{j}]`: token ids must be integers, "
                                          f"got {type(t).__name__}")
                 ids.append(int(t))
-            return self.make(None, ids, "prompt_token_ids", sp, priority, salt, None)
+            return self.make(None, ids, "prompt_token_ids", sp, priority, salt, None, embed)
         raise InvalidRequest(f"a prompt must be a string, a list of token ids or a dict, got {type(p).__name__}")
 
-    def _from_dict(self, p: dict, sp: SamplingParams, priority: int, salt: str | None) -> Prompt:
+    def _from_dict(self, p: dict, sp: SamplingParams, priority: int, salt: str | None,
+                   embed: bool = False) -> Prompt:
         """vLLM's prompt dicts and pipe mode's / ZMQ's request dicts, by the protocol's parser."""
         from pipeline.frontend.request_parser import request_from_json
 
@@ -87,7 +90,7 @@ class PromptReader:
             text, ids = gen.prompt, self.encode(gen.prompt)
         else:
             text, ids = None, list(gen.prompt_token_ids or [])
-        return self.make(text, ids, field, sp, priority, salt, rid)
+        return self.make(text, ids, field, sp, priority, salt, rid, embed)
 
     def render(self, conv: list[dict], add_generation_prompt: bool,
                 options: dict[str, Any]) -> tuple[str, list[int]]:
@@ -103,7 +106,7 @@ class PromptReader:
         return self.tokenizer.encode(text)
 
     def make(self, text: str | None, ids: list[int], field: str, sp: SamplingParams,
-              priority: int, salt: str | None, request_id: str | None) -> Prompt:
+              priority: int, salt: str | None, request_id: str | None, embed: bool = False) -> Prompt:
         tok = self.tokenizer
         if tok is None and (sp.stop or sp.bad_words):
             raise InvalidRequest("stop strings and bad_words need a tokenizer "
@@ -111,14 +114,15 @@ class PromptReader:
         ids, sp = prepare_request(
             ids, sp, field=field, vocab_size=self.worker.vocab_size,
             max_model_len=self.max_model_len,
-            encode=None if tok is None else lambda w: tok.encode(w, add_special_tokens=False))
+            encode=None if tok is None else lambda w: tok.encode(w, add_special_tokens=False),
+            embed=embed)
         structured = getattr(self.worker, "structured", None)
         if sp.structured_outputs is not None:  # refused here, as the tokenizer stage refuses it
             if structured is None:
                 raise InvalidRequest("structured_outputs: this worker has no grammar support")
             structured.validate(sp.structured_outputs)  # compiles into the worker's cache
         rid = f"llm-{next(self._ids)}"
-        return Prompt(request_id or rid, rid, text, ids, sp, priority, salt)
+        return Prompt(request_id or rid, rid, text, ids, sp, priority, salt, embed)
 
 
 def is_token_id(x: object) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pipeline.messages import EngineOutput, ErrorInfo, RequestResult, Timings, TokenLogprobs, Usage
 from pipeline.messages.answers import Completion
+from pipeline.messages.step import bytes_to_floats
 from pipeline.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class RawState:
     finished: dict[int, EngineOutput] = field(default_factory=dict)  # index -> its final output
     last_time: float = 0.0
     cached_tokens: int = 0
+    embedding: bytes | None = None  # an embedding request's answer (float32)
 
 
 class RawOutputs:
@@ -65,6 +67,8 @@ class RawOutputs:
                 st.logprobs[o.index] += o.logprobs
             if o.prompt_logprobs:
                 st.prompt_logprobs += o.prompt_logprobs
+            if o.embedding is not None:
+                st.embedding = o.embedding
             if o.finish_reason is not None:
                 st.finished[o.index] = o
             if len(st.finished) == st.params.n:
@@ -95,4 +99,5 @@ class RawOutputs:
             usage=Usage(st.num_prompt_tokens, sum(len(c.token_ids) for c in completions), st.cached_tokens),
             timings=t, error=error, stop_reason=first.stop_reason, logprobs=first.logprobs,
             cumulative_logprob=first.cumulative_logprob, outputs=completions if sp.n > 1 else [],
-            prompt_logprobs=st.prompt_logprobs if sp.prompt_logprobs is not None else None)
+            prompt_logprobs=st.prompt_logprobs if sp.prompt_logprobs is not None else None,
+            embedding=None if st.embedding is None else bytes_to_floats(st.embedding))

@@ -1,5 +1,6 @@
 """What the in-process ``LLM`` returns, in vLLM's shapes: ``RequestOutput`` holding one
-``CompletionOutput`` per completion, and ``Logprob`` per candidate token.
+``CompletionOutput`` per completion, and ``Logprob`` per candidate token; ``LLM.embed``'s
+``EmbeddingRequestOutput`` holding one ``EmbeddingOutput``.
 
 Plain data, built from the token processor's ``RequestResult`` by ``request_output``; owns no state.
 The module keeps vLLM's path (``vllm.outputs``): code written against vLLM finds these classes
@@ -82,3 +83,29 @@ def _position(lp: TokenLogprobs, decode1: Callable[[int], str | None]) -> dict[i
         if t not in out:
             out[t] = Logprob(x, ranks[t], decode1(t))
     return out
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """A prompt's embedding (vLLM's ``EmbeddingOutput``): the pooled, L2-normalised final
+    hidden state, hidden_size floats (empty when the request failed: see ``error``)."""
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s answer for one prompt (vLLM's ``EmbeddingRequestOutput``)."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    error: ErrorInfo | None = None
+
+
+def embedding_output(r: RequestResult, request_id: str, prompt_token_ids: list[int]) -> EmbeddingRequestOutput:
+    return EmbeddingRequestOutput(request_id, EmbeddingOutput(r.embedding or []), prompt_token_ids,
+                                  True, r.error)

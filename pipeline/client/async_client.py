@@ -86,6 +86,11 @@ class AsyncClient:
             self._forget(wire, abort=True)
             raise
 
+    async def embed(self, prompt: str | None = None, *, id: str | None = None,
+                    timeout: float | None | EllipsisType = ..., **fields: Any) -> RequestResult:
+        """``generate`` with task "embed" (as ``Client.embed``)."""
+        return await self.generate(prompt, id=id, timeout=timeout, task="embed", **fields)
+
     async def stream(self, prompt: str | None = None, *, id: str | None = None,
                      timeout: float | None | EllipsisType = ...,
                      **fields: Any) -> AsyncIterator[RequestDelta | RequestResult]:

@@ -87,6 +87,12 @@ class Client:
             if isinstance(item, RequestResult):
                 return item
 
+    def embed(self, prompt: str | None = None, *, id: str | None = None,
+              timeout: float | None | EllipsisType = ..., **fields: Any) -> RequestResult:
+        """``generate`` with task "embed": the answer's ``embedding`` (prompt_token_ids,
+        truncate_prompt_tokens, priority, cache_salt as for generate)."""
+        return self.generate(prompt, id=id, timeout=timeout, task="embed", **fields)
+
     def stream(self, prompt: str | None = None, *, id: str | None = None,
                timeout: float | None | EllipsisType = ..., **fields: Any) -> Iterator[RequestDelta | RequestResult]:
         """Deltas as they come, then the final answer. The request is sent on the first

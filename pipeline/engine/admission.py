@@ -72,12 +72,13 @@ class Admission:
             req = sched.waiting.peek()
             if req is None:
                 break
-            # Prompt logprobs need every prompt position's logits: no prefix-cache hit. A
-            # request holding blocks (decode role: its prompt's KV arrived) looks up nothing.
+            # Prompt logprobs need every prompt position's logits, mean pooling every hidden
+            # state: no prefix-cache hit. A request holding blocks (decode role: its prompt's
+            # KV arrived) looks up nothing.
             held = bool(req.blocks)
-            computed, n_hit = ([], 0) if req.owes_prompt_logprobs or held else \
-                kv.get_computed_blocks(req)
-            if conn is not None and not (held or req.owes_prompt_logprobs):
+            whole = req.computes_whole_prompt
+            computed, n_hit = ([], 0) if whole or held else kv.get_computed_blocks(req)
+            if conn is not None and not (held or whole):
                 # Tokens beyond the pool's hit that the connector loads (a second KV tier):
                 # the request waits for them outside the batch, holding its blocks.
                 n_ext = min(conn.get_num_new_matched_tokens(req, n_hit),
@@ -120,7 +121,7 @@ class Admission:
             new_reqs.append(NewRequestData(req.req_id, ids_to_bytes(req.all_token_ids),
                                            req.num_prompt_tokens, req.sampling_params,
                                            [b.block_id for b in req.blocks],
-                                           req.num_computed_tokens, req.grammar))
+                                           req.num_computed_tokens, req.grammar, req.embed))
 
     def _load_external(self, req: Request, computed: list[KVBlock], n_hit: int, n_ext: int,
                        reserve: int) -> bool:

@@ -27,19 +27,22 @@ def child_params(sp: SamplingParams, index: int) -> SamplingParams:
 
 
 def make_requests(er: EngineRequest, taken: Collection[str], block_size: int, num_blocks: int,
-                  connector: KVConnector | None) -> list[Request]:
+                  connector: KVConnector | None, pooling: str = "last") -> list[Request]:
     """The children of ``er`` (one when n == 1), not registered anywhere yet. ValueError if
     an id is ``taken``, if the connector refuses it, or if it could never fit in the whole
-    KV cache (``num_blocks``), which only the engine knows."""
+    KV cache (``num_blocks``), which only the engine knows. ``pooling``: how the worker pools
+    an embedding request (``er.embed``: one prefill, no sampling, no disaggregation)."""
     sp = er.sampling_params
     n = sp.n
+    if er.embed and (n != 1 or er.kv_transfer is not None):
+        raise ValueError("an embedding request has n=1 and no kv_transfer")
     ids = [child_id(er.req_id, k, n) for k in range(n)]
     req_ids = {er.req_id, *ids}
     for rid in req_ids:
         if rid in taken:
             raise ValueError(f"request id {rid!r} is already in the engine")
     prompt = bytes_to_ids(er.prompt_token_ids).tolist()
-    max_tokens = sp.max_tokens
+    max_tokens = 1 if er.embed else sp.max_tokens
     if connector is not None:
         connector.check_request(er, req_ids, len(prompt))
         max_tokens = connector.tokens_to_fit(er, len(prompt))
@@ -55,5 +58,6 @@ def make_requests(er: EngineRequest, taken: Collection[str], block_size: int, nu
     params_bytes = len(msgspec.msgpack.encode(sp)) + len(er.grammar or b"")
     return [Request(rid, prompt, child_params(sp, k) if n > 1 else sp, er.arrival_time,
                     eos, er.priority, er.cache_salt, out_id=er.req_id, index=k,
-                    params_bytes=params_bytes, grammar=er.grammar)
+                    params_bytes=params_bytes, grammar=er.grammar, embed=er.embed,
+                    pool_mean=er.embed and pooling == "mean")
             for k, rid in enumerate(ids)]

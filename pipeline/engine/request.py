@@ -67,6 +67,10 @@ class Request:
     index: int = 0  # which completion of the client request
     params_bytes: int = 0  # its sampling params and grammar, encoded (what admitting it costs a step)
     grammar: bytes | None = None  # EngineRequest.grammar, sent with every NewRequestData
+    # An embedding request (EngineRequest.embed): it ends with its prefill, pooled by the
+    # worker; ``pool_mean``: mean pooling, which needs every prompt position computed here.
+    embed: bool = False
+    pool_mean: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     # Prompt followed by every sampled token; grows by one per decode step.
@@ -125,7 +129,9 @@ class Request:
         sp = self.sampling_params
         self.stop_ids = frozenset(sp.stop_token_ids).union(
             () if sp.ignore_eos else self.eos_token_ids)
-        self.max_num_tokens = self.num_prompt_tokens + sp.max_tokens
+        # An embedding request computes its prompt and no more: like one that samples one
+        # token, never scheduled ahead past it (engine.inflight).
+        self.max_num_tokens = self.num_prompt_tokens + (1 if self.embed else sp.max_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -135,6 +141,12 @@ class Request:
     def owes_prompt_logprobs(self) -> bool:
         return (self.sampling_params.prompt_logprobs is not None
                 and self.prompt_logprobs_sent < self.num_prompt_tokens)
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position must run here (no prefix-cache or tier hit): its prompt
+        logprobs are still owed, or mean pooling sums them all."""
+        return self.owes_prompt_logprobs or self.pool_mean
 
     @property
     def finish_reason(self) -> str | None:

@@ -131,7 +131,8 @@ class Scheduler:
         # The ids of children and parents: a child id may not take a client id, nor the reverse.
         taken = self.requests.keys() | self.families.parents.keys()
         conn = self.connector
-        children = make_requests(er, taken, self.block_size, self.kv.pool.num_blocks, conn)
+        children = make_requests(er, taken, self.block_size, self.kv.pool.num_blocks, conn,
+                                 self.config.model_config.pooling)
         first = children[0]
         self.kv.hash_new_blocks(first)
         for c in children:

@@ -22,12 +22,13 @@ def token_output(req: Request, toks: list[int], done: bool, lps: list[TokenLogpr
 
 def final_output(req: Request, toks: list[int], error: str | None,
                  prompt_logprobs: list[TokenLogprobs] | None = None,
-                 error_code: str | None = None) -> EngineOutput:
-    """``req`` as it is (finished: with its finish reason; ``error`` and its ``error_code``)."""
+                 error_code: str | None = None, embedding: bytes | None = None) -> EngineOutput:
+    """``req`` as it is (finished: with its finish reason; ``error`` and its ``error_code``;
+    an embedding request's pooled vector)."""
     return EngineOutput(req.out_id, toks, req.finish_reason, req.stop_reason, None,
                         req.num_prompt_tokens, max(req.num_cached_tokens, 0),
                         req.first_scheduled_time, error, req.index, prompt_logprobs,
-                        error_code=error_code)
+                        error_code=error_code, embedding=embedding)
 
 
 def new_prompt_logprobs(req: Request, p: PromptLogprobs | None) -> list[TokenLogprobs] | None:

@@ -55,6 +55,7 @@ class StepResults:
         s = self.sched
         sampled, logprobs = per_request(out)
         prompt_lps = {p.req_id: p for p in out.prompt_logprobs} if out.prompt_logprobs else None
+        pooled = {p.req_id: p.data for p in out.pooled} if out.pooled else {}
         verified = sched.spec_token_ids  # speculative decoding: the drafts this step verified
         outputs: list[EngineOutput] = []
         any_finished = False
@@ -84,6 +85,10 @@ class StepResults:
             plp = new_prompt_logprobs(req, prompt_lps.get(rid)) if prompt_lps else None
             known = req.all_token_ids
             if toks is None:
+                if computed == len(known) and req.embed:  # its prefill is its whole work
+                    outputs.append(self.embedded(req, pooled.get(rid)))
+                    any_finished = True
+                    continue
                 if computed == len(known):
                     raise RuntimeError(f"worker sampled no token for {rid!r} after computing all "
                                        f"{computed} known tokens")
@@ -122,6 +127,16 @@ class StepResults:
         if any_finished:
             s.running = [r for r in s.running if r.status == RequestStatus.RUNNING]
         return outputs
+
+    def embedded(self, req: Request, vector: bytes | None) -> EngineOutput:
+        """An embedding request whose prompt is computed: it ends with its pooled vector."""
+        if vector is None:  # a worker that does not pool: an error, not a hang
+            req.status = RequestStatus.FINISHED_ERROR
+            self.sched.finish(req)
+            return final_output(req, [], f"the worker pooled no embedding for {req.req_id!r}")
+        req.status = RequestStatus.FINISHED_STOPPED
+        self.sched.finish(req)
+        return final_output(req, [], None, embedding=vector)
 
     def append_token(self, req: Request, tok: int) -> bool:
         """The one rule for a sampled token: append it, hash a block it filled, and check

@@ -11,7 +11,9 @@ msgpack (a DEALER sends ``[frame]``, the ROUTER sees ``[identity, frame]``): a m
 
 client -> daemon (``ClientMsg``):
   generate {id, prompt | prompt_token_ids | messages, stream, sampling fields, priority, cache_salt,
-            add_generation_prompt, continue_final_message, chat_template_kwargs (with messages)}
+            add_generation_prompt, continue_final_message, chat_template_kwargs (with messages),
+            task}     task "embed": the answer's ``embedding`` is the prompt's pooled hidden state
+            (no tokens; of the sampling fields only truncate_prompt_tokens counts)
   abort {id}          health {id}          stats {id}          metrics {id}
   ping {}             accepted and ignored (older clients send it; liveness is the connection's)
   bye {}              the client closes: abort everything it has in flight
@@ -62,7 +64,7 @@ names the field, its size and the limit in bytes.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -142,6 +144,8 @@ class _Request(_Msg):
     # Disaggregation: set by `pipeline router` on a prefill/decode instance, never by clients
     # (an instance of role mixed refuses it).
     kv_transfer: KVTransferParams | None = None
+    # "embed": an embedding request (prefill only; RequestResult.embedding is its answer).
+    task: Literal["generate", "embed"] = "generate"
 
 
 # The sampling fields are SamplingParams's own (the one declaration: ``SAMPLING_FIELDS``),

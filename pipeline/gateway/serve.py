@@ -179,6 +179,7 @@ class Server(DaemonFront):
                     model=served_model_name(self.config.model_config.model, self.args.served_model_name),
                     fingerprint=fingerprint(model.kv.model_hash), chat_template=self.config.model_config.chat_template,
                     answer_limit=message_limits(self.config, model.max_model_len)["answers"],
+                    hidden_size=model.hidden_size,
                     **vars(ChatParsers.of(self.config.model_config)))
                 if self.http is not None:
                     self.notify.status("starting the HTTP front end")

@@ -74,7 +74,8 @@ class GatewayStages:
         # A bad path or an unsupported checkpoint fails here, before any process starts.
         mc = load_model_config(self.config.model_config.model)
         # The worker's max_model_len is at most this (it refuses more than the checkpoint's).
-        limits = message_limits(self.config, self.config.model_config.max_model_len or mc.max_position_embeddings)
+        limits = message_limits(self.config, self.config.model_config.max_model_len or mc.max_position_embeddings,
+                                mc.hidden_size)
         removed = sweep_stale()
         if removed:
             self.log(f"removed {len(removed)} stale shared-memory entries of dead instances")

@@ -30,6 +30,7 @@ from pipeline.client.base import RequestError
 from pipeline.http import openai_convert as C
 from pipeline.http import openai_response as R
 from pipeline.http.body import check_sizes, decode, off_loop
+from pipeline.http.embeddings import add_embeddings_route
 from pipeline.http.limit import BodyLimit
 from pipeline.http.openai_api import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pipeline.http.stream import disconnected, sse_response
@@ -54,6 +55,7 @@ class HttpState:
     answer_limit: int = 0  # the daemon's largest answer (bytes; 0: unknown, no budget)
     token_text_bytes: int = 0  # the most text one token adds (tokenizer.stage.max_token_text_bytes)
     chat_parsers: ChatParsers = ChatParsers()  # --tool-call-parser and co: how answers are parsed
+    hidden_size: int = 0  # an embedding's length (0: unknown; then `dimensions` is refused)
 
     def implied_max_tokens(self, n: int, logprobs: int | None) -> int:
         """max_tokens of a body that set none: as many as the context and the answer's
@@ -223,5 +225,6 @@ def build_app(state: HttpState) -> FastAPI:
     async def detokenize(request: Request) -> Response:
         return Response(await off_loop(detokenized, await request.body()), media_type="application/json")
 
+    add_embeddings_route(app, state, check_model, until_done)  # POST /v1/embeddings
     return app
 

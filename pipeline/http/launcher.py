@@ -42,6 +42,7 @@ class HttpSpec(msgspec.Struct, kw_only=True):
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    hidden_size: int = 0  # the model's: an embedding's length (/v1/embeddings `dimensions`)
 
 
 # The daemon stops the front end with this (it ignores SIGTERM/SIGINT: see pipeline.http.process).

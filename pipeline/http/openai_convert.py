@@ -70,6 +70,7 @@ def from_error(err: ErrorInfo) -> ApiError:
 # ---- requests ----------------------------------------------------------------------------
 # Fields whose several accepted types make pydantic's per-member errors unhelpful.
 UNION_FIELDS = {"prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+                "input": "a string, a list of strings, a list of token ids or a list of token-id lists",
                 "stop": "a string or a list of strings",
                 "messages[].content": 'a string or a list of text parts ({"type": "text", "text": ...}; '
                                       "no multi-modal input)",

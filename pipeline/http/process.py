@@ -74,7 +74,8 @@ async def serve(spec: HttpSpec) -> None:
                       fingerprint=spec.fingerprint, api_key=spec.api_key, created=int(time.time()),
                       answer_limit=spec.answer_limit, token_text_bytes=max_token_text_bytes(tokenizer.tok),
                       chat_parsers=ChatParsers(spec.tool_call_parser, spec.enable_auto_tool_choice,
-                                               spec.reasoning_parser))
+                                               spec.reasoning_parser),
+                      hidden_size=spec.hidden_size)
     raise_fd_limit()
     # GuardedProtocol: the connection cap and the head time-out (http.conn).
     config = uvicorn.Config(build_app(state), http=GuardedProtocol, lifespan="off", log_level="warning",

@@ -100,6 +100,8 @@ class RequestResult(msgspec.Struct, forbid_unknown_fields=True):
     outputs: list[Completion] = []
     cumulative_logprob: float | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # An embedding request's answer (task "embed"): the pooled, normalised hidden state.
+    embedding: list[float] | None = None
 
 
 def error_result(req_id: str, code: str, message: str, *, finish_reason: str = "error",

@@ -38,6 +38,8 @@ class EngineOutput(msgspec.Struct, array_like=True):
     # Disaggregation, decode role: the blocks reserved for the prompt's KV (sent once).
     kv: KVReservation | None = None
     error_code: str | None = None  # ErrorInfo.code of ``error`` when not the default
+    # An embedding request's answer (ModelRunnerOutput.pooled): float32 bytes, with its final.
+    embedding: bytes | None = None
 
 
 class EngineOutputs(msgspec.Struct, array_like=True):

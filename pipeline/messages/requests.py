@@ -43,6 +43,9 @@ class EngineRequest(msgspec.Struct, array_like=True):
     # structured_outputs compiled by the tokenizer stage (structured_outputs.to_bytes): the
     # worker loads it instead of compiling on the step path.
     grammar: bytes | None = None
+    # An embedding request (task "embed"): prefill only, its pooled hidden states are the
+    # answer (EngineOutput.embedding); it samples nothing.
+    embed: bool = False
 
 
 class AbortRequest(msgspec.Struct, array_like=True):
@@ -68,6 +71,7 @@ class GatewayRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     priority: int = 0
     cache_salt: str | None = None
     kv_transfer: KVTransferParams | None = None
+    task: str = "generate"  # generate | embed (the wire's ``task``)
 
 
 class OutputRegistration(msgspec.Struct, array_like=True, kw_only=True):

@@ -20,6 +20,11 @@ def bytes_to_ids(b: bytes) -> np.ndarray:
     return np.frombuffer(b, dtype="<i4")
 
 
+def bytes_to_floats(b: bytes) -> list[float]:
+    """An embedding's little-endian float32 bytes (``Pooled.data``) as floats."""
+    return np.frombuffer(b, dtype="<f4").tolist()
+
+
 class NewRequestData(msgspec.Struct, array_like=True):
     """A request the worker has not seen, or one resumed after preemption.
 
@@ -33,6 +38,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     block_ids: list[int]
     num_computed_tokens: int
     grammar: bytes | None = None  # EngineRequest.grammar: the compiled structured_outputs
+    embed: bool = False  # EngineRequest.embed: pool the prompt's hidden states, sample nothing
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -80,6 +86,13 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
     logprobs: list[TokenLogprobs]
 
 
+class Pooled(msgspec.Struct, array_like=True):
+    """An embedding request's pooled vector (``worker.pooling``), once its prefill is done:
+    little-endian float32, hidden_size of them."""
+    req_id: str
+    data: bytes
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
     """The tokens of each request that finished its (chunked) prefill or decoded: one, or
     with speculative decoding the accepted drafts and one more (``num_sampled``)."""
@@ -97,3 +110,4 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     draft_token_ids: dict[str, bytes] = {}
     propose_s: float = 0.0  # the worker's time proposing them
     num_proposed: int = 0  # for how many requests it proposed
+    pooled: list[Pooled] = []  # embedding requests whose prefill ended this step

@@ -148,13 +148,15 @@ class CausalLM(nn.Module):
             x = x + (m if self.tp is None else self.tp.all_reduce(m))
         return x
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's final norm of ``forward``'s hidden states (what lm_head and pooling take)."""
+        if hidden.dtype == torch.float32 and hidden.device.type == "cpu":
+            return ops_fused.rms_norm(hidden, self.norm.weight, self.norm.eps)
+        return self.norm(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given final hidden states [N, hidden] -> [N, vocab]."""
-        if hidden.dtype == torch.float32 and hidden.device.type == "cpu":
-            hidden = ops_fused.rms_norm(hidden, self.norm.weight, self.norm.eps)
-        else:
-            hidden = self.norm(hidden)
-        logits = _linear(hidden, self.lm_head, None, self.lm_head_kn).float()
+        logits = _linear(self.final_norm(hidden), self.lm_head, None, self.lm_head_kn).float()
         if self.tp is not None:  # every rank gets the full row
             logits = self.tp.all_gather_cols(logits)[:, :self.tp.shard.vocab_size]
         return logits

@@ -35,6 +35,7 @@ from pipeline.messages import (
 )
 from pipeline.messages.answers import Completion
 from pipeline.messages.engine_outputs import child_id
+from pipeline.messages.step import bytes_to_floats
 from pipeline.output.detokenizer import DetokenizerTable, IncrementalDetokenizer
 from pipeline.output.stop_checker import StopChecker
 from pipeline.sampling_params import SamplingParams
@@ -71,6 +72,7 @@ class _ReqState:
     itl: list[float] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None
     error: ErrorInfo | None = None  # the request as a whole was aborted or failed
+    embedding: bytes | None = None  # an embedding request's answer (float32), with its final
 
 
 class OutputProcessor:
@@ -181,6 +183,8 @@ class OutputProcessor:
             st.num_cached_tokens = max(st.num_cached_tokens, o.num_cached_tokens)
         if st.prompt_logprobs is not None and o.prompt_logprobs:
             st.prompt_logprobs += o.prompt_logprobs
+        if o.embedding is not None:
+            st.embedding = o.embedding
         if o.kv is not None and st.stream:  # disaggregation: the decode side's reservation
             emit(RequestDelta(st.req_id, "", [], None, c.index, kv=o.kv))
         if o.new_token_ids:
@@ -270,4 +274,5 @@ class OutputProcessor:
             usage=usage, timings=timings, error=error, stop_reason=first.stop_reason,
             logprobs=first.logprobs, outputs=outputs if len(outputs) > 1 else [],
             cumulative_logprob=first.cumulative_logprob,
-            prompt_logprobs=None if st.prompt_logprobs is None else [None, *st.prompt_logprobs])
+            prompt_logprobs=None if st.prompt_logprobs is None else [None, *st.prompt_logprobs],
+            embedding=None if st.embedding is None else bytes_to_floats(st.embedding))

@@ -42,8 +42,8 @@ def runs_plain(msg: P.Generate) -> bool:
     n > 1 and prompt_logprobs need the prompt computed where the request runs; with
     max_tokens == 1 the prefill instance's one token is the whole answer anyway; and with
     logprobs the decode instance has none for the first token (it did not sample it), so
-    its final would lack them."""
-    return ((msg.n is not UNSET and msg.n > 1)
+    its final would lack them; an embedding (task "embed") is a prefill with no decode."""
+    return (msg.task == "embed" or (msg.n is not UNSET and msg.n > 1)
             or (msg.prompt_logprobs is not UNSET and msg.prompt_logprobs is not None)
             or (msg.logprobs is not UNSET and msg.logprobs is not None)
             or (msg.max_tokens is not UNSET and msg.max_tokens == 1))

@@ -38,6 +38,11 @@ STEP_BYTES_PER_SEQ = 1 * KiB + logprob_entry_bytes(MAX_LOGPROBS)
 # token id (5), its inter-token latency (9) and its text (at most 242 bytes here; the
 # tokenizer stage checks each request against its tokenizer's actual longest token).
 ANSWER_BYTES_PER_TOKEN = 256
+# A step's embeddings (requests of task "embed" whose prefill ended): hidden_size float32 per
+# sequence and its framing; without the model's hidden size, this one bounds it.
+EMBED_BYTES_PER_FLOAT = 4
+EMBED_FIXED_BYTES = 64
+EMBED_HIDDEN_BOUND = 8192
 # Beyond this (max_model_len over ~200k) the answers ring stops growing; requests whose
 # answer could be larger are refused by the tokenizer stage, naming the limit.
 MAX_ANSWER_BYTES = 64 * MiB
@@ -77,12 +82,15 @@ class Sizes:
     answer: int  # a final answer (answers)
 
     @classmethod
-    def of(cls, config: EngineConfig, max_model_len: int) -> Sizes:
+    def of(cls, config: EngineConfig, max_model_len: int, hidden_size: int = 0) -> Sizes:
         # At least 4 MiB: the engine also reports aborted waiting requests in one message.
-        step = max(4 * MiB, config.scheduler_config.max_num_seqs * STEP_BYTES_PER_SEQ
+        # Every sequence of a step may be an embedding request whose prefill ends in it.
+        embed = EMBED_FIXED_BYTES + EMBED_BYTES_PER_FLOAT * (hidden_size or EMBED_HIDDEN_BOUND)
+        step = max(4 * MiB, config.scheduler_config.max_num_seqs * (STEP_BYTES_PER_SEQ + embed)
                    + config.scheduler_config.max_num_batched_tokens * logprob_entry_bytes(MAX_LOGPROBS))
         # Logprobs: the sampled ones of every completion, their copy in the top-level fields
         # (n > 1) and the prompt's, each capped at MAX_LOGPROBS_BYTES by SamplingParams.
+        # (An embedding answer, at most 9 bytes per float as msgpack float64s, is far below.)
         answer = min(MAX_ANSWER_BYTES, ANSWER_FIXED_BYTES + 3 * MAX_LOGPROBS_BYTES
                      + max_model_len * ANSWER_BYTES_PER_TOKEN)
         return cls(config, max_model_len, request_bytes(max_model_len), step, answer)

@@ -127,10 +127,11 @@ def ring_roles(role: str, tier: bool = False) -> dict[str, tuple[str, str]]:
     return {r.name: (r.producer, r.consumer) for r in RINGS if r.kind == "ring" and _has(r, role, tier)}
 
 
-def message_limits(config: EngineConfig, max_model_len: int) -> dict[str, int]:
+def message_limits(config: EngineConfig, max_model_len: int, hidden_size: int = 0) -> dict[str, int]:
     """Ring role -> the largest message (bytes) its ring must carry. ``max_model_len`` may be
-    an upper bound of the model's (the gateway sizes the rings before the worker says)."""
-    sizes = Sizes.of(config, max_model_len)
+    an upper bound of the model's (the gateway sizes the rings before the worker says);
+    ``hidden_size`` sizes the embeddings a step may carry (0: EMBED_HIDDEN_BOUND)."""
+    sizes = Sizes.of(config, max_model_len, hidden_size)
     return {r.name: r.limit(sizes) for r in RINGS if r.limit is not None}
 
 

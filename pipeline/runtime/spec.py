@@ -31,6 +31,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     # A KV tier's (--kv-offload-dir) model identity: the weights and the settings that change
     # the KV (``RankModel.kv_tier_id``); "" without a tier.
     kv_tier_id: str = ""
+    hidden_size: int = 0  # the length of an embedding (task "embed")
 
 
 class StageSpec(msgspec.Struct, kw_only=True):

@@ -123,10 +123,14 @@ class TokenizerLoop:
         request, or the error answer."""
         try:
             ids, field = self.prompt_ids(req)
+            embed = req.task == "embed"
             ids, sp = prepare_request(ids, req.sampling_params, field=field,
                                       vocab_size=self.model.vocab_size,
                                       max_model_len=self.model.max_model_len,
-                                      encode=self._encode_plain)
+                                      encode=self._encode_plain, embed=embed)
+            if embed and req.kv_transfer is not None:
+                raise InvalidRequest("field `task`: an embedding request runs on one instance "
+                                     "(no kv_transfer)")
             check_answer_fits(sp, len(ids), self.token_text_bytes, self.answer_limit)
             # Compiled once per spec (a refused one never reaches the engine); the worker loads it.
             grammar = None if sp.structured_outputs is None else self.grammars().compile(sp.structured_outputs)
@@ -140,7 +144,7 @@ class TokenizerLoop:
                 req_id=req.req_id, prompt_token_ids=token_bytes, sampling_params=sp,
                 arrival_time=req.arrival_time or time.time(), eos_token_ids=self.eos,
                 priority=req.priority, cache_salt=req.cache_salt, kv_transfer=req.kv_transfer,
-                grammar=grammar))
+                grammar=grammar, embed=embed))
             for ch, buf in ((self.register, reg), (self.requests, eng)):
                 if len(buf) > ch.max_message_bytes:  # both checked before either is sent
                     raise InvalidRequest(f"request: {len(buf)} bytes once tokenized, the limit is "

@@ -12,7 +12,9 @@ Prompt length and max_tokens, one rule: a prompt takes at most max_model_len - 1
 least one output token must fit) and at most MAX_PROMPT_TOKENS; max_tokens is then cut to the
 room left (max_model_len - prompt tokens), as vLLM's engine does, so such a request ends with
 finish_reason "length" at max_model_len. ``min_tokens`` is a promise, so a request whose
-min_tokens does not fit is refused.
+min_tokens does not fit is refused. An embedding request (task "embed") outputs no token: its
+prompt may take all of max_model_len, and of its sampling fields only
+``truncate_prompt_tokens`` counts (``embed_params``).
 """
 from __future__ import annotations
 
@@ -76,13 +78,21 @@ def max_prompt_tokens(max_model_len: int) -> int:
     return min(max_model_len - 1, MAX_PROMPT_TOKENS)
 
 
-def check_prompt_ids(ids: Sequence[int], field: str, vocab_size: int, max_model_len: int) -> None:
+def embed_params(sp: SamplingParams) -> SamplingParams:
+    """What an embedding request runs with: it samples nothing, so nothing but
+    ``truncate_prompt_tokens`` (-1: the last max_model_len - 1 tokens) carries over."""
+    return SamplingParams(max_tokens=1, truncate_prompt_tokens=sp.truncate_prompt_tokens)
+
+
+def check_prompt_ids(ids: Sequence[int], field: str, vocab_size: int, max_model_len: int,
+                     embed: bool = False) -> None:
     n = len(ids)
     if n == 0:
         raise InvalidRequest(f"field `{field}`: must not be empty")
-    limit = max_prompt_tokens(max_model_len)
+    limit = min(max_model_len, MAX_PROMPT_TOKENS) if embed else max_prompt_tokens(max_model_len)
     if n > limit:
-        why = (f"max_model_len ({max_model_len}) minus one, to leave room for output"
+        why = (f"max_model_len ({max_model_len})" if embed and limit < MAX_PROMPT_TOKENS
+               else f"max_model_len ({max_model_len}) minus one, to leave room for output"
                if limit < MAX_PROMPT_TOKENS else f"MAX_PROMPT_TOKENS ({MAX_PROMPT_TOKENS})")
         raise InvalidRequest(f"field `{field}`: {n} tokens, at most {limit} ({why})")
     arr = np.asarray(ids, dtype=np.int64)
@@ -95,11 +105,13 @@ def check_prompt_ids(ids: Sequence[int], field: str, vocab_size: int, max_model_
 
 
 def validate_request(ids: Sequence[int], sp: SamplingParams, *, field: str, vocab_size: int,
-                     max_model_len: int) -> SamplingParams:
+                     max_model_len: int, embed: bool = False) -> SamplingParams:
     """All of a request's checks, given its prompt as token ids (`field`: where they came
     from); returns the params to run it with (max_tokens cut to the room left)."""
     check_sampling(sp, vocab_size, max_model_len, len(ids))
-    check_prompt_ids(ids, field, vocab_size, max_model_len)
+    check_prompt_ids(ids, field, vocab_size, max_model_len, embed)
+    if embed:
+        return sp
     room = max_model_len - len(ids)
     if sp.max_tokens <= room:
         return sp
@@ -126,19 +138,22 @@ def check_answer_fits(sp: SamplingParams, num_prompt_tokens: int, token_text_byt
 
 
 def prepare_request(ids: list[int], sp: SamplingParams, *, field: str, vocab_size: int,
-                    max_model_len: int, encode: Callable[[str], list[int]] | None
-                    ) -> tuple[list[int], SamplingParams]:
+                    max_model_len: int, encode: Callable[[str], list[int]] | None,
+                    embed: bool = False) -> tuple[list[int], SamplingParams]:
     """Once a prompt is token ids, the one sequence every way in runs (the tokenizer stage
     and the in-process LLM): keep its last ``truncate_prompt_tokens``, tokenize ``bad_words``
     (``encode``: the tokenizer without special tokens; None when there is none), then every
-    check. Returns the prompt and the params to run it with."""
+    check. Returns the prompt and the params to run it with (``embed``: an embedding
+    request's, ``embed_params``)."""
+    if embed:
+        sp = embed_params(sp)
     ids = sp.truncate_prompt(ids, max_model_len)
     if sp.bad_words:
         if encode is None:
             raise InvalidRequest("field `bad_words`: needs a tokenizer (give bad_words_token_ids)")
         sp = sp.resolve_bad_words(encode)
     return ids, validate_request(ids, sp, field=field, vocab_size=vocab_size,
-                                 max_model_len=max_model_len)
+                                 max_model_len=max_model_len, embed=embed)
 
 
 def check_kv_transfer(kv: KVTransferParams | None, role: str, *, num_prompt_tokens: int,

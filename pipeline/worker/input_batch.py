@@ -59,6 +59,9 @@ class InputBatch:
         self.num_needs_sampler = 0
         self.structured = np.zeros(r, dtype=bool)
         self.num_structured = 0
+        # Embedding requests (worker.pooling): prefill only, never sampled.
+        self.embed = np.zeros(r, dtype=bool)
+        self.num_embed = 0
 
     def __len__(self) -> int:
         return len(self.index)
@@ -134,6 +137,8 @@ class InputBatch:
         # included; under tensor parallelism the other ranks then take rank 0's tokens.
         self.structured[row] = sp.structured_outputs is not None
         self.num_structured += bool(self.structured[row])
+        self.embed[row] = req.embed
+        self.num_embed += req.embed
         return row
 
     def remove(self, req_id: str) -> None:
@@ -147,6 +152,8 @@ class InputBatch:
         self.needs_sampler[row] = False
         self.num_structured -= bool(self.structured[row])
         self.structured[row] = False
+        self.num_embed -= bool(self.embed[row])
+        self.embed[row] = False
         self.num_prompt_logprob_rows -= bool(self.num_prompt_logprobs[row] >= 0)
         self.num_prompt_logprobs[row] = -1
         self.logit_bias[row] = self.allowed_token_ids[row] = self.bad_words[row] = None

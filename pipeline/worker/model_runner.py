@@ -25,9 +25,10 @@ import torch
 from pipeline.config import EngineConfig
 from pipeline.layers import ops
 from pipeline.layers.ops_fused import argmax
-from pipeline.messages import ModelRunnerOutput, SchedulerOutput
+from pipeline.messages import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from pipeline.worker.cuda_graphs import DecodeGraphs
 from pipeline.worker.input_batch import InputBatch
+from pipeline.worker.pooling import Pooler
 from pipeline.worker.prompt_logprobs import prompt_logprobs
 from pipeline.worker.rank_model import RankModel
 from pipeline.worker.sampler import Sampler, build_metadata
@@ -47,6 +48,7 @@ class ModelRunner(RankModel):
         self.graphs: DecodeGraphs | None = None  # CUDA, one rank: captured decode steps
         self.batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size)
         self.sampler = Sampler(self.device, config.model_config.seed)
+        self.pooler = Pooler(config.model_config.pooling)  # embedding requests (rank 0 answers)
         # Rank 0 samples, so it alone keeps the grammars of structured outputs.
         self.structured = StructuredBatch(config.model_config.model, self.vocab_size,
                                           self.eos_token_ids) if rank == 0 else None
@@ -106,6 +108,7 @@ class ModelRunner(RankModel):
                 spec.removed(rid)
         for rid in (*sched.finished_req_ids, *sched.preempted_req_ids):
             b.remove(rid)
+            self.pooler.forget(rid)
             if so is not None:
                 so.remove(rid)
         for new in sched.new_reqs:
@@ -180,7 +183,19 @@ class ModelRunner(RankModel):
         b = self.batch
         prompt_lps = (prompt_logprobs(model, b, hidden, inp.rows, inp.num_scheduled, self.device)
                       if b.num_prompt_logprob_rows else [])
+        # Hidden states are the same on every rank (after the all-reduce): rank 0 answers.
+        pooled = (self.pooler.pool(model, b, hidden, inp.rows, inp.num_scheduled)
+                  if b.num_embed and self.rank == 0 else [])
         b.num_computed_tokens[inp.rows] += inp.num_scheduled
+        out = self._sample(step_id, inp, hidden, prompt_lps)
+        out.pooled = pooled
+        return out
+
+    def _sample(self, step_id: int, inp: StepInputs, hidden: torch.Tensor,
+                prompt_lps: list[PromptLogprobs]) -> ModelRunnerOutput:
+        """Sample the rows whose known tokens are all computed now (``inp.sample_batch_idx``)."""
+        model, b = self.model, self.batch
+        assert model is not None  # execute() checked
         if len(inp.sample_batch_idx) == 0:
             return ModelRunnerOutput(step_id=step_id, req_ids=[], sampled_token_ids=[],
                                      prompt_logprobs=prompt_lps)

@@ -65,7 +65,8 @@ def run(spec: StageSpec, ready: ReadyFn) -> None:
                          eos_token_ids=list(runner.eos_token_ids),
                          kv=msgspec.structs.replace(kv, model_hash=model_hash(cfg.model_config.model)),
                          kv_segment=runner.kv_cache.shm_name, kv_cuda_ipc=kv_cuda_ipc,
-                         kv_tier_id=runner.kv_tier_id() if spec.rank == 0 else "")
+                         kv_tier_id=runner.kv_tier_id() if spec.rank == 0 else "",
+                         hidden_size=runner.model_config.hidden_size)
         ready(msgspec.structs.asdict(info))
         while True:
             t_wait = time.perf_counter()

@@ -66,8 +66,12 @@ def prepare_inputs(b: InputBatch, sched: SchedulerOutput, device: torch.device,
         tok_rows = rows[seq_of_tok]
     input_ids = b.token_ids[tok_rows, positions].astype(np.int64)
     slots = b.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
-    sample_idx = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
-    if graphs is not None and decode and num_seqs <= graphs.max_batch and not b.num_prompt_logprob_rows:
+    done = seq_lens >= b.num_tokens[rows]
+    if b.num_embed:  # an embedding request is pooled (worker.pooling), never sampled
+        done &= ~b.embed[rows]
+    sample_idx = np.nonzero(done)[0]
+    if (graphs is not None and decode and num_seqs <= graphs.max_batch and not b.num_prompt_logprob_rows
+            and not b.num_embed):
         size, ids_t, pos_t, meta = graphs.stage(input_ids, positions, slots,
                                                 seq_lens.astype(np.int32), b.block_table[rows])
         return StepInputs(input_ids=ids_t, positions=pos_t, meta=meta, rows=rows, num_scheduled=n,

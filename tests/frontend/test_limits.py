@@ -223,3 +223,28 @@ def test_daemon_refuses_requests_too_large_for_its_rings_and_keeps_serving(model
         rc = d.stop()
     assert rc == 0, d.output() if not d.log.closed else rc
     assert shm_entries(d.instance_id) == []
+
+
+@pytest.mark.parametrize("hidden", [896, 4096])
+def test_a_step_of_embeddings_fits_the_results_and_outputs_rings(hidden):
+    """Every sequence of a step may be an embedding request whose prefill ends in it: the
+    worker's and the engine's step messages then carry max_num_seqs vectors of hidden_size
+    float32 (the 0.5B shape: 896), and the answer one of msgpack float64s."""
+    from pipeline.messages import EngineOutput, EngineOutputs, ModelRunnerOutput
+    from pipeline.messages.step import Pooled
+
+    cfg = EngineConfig()
+    seqs = cfg.scheduler_config.max_num_seqs
+    vec = b"\xff" * 4 * hidden
+    rid = WIDE * P.MAX_ID_LEN
+    limits = message_limits(cfg, 2048, hidden)
+    mro = ModelRunnerOutput(2**62, [], [], pooled=[Pooled(rid, vec) for _ in range(seqs)])
+    assert encoded("results", mro) <= limits["results"]
+    outs = EngineOutputs([EngineOutput(rid, [], "stop", None, None, 2**31 - 1, 2**31 - 1, 1e-300,
+                                       embedding=vec) for _ in range(seqs)], 1e-300)
+    assert encoded("outputs", outs) <= limits["outputs"]
+    t = time.time()
+    res = RequestResult(id=rid, text="", token_ids=[], finish_reason="stop", usage=Usage(1, 0, 0),
+                        timings=Timings(t, t, t, t, 1e-300, 1e-300, 1e-300, []),
+                        embedding=[-1e-300] * hidden)
+    assert encoded("answers", res) <= limits["answers"]

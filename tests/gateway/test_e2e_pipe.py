@@ -130,3 +130,20 @@ def test_closed_stdout_ends_the_run(model):
     assert p.wait(120) == 1
     assert "stdout was closed" in p.stderr.read()
     assert shm_entries(f"{p.pid:x}") == []
+
+
+def test_embed_lines_beside_generation(model):
+    # task "embed": the answer line carries the pooled vector (the tiny model's hidden size,
+    # unit norm) and no tokens; a generation in the same run is unaffected; mean pooling too.
+    lines = [json.dumps({"id": "e", "prompt": "The for statement", "task": "embed"}),
+             json.dumps({"id": "g", "prompt": "The for statement", "max_tokens": 4, "ignore_eos": True}),
+             json.dumps({"id": "bad", "prompt": "x", "task": "classify"})]
+    for pooling in ("last", "mean"):
+        code, out, err = pipe(model, lines, "--pooling", pooling)
+        assert code == 1, err  # one line failed (the unknown task)
+        by_id = {o["id"]: o for o in out}
+        e = by_id["e"]
+        assert e["token_ids"] == [] and e["error"] is None and len(e["embedding"]) == 64
+        assert abs(sum(x * x for x in e["embedding"]) - 1.0) < 1e-4
+        assert len(by_id["g"]["token_ids"]) == 4 and by_id["g"].get("embedding") is None
+        assert "task" in by_id["bad"]["error"]["message"]

@@ -99,6 +99,17 @@ def test_a_bad_key_is_refused(front):
         c.models.list()
 
 
+def test_embeddings_through_the_router_equal_a_daemons_own(oai, front):
+    _, daemons, name, _ = front
+    with Client(daemons[1].address, timeout=60) as c:
+        direct = c.embed("the for statement").embedding
+    r = oai.embeddings.create(model=name, input=["the for statement", "x"], encoding_format="float")
+    assert len(r.data) == 2 and len(r.data[0].embedding) == 64  # the tiny model's hidden size
+    assert max(abs(a - b) for a, b in zip(r.data[0].embedding, direct)) < 1e-5
+    with pytest.raises(openai.BadRequestError, match="dimensions"):
+        oai.embeddings.create(model=name, input="x", dimensions=8)
+
+
 def test_requests_lost_before_their_first_token_run_on_another_instance(front):
     """Runs last: it kills one instance. Stopped, the instance holds what the router sends
     it; its health probe times out, and those requests (no token sent yet) run on the other."""
