@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from pipeline import llm_chat, llm_compat
+from pipeline import llm_chat, llm_compat, llm_tier
 from pipeline.config import DEFAULT_MODEL, EngineConfig
 from pipeline.engine.core import EngineCore, LocalExecutor
 from pipeline.engine.scheduler import Scheduler
@@ -86,7 +86,7 @@ class LLM:
             self._tier_group = ""  # EngineStats.kv_tier_group
             hash_key, connector = None, None
             if self.config.cache_config.kv_offload_dir:
-                hash_key, connector = self._start_tier(worker)
+                self._tier, self._tier_group, hash_key, connector = llm_tier.start_tier(self.config, worker)
             self.scheduler = Scheduler(self.config, worker.num_blocks, worker.block_size,
                                        worker.max_model_len, hash_key, connector=connector)
             if not skip_tokenizer_init:
@@ -96,26 +96,6 @@ class LLM:
             if owned:  # release the KV cache (shared memory) of a half-built engine
                 self.close()
             raise
-
-    def _start_tier(self, worker: Any) -> tuple[bytes, Any]:
-        """The KV tier (--kv-offload-dir) on a thread of this process: its hash key and the
-        engine's connector."""
-        import msgspec
-
-        from pipeline.cache.kv_tier.mover import InProcessTier
-        from pipeline.cache.kv_tier.store import DiskTier
-        from pipeline.engine.kv_connector.tier import TierConnector
-        from pipeline.engine.kv_connector.tier_index import tier_hash_key
-
-        cc = self.config.cache_config
-        kvc = worker.kv_cache
-        layout = msgspec.structs.replace(kvc.layout, model_hash=worker.kv_tier_id())
-        pool = layout.pool(kvc.segment_bytes())
-        self._tier = InProcessTier(DiskTier(cc.kv_offload_dir, cc.kv_offload_bytes,
-                                            layout), pool)
-        hash_key = tier_hash_key(cc.kv_offload_dir)
-        self._tier_group = layout.tier_group(hash_key)
-        return hash_key, lambda s: TierConnector(s, cc.kv_offload_dir, layout)
 
     def _init_tokenizer(self, model_dir: Path) -> None:
         from pipeline.output.detokenizer import DetokenizerTable
@@ -231,31 +211,12 @@ class LLM:
 
     def close(self) -> None:
         if getattr(self, "_tier", None) is not None:
-            self._finish_saves()
+            llm_tier.finish_saves(self._tier, getattr(self, "scheduler", None))
             self._tier.close()  # its queued saves written first: a restart finds them
             self._tier = None
         if self.worker is not None:
             self.worker.close()
             self.worker = None
-
-    def _finish_saves(self, timeout: float = 60.0) -> None:
-        """The KV tier's deferred saves (blocks cached past the share of the pool held for
-        saves) sent to its thread as its reports free room: no engine loop runs them once
-        ``generate`` returns, and a restart should find them."""
-        conn = getattr(getattr(self, "scheduler", None), "connector", None)
-        deferred = getattr(conn, "deferred", None)
-        end = time.monotonic() + timeout
-        try:
-            while True:
-                for plan in conn.take_kv_finishes() if conn is not None else []:
-                    self._tier.submit(plan)
-                if not deferred or time.monotonic() > end:
-                    return
-                msg = self._tier.poll(0.5)
-                if msg is not None:
-                    conn.on_message(msg)  # type: ignore[union-attr]
-        except RuntimeError:  # the tier's thread failed: nothing more will be written
-            return
 
     def __enter__(self) -> LLM:
         return self
