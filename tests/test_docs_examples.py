@@ -42,6 +42,8 @@ PYTHON = {
     ("docs/openai.md", "from openai import OpenAI"),
     ("docs/openai.md", "msgs = "),
     ("docs/python_api.md", "from pipeline import LLM, SamplingParams"),
+    ("docs/openai.md", "import openai"),  # /v1/embeddings
+    ("docs/python_api.md", "from pipeline import LLM\n"),  # LLM.embed
 }
 CURL = {("README.md", "curl -N"), ("docs/openai.md", "curl -N")}
 ELSEWHERE = {

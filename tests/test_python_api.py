@@ -39,8 +39,10 @@ def tokens(outs: list[RequestOutput]) -> list[list[int]]:
 
 
 def test_output_types_have_vllms_fields():
+    # vLLM's, in its order, then ours (LLM.chat's parsed parts: tools, reasoning)
     assert [f.name for f in dataclasses.fields(CompletionOutput)] == [
-        "index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason"]
+        "index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason",
+        "content", "tool_calls", "reasoning_content"]
     assert {"request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished",
             "metrics", "num_cached_tokens"} <= {f.name for f in dataclasses.fields(RequestOutput)}
     assert [f.name for f in dataclasses.fields(Logprob)] == ["logprob", "rank", "decoded_token"]

@@ -196,8 +196,9 @@ class OutputProcessor:
             st.last_batch = self._batch
         p = st.params
         # A stop token / EOS that ended the request is kept in token_ids but, like vLLM,
-        # not in the text unless include_stop_str_in_output.
-        hide_last = (o.finish_reason == "stop" and isinstance(o.stop_reason, int)
+        # not in the text unless include_stop_str_in_output (EOS: the engine's "stop" with no
+        # stop_reason; its text shows with skip_special_tokens false).
+        hide_last = (o.finish_reason == "stop" and (o.stop_reason is None or isinstance(o.stop_reason, int))
                      and not p.include_stop_str_in_output)
         parts: list[str] = []
         start = len(c.token_ids)
@@ -205,7 +206,7 @@ class OutputProcessor:
         last = len(o.new_token_ids) - 1
         for i, tok in enumerate(o.new_token_ids):
             c.token_ids.append(tok)
-            if hide_last and i == last and tok == o.stop_reason:
+            if hide_last and i == last and o.stop_reason in (None, tok):
                 continue
             text, hit = c.stop.feed(c.detok.add_token(tok), check=len(c.token_ids) >= p.min_tokens)
             parts.append(text)

@@ -31,7 +31,7 @@ def reject(obj_or_frame, max_frame_bytes: int = P.MAX_FRAME_BYTES) -> P.Protocol
 def test_sampling_fields_mirror_sampling_params():
     extra = {"v", "id", "prompt", "prompt_token_ids", "messages", "stream", "priority", "cache_salt",
              "kv_transfer", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-             "task"}
+             "task", "tools"}
     assert set(P.Generate.__struct_fields__) - extra == set(SamplingParams.__struct_fields__)
 
 

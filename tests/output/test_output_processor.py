@@ -107,12 +107,17 @@ def test_eos_text_hidden_but_counted():
     tool = TOK.token_to_id("<tool>")
     p.add_request("a", SamplingParams(), 0.0)
     p.add_request("b", SamplingParams(skip_special_tokens=False), 0.0)
+    p.add_request("c", SamplingParams(skip_special_tokens=False), 0.0)
     got, emit = collect()
+    # The engine ends on EOS with no stop_reason (vLLM's shape): its text is hidden all the
+    # same, also where special tokens are kept (a tool parser's request).
     p.process(EngineOutputs([EngineOutput("a", ids("fox") + [tool], "stop", stop_reason=tool),
-                             EngineOutput("b", ids("fox") + [EOS], "stop", stop_reason=EOS)]), emit)
-    a, b = got
+                             EngineOutput("b", ids("fox") + [EOS], "stop", stop_reason=EOS),
+                             EngineOutput("c", ids("fox") + [EOS], "stop")]), emit)
+    a, b, c = got
     assert (a.text, a.token_ids[-1], a.stop_reason) == ("fox", tool, tool)
     assert (b.text, b.usage.completion_tokens) == ("fox", len(ids("fox")) + 1)
+    assert (c.text, c.token_ids[-1], c.stop_reason) == ("fox", EOS, None)
 
 
 def test_first_token_jumps_the_batch():

@@ -23,7 +23,9 @@ KEY = "router-key"
 @pytest.fixture(scope="module")
 def front(tmp_path_factory):
     model = make_tiny_model(tmp_path_factory.getbasetemp() / "router-tiny", max_positions=2048)
-    daemons = [Daemon(model), Daemon(model)]
+    # The instances parse tool calls and reasoning: the router's front end takes their flags.
+    chat = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    daemons = [Daemon(model, *chat), Daemon(model, *chat)]
     router = None
     try:
         for d in daemons:
@@ -77,20 +79,31 @@ def test_streaming_through_the_router(oai, front):
     assert len(parts) > 1 and "".join(parts) == whole
 
 
-def test_tool_calls_through_the_router(oai, front):
-    """Issue 28: tools reach the instances' chat template and a named tool_choice is a
-    valid call; "auto" follows the instances' flags (none here: refused naming the field)."""
+def test_tool_calls_and_reasoning_through_the_router(oai, front):
+    """Issue 28: tools reach the instances' chat template, a named tool_choice is a valid call,
+    and "auto" and the reasoning parser follow the instances' flags (here hermes and qwen3; a
+    regex grammar makes the random model write that format), streamed and not."""
     name = front[2]
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
         "type": "object", "properties": {}, "additionalProperties": False}}}]
-    ask = [{"role": "user", "content": "what time is it?"}]
+    ask = [{"role": "user", "content": "time?"}]
     r = oai.chat.completions.create(model=name, messages=ask, tools=tools, max_tokens=16,
                                     tool_choice={"type": "function", "function": {"name": "get_time"}})
     (call,) = r.choices[0].message.tool_calls
     assert (call.function.name, call.function.arguments) == ("get_time", "{}")
-    with pytest.raises(openai.BadRequestError) as err:
-        oai.chat.completions.create(model=name, messages=ask, tools=tools, max_tokens=4)
-    assert err.value.body["param"] == "tool_choice"
+    regex = '<think>hm</think>\\n<tool_call>\\n\\{"name": "get_time", "arguments": \\{\\}\\}\\n</tool_call>'
+    kw = dict(model=name, messages=ask, tools=tools, max_tokens=40, extra_body={"structured_outputs": {"regex": regex}})
+    (c,) = oai.chat.completions.create(**kw).choices
+    assert c.message.model_extra["reasoning_content"] == "hm" and c.finish_reason == "tool_calls"
+    assert [(t.function.name, t.function.arguments) for t in c.message.tool_calls] == [("get_time", "{}")]
+    reasoning, calls, reasons = "", [], []
+    for ch in oai.chat.completions.create(stream=True, **kw):
+        for d in ch.choices:
+            reasoning += (d.delta.model_extra or {}).get("reasoning_content") or ""
+            calls += [(t.function.name, t.function.arguments) for t in d.delta.tool_calls or []]
+            reasons += [d.finish_reason] if d.finish_reason else []
+    assert reasoning == "hm" and reasons == ["tool_calls"]
+    assert [n for n, _ in calls if n] == ["get_time"] and "".join(a or "" for _, a in calls) == "{}"
 
 
 def test_a_bad_key_is_refused(front):
