@@ -92,7 +92,8 @@ def test_tool_calls_and_reasoning_through_the_router(oai, front):
     (call,) = r.choices[0].message.tool_calls
     assert (call.function.name, call.function.arguments) == ("get_time", "{}")
     regex = '<think>hm</think>\\n<tool_call>\\n\\{"name": "get_time", "arguments": \\{\\}\\}\\n</tool_call>'
-    kw = dict(model=name, messages=ask, tools=tools, max_tokens=40, extra_body={"structured_outputs": {"regex": regex}})
+    kw = dict(model=name, messages=ask, tools=tools, max_tokens=120,
+              extra_body={"structured_outputs": {"regex": regex}})
     (c,) = oai.chat.completions.create(**kw).choices
     assert c.message.model_extra["reasoning_content"] == "hm" and c.finish_reason == "tool_calls"
     assert [(t.function.name, t.function.arguments) for t in c.message.tool_calls] == [("get_time", "{}")]
