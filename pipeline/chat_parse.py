@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.reasoning import ReasoningParser, get_reasoning_parser
+from pipeline.reasoning.base import THINK_CLOSE
 from pipeline.tool_parsers import (
     NamedParser,
     RequiredParser,
@@ -80,6 +81,8 @@ class ChatParsing:
         self.parallel = parallel_tool_calls is not False
         self.reasoning: type[ReasoningParser] | None = (
             get_reasoning_parser(server.reasoning_parser) if server.reasoning_parser else None)
+        # A forced answer's grammar starts after the reasoning (structured_outputs.reasoning_end)
+        self.reasoning_end = THINK_CLOSE if self.reasoning is not None else None
         self.structured: dict[str, Any] | None = None
         self.named: str | None = None
         self.auto: type[ToolParser] | None = None
@@ -104,6 +107,8 @@ class ChatParsing:
                 self.structured = {"json": named_schema(self.tools, self.named or "")}
             except ValueError as exc:
                 raise ChatParseError(str(exc), "tool_choice") from None
+        if self.structured is not None and self.reasoning_end is not None:
+            self.structured["reasoning_end"] = self.reasoning_end
 
     @property
     def active(self) -> bool:

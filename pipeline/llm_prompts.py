@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from pipeline.sampling_params import SamplingParams
+from pipeline.tokenizer.tokenizer import settle_reasoning
 from pipeline.tokenizer.validate import InvalidRequest, check_prompt_text, one_prompt_field, prepare_request
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ class PromptReader:
             max_model_len=self.max_model_len,
             encode=None if tok is None else lambda w: tok.encode(w, add_special_tokens=False),
             embed=embed)
+        sp = settle_reasoning(sp, ids, tok)
         structured = getattr(self.worker, "structured", None)
         if sp.structured_outputs is not None:  # refused here, as the tokenizer stage refuses it
             if structured is None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 import zlib
 from collections import OrderedDict
@@ -83,6 +84,26 @@ def tokenizer_info(tokenizer_json: Path, vocab_size: int, stop_token_ids: list[i
 def choice_grammar(choices: list[str]) -> str:
     """EBNF whose sentences are exactly ``choices`` (JSON string escapes are xgrammar's)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def text_until(marker: str) -> str:
+    """A regex of any text that ends with its first ``marker`` (then optional whitespace),
+    for a marker whose first character does not recur in it (``</think>``): the automaton
+    that looks for the marker, written out (xgrammar's regexes have no look-ahead). From
+    inside a partial marker, its first character starts over (``loop``); any other
+    character that does not continue it leaves (``exits``)."""
+    m0, rest = marker[0], marker[1:]
+    if m0 in rest:
+        raise ValueError(f"reasoning_end {marker!r}: its first character recurs in it")
+    e = re.escape
+    prefixes = [rest[:i] for i in range(len(rest))]
+    loop = "(?:" + "|".join(e(p) + e(m0) for p in prefixes) + ")"
+    exits = "(?:" + "|".join(e(p) + _not(rest[i], m0) for i, p in enumerate(prefixes)) + ")"
+    return f"(?:{_not(m0)}|{e(m0)}{loop}*{exits})*{e(m0)}{loop}*{e(rest)}" + r"\s*"
+
+
+def _not(*chars: str) -> str:
+    return "[^" + "".join("\\" + c if c in "\\]^-[" else c for c in chars) + "]"
 
 
 def spec_key(so: StructuredOutputsParams) -> bytes:
@@ -141,21 +162,25 @@ class Grammars:
         kind = so.kind
         with self._lock:
             self.compiles += 1
-        c = self._compiler
+        xgr = _import_xgrammar()
         try:
             if kind == "json":  # the schema's own key order: the output follows it
                 schema = so.json if isinstance(so.json, str) else json.dumps(so.json, ensure_ascii=False)
-                return c.compile_json_schema(schema, any_whitespace=False)
-            if kind == "json_object":  # any object, without free whitespace (as above)
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if kind == "regex":
+                g = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+            elif kind == "json_object":  # any object, without free whitespace (as above)
+                g = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+            elif kind == "regex":
                 assert so.regex is not None
-                return c.compile_regex(so.regex)
-            if kind == "choice":
+                g = xgr.Grammar.from_regex(so.regex)
+            elif kind == "choice":
                 assert so.choice is not None
-                return c.compile_grammar(choice_grammar(so.choice))
-            assert so.grammar is not None
-            return c.compile_grammar(so.grammar)
+                g = xgr.Grammar.from_ebnf(choice_grammar(so.choice))
+            else:
+                assert so.grammar is not None
+                g = xgr.Grammar.from_ebnf(so.grammar)
+            if so.reasoning_end is not None:  # free text up to the marker, then the grammar
+                g = xgr.Grammar.concat(xgr.Grammar.from_regex(text_until(so.reasoning_end)), g)
+            return self._compiler.compile_grammar(g)
         except (RuntimeError, ValueError, TypeError) as exc:
             what = {"json": "JSON schema", "regex": "regex", "grammar": "EBNF grammar",
                     "choice": "choice list", "json_object": "JSON grammar"}[kind]

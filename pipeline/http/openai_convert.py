@@ -248,6 +248,11 @@ def chat_fields(req: ChatCompletionRequest, max_model_len: int,
             raise invalid(f"field `tool_choice`: {parsing.mode!r} forces the answer's shape; it cannot "
                           "be combined with response_format, structured_outputs or guided_*", "tool_choice")
         fields["structured_outputs"] = parsing.structured
+    elif parsing is not None and parsing.reasoning_end and req.response_format is not None \
+            and "structured_outputs" in fields:
+        # The answer's format applies after a reasoning model's thinking (vLLM's behaviour);
+        # vLLM's raw structured_outputs / guided_* constrain the whole text as given.
+        fields["structured_outputs"] = fields["structured_outputs"] | {"reasoning_end": parsing.reasoning_end}
     if parsing is not None and parsing.mode == "auto" and getattr(req, "skip_special_tokens", None) is None:
         # The call markers of some formats are special tokens ([TOOL_CALLS], <|python_tag|>):
         # the parser must see them (as vLLM's parsers ask for).

@@ -12,6 +12,7 @@ from pipeline.sampling_params.limits import bad, check_strings, json_depth, trus
 # (structured_outputs.py), and travels with the request through every ring.
 MAX_STRUCTURED_BYTES = 64 << 10
 MAX_CHOICES = 256
+MAX_MARKER_BYTES = 64  # reasoning_end
 # A JSON schema's nesting (objects and arrays): xgrammar's compile time grows faster than
 # linearly with it (measured: 129 levels 0.07 s, ~900 over 100 s), which the compile budget
 # would refuse anyway; 64 levels (~30 nested objects) compile in ~20 ms.
@@ -29,10 +30,18 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # Ours (a front end sets it for a reasoning model's answer: response_format, a forced tool
+    # choice): the grammar starts after this text (``</think>``), which the model writes
+    # freely before it; dropped by ``after_prompt`` when the prompt already closed it.
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         if trusted():
             return
+        if self.reasoning_end is not None and not (
+                isinstance(self.reasoning_end, str) and 0 < len(self.reasoning_end.encode()) <= MAX_MARKER_BYTES):
+            raise bad("structured_outputs.reasoning_end", f"a string of 1 to {MAX_MARKER_BYTES} UTF-8 bytes",
+                      self.reasoning_end)
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise bad("structured_outputs", f"exactly one of {', '.join(STRUCTURED_KINDS)}",
@@ -56,6 +65,14 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             if depth > MAX_SCHEMA_DEPTH:
                 raise bad("structured_outputs.json", f"nested at most {MAX_SCHEMA_DEPTH} levels "
                            f"deep (objects and arrays)", f"{depth} levels")
+
+    def after_prompt(self, prompt_tail: str) -> StructuredOutputsParams:
+        """This spec for a prompt ending in ``prompt_tail``: without ``reasoning_end`` when the
+        prompt already closed the reasoning (a template that turned thinking off writes an
+        empty ``<think></think>`` there), so the grammar applies from the first token."""
+        if self.reasoning_end is not None and prompt_tail.rstrip().endswith(self.reasoning_end):
+            return msgspec.structs.replace(self, reasoning_end=None)
+        return self
 
     @property
     def kind(self) -> str:

@@ -41,7 +41,7 @@ from pipeline.runtime import rings
 from pipeline.runtime.process import ReadyFn, log
 from pipeline.runtime.spec import StageSpec
 from pipeline.tokenizer.grammar_server import COMPILE_PROCESSES, GrammarService
-from pipeline.tokenizer.tokenizer import Tokenizer, check_chat_options, max_token_text_bytes
+from pipeline.tokenizer.tokenizer import Tokenizer, check_chat_options, max_token_text_bytes, settle_reasoning
 from pipeline.tokenizer.validate import (
     InvalidRequest,
     check_answer_fits,
@@ -131,6 +131,7 @@ class TokenizerLoop:
             if embed and req.kv_transfer is not None:
                 raise InvalidRequest("field `task`: an embedding request runs on one instance "
                                      "(no kv_transfer)")
+            sp = settle_reasoning(sp, ids, self.tokenizer)
             check_answer_fits(sp, len(ids), self.token_text_bytes, self.answer_limit)
             # Compiled once per spec (a refused one never reaches the engine); the worker loads it.
             grammar = None if sp.structured_outputs is None else self.grammars().compile(sp.structured_outputs)

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from pipeline.sampling_params import SamplingParams
+
 if TYPE_CHECKING:
     from jinja2 import Template
 
@@ -262,6 +264,20 @@ class Tokenizer:
         if not tokenize:
             return text
         return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def settle_reasoning(sp: SamplingParams, prompt_ids: list[int], tok: Tokenizer | None) -> SamplingParams:
+    """``sp`` with its grammar's ``reasoning_end`` dropped when the prompt already closed the
+    reasoning (``StructuredOutputsParams.after_prompt``): read from the prompt's last tokens."""
+    so = sp.structured_outputs
+    if so is None or so.reasoning_end is None or tok is None:
+        return sp
+    import msgspec
+    tail = tok.decode(prompt_ids[-REASONING_TAIL_TOKENS:], skip_special_tokens=False)
+    return msgspec.structs.replace(sp, structured_outputs=so.after_prompt(tail))
+
+
+REASONING_TAIL_TOKENS = 32  # enough for "</think>" and the whitespace after it
 
 
 def max_token_text_bytes(tok: HFTokenizer) -> int:

@@ -44,10 +44,9 @@ def model(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.getbasetemp() / "e2e-tiny")
 
 
-@pytest.fixture(scope="module")
-def daemon(model):
-    d = Daemon(model, "--api-key", KEY, "--max-model-len", "512", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-               "--reasoning-parser", "qwen3", http=True)
+def start(model: Path, *flags: str):
+    d = Daemon(model, "--api-key", KEY, "--max-model-len", "512", "--enable-auto-tool-choice",
+               "--tool-call-parser", "hermes", *flags, http=True)
     try:
         d.wait_ready()
         yield d
@@ -57,10 +56,38 @@ def daemon(model):
     assert shm_entries(d.instance_id) == []
 
 
+@pytest.fixture(scope="module")
+def daemon(model):
+    yield from start(model)
+
+
+@pytest.fixture(scope="module")
+def thinker(model):
+    """A reasoning model's server: its answers' <think> part goes to reasoning_content, and a
+    forced answer's grammar waits for the end of the thinking."""
+    yield from start(model, "--reasoning-parser", "qwen3")
+
+
+def client(d: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{d.http_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
 @pytest.fixture
 def oai(daemon):
-    with openai.OpenAI(base_url=f"{daemon.http_url}/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+    with client(daemon) as c:
         yield c
+
+
+@pytest.fixture
+def oai_think(thinker):
+    with client(thinker) as c:
+        yield c
+
+
+# Qwen3's template with enable_thinking false ends the prompt with an empty, closed thinking:
+# here the conversation continues such an assistant turn (the random model never closes one).
+NO_THINKING = {"messages": ASK + [{"role": "assistant", "content": "<think>\n\n</think>\n\n"}],
+               "extra_body": {"add_generation_prompt": False, "continue_final_message": True}}
 
 
 def check_call(name: str, arguments: str) -> None:
@@ -152,7 +179,8 @@ def test_a_zero_argument_function_is_still_called(oai, model):
 
 # ---- auto: the hermes parser and the qwen3 reasoning parser ------------------------------
 @pytest.mark.parametrize("stream", [False, True])
-def test_auto_parses_reasoning_then_a_call(oai, model, stream):
+def test_auto_parses_reasoning_then_a_call(oai_think, model, stream):
+    oai = oai_think
     kw: dict[str, Any] = dict(model=str(model), messages=ASK, tools=TOOLS, max_tokens=120,
                               extra_body={"structured_outputs": {"regex": THINK_CALL}})
     if stream:
@@ -168,7 +196,8 @@ def test_auto_parses_reasoning_then_a_call(oai, model, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_auto_without_a_call_is_content(oai, model, stream):
+def test_auto_without_a_call_is_content(oai_think, model, stream):
+    oai = oai_think
     kw: dict[str, Any] = dict(model=str(model), messages=ASK, tools=TOOLS, max_tokens=60,
                               extra_body={"structured_outputs": {"regex": THINK_TEXT}})
     if stream:
@@ -180,6 +209,26 @@ def test_auto_without_a_call_is_content(oai, model, stream):
                "calls": [], "reasons": [c.finish_reason]}
     assert got["content"].strip() == "It is sunny." and got["reasoning"].strip() == "short"
     assert got["calls"] == [] and got["reasons"] == ["stop"]
+
+
+def test_a_reasoning_models_forced_answer_follows_its_thinking(oai_think, model):
+    """With a reasoning parser a forced call (and response_format) starts after </think>; a
+    prompt whose thinking is closed (thinking off) gets it from the first token."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    (c,) = oai_think.chat.completions.create(model=str(model), tools=TOOLS, tool_choice=named, max_tokens=64,
+                                             **NO_THINKING).choices
+    (call,) = c.message.tool_calls
+    check_call(call.function.name, call.function.arguments)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}}
+    (c,) = oai_think.chat.completions.create(model=str(model), response_format=fmt, max_tokens=32,
+                                             **NO_THINKING).choices
+    assert c.finish_reason == "stop" and json.loads(c.message.content)["ok"] in (True, False)
+    # Thinking on (nothing closed it): the grammar waits; the random model thinks on freely.
+    (c,) = oai_think.chat.completions.create(model=str(model), messages=ASK, response_format=fmt,
+                                             max_tokens=24, temperature=0).choices
+    assert c.finish_reason == "length"
 
 
 def test_a_conversation_with_calls_and_tool_answers(oai, model):
@@ -219,7 +268,8 @@ def test_bad_tool_requests_name_the_field(oai, model):
 # ---- pipe mode's batch files, LLM.chat ---------------------------------------------------
 def test_batch_file_lines_call_tools(model):
     line = {"custom_id": "t1", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200}}
+            "body": {"messages": NO_THINKING["messages"], **NO_THINKING["extra_body"], "tools": TOOLS,
+                     "tool_choice": "required", "max_tokens": 200}}
     auto = {"custom_id": "t2", "method": "POST", "url": "/v1/chat/completions",
             "body": {"messages": ASK, "tools": TOOLS, "max_tokens": 120,
                      "structured_outputs": {"regex": THINK_CALL}}}
@@ -242,8 +292,8 @@ def test_batch_file_lines_call_tools(model):
 def test_pipe_mode_chat_lines_call_tools(model):
     """A plain JSON chat line takes tool_choice / parallel_tool_calls as the API does; its
     final line carries content, tool_calls, reasoning_content beside the raw text."""
-    lines = [{"id": "req", "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200,
-              "parallel_tool_calls": False},
+    lines = [{"id": "req", "messages": NO_THINKING["messages"], **NO_THINKING["extra_body"], "tools": TOOLS,
+              "tool_choice": "required", "max_tokens": 200, "parallel_tool_calls": False},
              {"id": "auto", "messages": ASK, "tools": TOOLS, "max_tokens": 120,
               "structured_outputs": {"regex": THINK_CALL}},
              {"id": "bad", "messages": ASK, "tools": TOOLS, "tool_choice": "sometimes"},

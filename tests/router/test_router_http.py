@@ -87,8 +87,12 @@ def test_tool_calls_and_reasoning_through_the_router(oai, front):
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
         "type": "object", "properties": {}, "additionalProperties": False}}}]
     ask = [{"role": "user", "content": "time?"}]
-    r = oai.chat.completions.create(model=name, messages=ask, tools=tools, max_tokens=16,
-                                    tool_choice={"type": "function", "function": {"name": "get_time"}})
+    # A forced call waits for the end of the thinking: this turn's thinking is closed already
+    # (as Qwen3's template writes it with thinking off), so the call comes at once.
+    closed = ask + [{"role": "assistant", "content": "<think>\n\n</think>\n\n"}]
+    r = oai.chat.completions.create(model=name, messages=closed, tools=tools, max_tokens=16,
+                                    tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                    extra_body={"add_generation_prompt": False, "continue_final_message": True})
     (call,) = r.choices[0].message.tool_calls
     assert (call.function.name, call.function.arguments) == ("get_time", "{}")
     regex = '<think>hm</think>\\n<tool_call>\\n\\{"name": "get_time", "arguments": \\{\\}\\}\\n</tool_call>'
