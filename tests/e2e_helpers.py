@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline.runtime.process import DIE_WITH_ENV
@@ -191,3 +192,16 @@ def pd_prompts(vocab: int, n: int = 64, seed: int = 0) -> list[list[int]]:
         else:
             out.append([rng.randrange(3, vocab) for _ in range(rng.randrange(3, 60))])
     return out
+
+
+def serving(model: Path | str, *flags: str, **kw: object) -> Iterator[Daemon]:
+    """A module fixture's body: `pipeline serve` ready, then stopped by SIGTERM with exit 0 and
+    no shared memory left behind."""
+    d = Daemon(Path(model), *flags, **kw)  # type: ignore[arg-type]
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        code = d.stop(signal.SIGTERM)
+    assert code == 0
+    assert shm_entries(d.instance_id) == []

@@ -11,7 +11,6 @@ import asyncio
 import json
 import random
 import shutil
-import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from e2e_helpers import ENGINE_FLAGS, Daemon, make_tiny_model, shm_entries, wait_for
+from e2e_helpers import ENGINE_FLAGS, Daemon, make_tiny_model, serving, shm_entries, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.client import Client
@@ -37,14 +36,7 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def daemon(model):
-    d = Daemon(model, "--api-key", KEY, http=True)
-    try:
-        d.wait_ready()
-        yield d
-    finally:
-        code = d.stop(signal.SIGTERM)
-    assert code == 0
-    assert shm_entries(d.instance_id) == []
+    yield from serving(model, "--api-key", KEY, http=True)
 
 
 @pytest.fixture(scope="module")

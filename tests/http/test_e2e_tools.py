@@ -10,7 +10,6 @@ what a trained model would write, streamed token by token.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from e2e_helpers import PIPELINE, ROOT, Daemon, env, make_tiny_model, shm_entries
+from e2e_helpers import PIPELINE, ROOT, Daemon, env, make_tiny_model, serving
 
 KEY = "tools-key"
 CITIES = ["Paris", "Lima", "Oslo"]
@@ -45,15 +44,8 @@ def model(tmp_path_factory) -> Path:
 
 
 def start(model: Path, *flags: str):
-    d = Daemon(model, "--api-key", KEY, "--max-model-len", "512", "--enable-auto-tool-choice",
-               "--tool-call-parser", "hermes", *flags, http=True)
-    try:
-        d.wait_ready()
-        yield d
-    finally:
-        code = d.stop(signal.SIGTERM)
-    assert code == 0
-    assert shm_entries(d.instance_id) == []
+    yield from serving(model, "--api-key", KEY, "--max-model-len", "512", "--enable-auto-tool-choice",
+                       "--tool-call-parser", "hermes", *flags, http=True)
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +226,8 @@ def test_a_reasoning_models_forced_answer_follows_its_thinking(oai_think, model)
 def test_a_conversation_with_calls_and_tool_answers(oai, model):
     messages = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
     r = oai.chat.completions.create(model=str(model), messages=messages, tools=TOOLS, tool_choice="none",
                                     max_tokens=8)

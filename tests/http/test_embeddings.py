@@ -7,13 +7,12 @@ a prompt over max_model_len), each a 400 naming the field. Every vector equals t
 from __future__ import annotations
 
 import base64
-import signal
 
 import httpx
 import numpy as np
 import openai
 import pytest
-from e2e_helpers import Daemon, shm_entries
+from e2e_helpers import serving
 
 from pipeline import LLM
 from pipeline.client import Client
@@ -28,14 +27,7 @@ TEXTS = ["the quick brown fox jumps over the lazy dog and keeps on running far a
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = Daemon(DEFAULT_MODEL, "--api-key", KEY, *FLAGS, http=True)
-    try:
-        d.wait_ready()
-        yield d
-    finally:
-        code = d.stop(signal.SIGTERM)
-    assert code == 0
-    assert shm_entries(d.instance_id) == []
+    yield from serving(DEFAULT_MODEL, "--api-key", KEY, *FLAGS, http=True)
 
 
 @pytest.fixture(scope="module")
