@@ -28,7 +28,15 @@ raises tokens per second; one below it lowers them.
 
 Proposing costs the worker time too (a suffix index's lookups, a draft model's forwards): the
 positions worth their price must together gain more than a request's proposal costs
-(``StepCost.proposal_price``), else no request drafts (but for a probe step in 32).
+(``StepCost.proposal_price``, measured from the first proposal on, a prefill step's too), else
+no request drafts but in a probe step, spaced so that probing costs about 1 % of the steps.
+
+Cold start: before anything is measured the cap is one position, and a position joins the cap
+only once the one before it was drafted ``SLOW_START`` times, so a proposer that never agrees
+pays for one draft a request until its price is known, not for K. The worker is told how
+many drafts each request may verify next (``want``): it proposes no more (a draft model's
+forward per draft), and none for a request that will not verify drafts, a dormant one's
+included; a draft model catches its KV up lazily when such a request drafts again.
 
 Owns / State: the counters (verify steps with drafts, drafted and accepted tokens, by
 position), the step cost line and the cap it sets; the per-request K, average and probe
@@ -42,6 +50,8 @@ from pipeline.engine.request import Request
 
 DORMANT_BELOW = 0.2  # accepted drafts per verify step, averaged, under which a request stops drafting
 PROBE_EVERY = 32  # decode steps between a dormant request's one-draft probes
+PROBE_SHARE = 0.01  # cap 0: the share of its step time the engine's probe steps may cost
+SLOW_START = 4  # times position i is drafted before position i + 1 may be
 
 
 COST_DECAY = 0.98  # per step: the cost line follows the last ~50 steps
@@ -95,37 +105,55 @@ class SpecDecode:
         self.accepted_per_position = [0] * num_speculative_tokens
         self.drafted_per_position = [0] * num_speculative_tokens
         self.cost = StepCost()
-        self.cap = num_speculative_tokens  # the draft positions worth their cost
-        # cap 0 (not even the first position pays): one step in PROBE_EVERY drafts one
+        # The draft positions worth their cost: one until the engine has measured more (the
+        # cost rule off: always K).
+        self.cap = 1 if cost_aware else num_speculative_tokens
+        # cap 0 (not even the first position pays): one step in probe_every() drafts one
         # position all the same, so its acceptance keeps being measured.
-        self.step_cap = num_speculative_tokens
-        self._cap_probe = 0
+        self.step_cap = self.cap
+        self._cap_probe = 1
 
     def begin_step(self) -> None:
         """At the start of a schedule(): this step's cap."""
-        if self.cap:
-            self.step_cap, self._cap_probe = self.cap, 0
+        if self.cap:  # should the cap drop to 0, its first probe comes probe_every() steps on
+            self.step_cap, self._cap_probe = self.cap, 1
         else:
             self.step_cap = 1 if self._cap_probe == 0 else 0
-            # A probe costs a proposal (a draft model's forwards: several tokens' worth), so
-            # the dearer proposing is, the rarer the probe: its cost stays ~1/PROBE_EVERY.
-            every = PROBE_EVERY * max(1, math.ceil(self.cost.proposal_price()))
-            self._cap_probe = (self._cap_probe + 1) % every
+            self._cap_probe = (self._cap_probe + 1) % self.probe_every()
 
-    def plan(self, req: Request, room: int, idle: list[str]) -> list[int]:
-        """A decode step of ``req``: its drafts (``drafts_for``); its id added to ``idle``
-        when it will not verify drafts at its next step (``wants_drafts``)."""
-        drafts = self.drafts_for(req, room)
-        if not self.wants_drafts(req):
-            idle.append(req.req_id)
-        return drafts
+    def probe_every(self) -> int:
+        """Steps between probe steps while no position pays: a probe costs each request a
+        proposal (a draft model's forward: several tokens' worth) and a token run, so the
+        dearer they are, the rarer the probe: its cost stays ~PROBE_SHARE of the steps."""
+        price = self.cost.proposal_price() + self.cost.token_price()
+        return max(PROBE_EVERY, math.ceil(price / PROBE_SHARE))
+
+    def next_k(self, req: Request) -> int:
+        """How many drafts ``req``, just scheduled, may verify at its next step (0: none):
+        the worker proposes that many for it (proposing costs the worker's step time)."""
+        if self.cap == 0:
+            if self._cap_probe != 0:
+                return 0
+            cap = 1  # the next step is a probe step
+        else:
+            cap = self.cap
+        if req.spec_k > 0:
+            return min(req.spec_k, cap)
+        return 1 if req.spec_probe <= 1 else 0  # dormant: its probe's one draft
 
     def wants_drafts(self, req: Request) -> bool:
-        """Whether ``req``, just scheduled, may verify drafts at its next step: the worker
-        proposes for it only then (proposing costs the worker's step time)."""
-        if self.cap == 0 and self._cap_probe != 0:
-            return False
-        return req.spec_k > 0 or req.spec_probe <= 1
+        return self.next_k(req) > 0
+
+    def want(self, reqs: list[Request], idle: list[str], fewer: dict[str, int]) -> None:
+        """The step's scheduled requests: those that will not verify drafts at their next
+        step into ``idle``, those that may verify fewer than K into ``fewer`` (req_id ->
+        how many): what the worker proposes after this step (SchedulerOutput)."""
+        for req in reqs:
+            k = self.next_k(req)
+            if k == 0:
+                idle.append(req.req_id)
+            elif k < self.k:
+                fewer[req.req_id] = k
 
     def start(self, req: Request) -> None:
         """A new request: two drafts first; K grows with what it keeps (2 x the average + 1:
@@ -145,30 +173,38 @@ class SpecDecode:
             req.spec_probe -= 1
             if req.spec_probe > 0:
                 return []
-            k = 1
+            n = min(1, self.step_cap, room, len(req.spec_token_ids))
+            if n:  # no proposal until its verdict (on_verified): a dormant request's probe mostly fails
+                req.spec_probe = 2
+            return req.spec_token_ids[:n]
         n = min(k, self.step_cap, room, len(req.spec_token_ids))
         return req.spec_token_ids[:n] if n > 0 else []
 
     def observe_step(self, tokens: int, seconds: float, produced: int, propose_s: float = 0.0,
-                     proposed: int = 0) -> None:
+                     proposed: int = 0, decode: bool = True) -> None:
         """A step ran ``tokens`` in ``seconds`` of the worker (``propose_s`` of them proposing
         drafts for ``proposed`` requests) and produced ``produced`` tokens: refit the cost,
         and the cap with it: the positions whose gain beats the price of a token, if all
-        of them together gain more than proposing costs (else none)."""
-        if seconds <= 0.0 or tokens <= 0 or not self.cost_aware:
+        of them together gain more than proposing costs (else none). Only decode and verify
+        steps (``decode``) feed the line; every step's proposals are priced."""
+        if not self.cost_aware:
             return
-        self.cost.add(tokens, seconds, produced)
+        if decode and seconds > 0.0 and tokens > 0:
+            self.cost.add(tokens, seconds, produced)
         if proposed:
             self.cost.add_proposals(propose_s, proposed)
         price = self.cost.token_price()
-        cap, net = 0, 0.0
-        # A position's gain: the share of the steps drafting it that kept it (a prior of
-        # one in two until it was drafted a few times).
-        while cap < self.k and (gain := (self.accepted_per_position[cap] + 1)
-                                / (self.drafted_per_position[cap] + 2)) > price:
+        drafted, cap, reach, net = self.drafted_per_position, 0, 0, 0.0
+        # A position's gain: the share of the steps drafting it that kept it (a prior of one
+        # in two until it was drafted a few times). The positions that pay together must
+        # beat a proposal's price; of them, drafted are those up to the first whose previous
+        # position was drafted fewer than SLOW_START times (no evidence yet: no deeper).
+        while cap < self.k and (gain := (self.accepted_per_position[cap] + 1) / (drafted[cap] + 2)) > price:
             net += gain - price
+            if reach == cap and (cap == 0 or drafted[cap - 1] >= SLOW_START):
+                reach += 1
             cap += 1
-        self.cap = cap if net > self.cost.proposal_price() else 0
+        self.cap = reach if net > self.cost.proposal_price() else 0
 
     def on_verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """``req``'s step verified ``num_drafts`` drafts and accepted the first ``num_accepted``."""

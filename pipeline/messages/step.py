@@ -63,6 +63,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # Requests that will not verify drafts at their next step (dormant, or drafts do not pay
     # now): the worker proposes nothing for them.
     spec_idle: list[str] = []
+    # Requests that may verify fewer than K drafts at their next step: how many (the worker
+    # proposes no more; a draft model runs a forward per draft).
+    spec_fewer: dict[str, int] = {}
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

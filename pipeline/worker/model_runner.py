@@ -54,6 +54,7 @@ class ModelRunner(RankModel):
         # Speculative decoding: rank 0 proposes, every rank verifies the drafts it is sent.
         self.spec = SpecDecoder(spec, proposes=rank == 0) if spec is not None else None
         self.spec_idle: list[str] = []  # the step's requests to propose nothing for
+        self.spec_fewer: dict[str, int] = {}  # ... and to propose fewer than K drafts for
         self._signal: LayerSignal | None = None
         self._signal_ranks = 1  # ranks sharing the KV segment (and the signal's layers)
         self._signal_stream = None
@@ -123,7 +124,7 @@ class ModelRunner(RankModel):
             b.num_computed_tokens[b.index[cached.req_id]] = cached.num_computed_tokens
         if spec is not None:
             spec.stage(b, sched.spec_token_ids)
-            self.spec_idle = sched.spec_idle
+            self.spec_idle, self.spec_fewer = sched.spec_idle, sched.spec_fewer
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         # A decode step replays a CUDA graph unless a layer signal must fire per layer.

@@ -95,12 +95,12 @@ class DraftModel:
             hidden = self.model(inp, pos, meta, self.layers)
             return argmax(self.model.compute_logits(hidden.index_select(0, last))).cpu().numpy()
 
-    def propose(self, b: InputBatch, rows: list[int], k: int) -> dict[int, list[int]]:
-        """Up to ``k`` greedy drafts for each of ``rows`` (row -> drafts), within the slots
-        its blocks give and max_model_len."""
+    def propose(self, b: InputBatch, rows: list[int], want: list[int]) -> dict[int, list[int]]:
+        """Up to ``want[i]`` greedy drafts for each of ``rows`` (row -> drafts), within the
+        slots its blocks give and max_model_len."""
         bs = self.block_size
         live, starts, ids, ks = [], [], [], []
-        for r in rows:
+        for r, k in zip(rows, want):
             rid = b.req_ids[r]
             assert rid is not None  # a live row
             n = int(b.num_tokens[r])

@@ -60,7 +60,8 @@ def verify_step(runner: ModelRunner, step_id: int, last: torch.Tensor, last_lps:
         so.accept_many([b.req_ids[r] for r in sample_rows.tolist()],
                        [v.tokens[e - c:e] for e, c in zip(ends.tolist(), v.counts)])
     t0 = time.perf_counter()
-    drafts, proposed = spec.propose(b, sample_rows, runner.spec_idle, so.check_drafts if so is not None else None)
+    drafts, proposed = spec.propose(b, sample_rows, runner.spec_idle, so.check_drafts if so is not None else None,
+                                    runner.spec_fewer)
     return ModelRunnerOutput(step_id=step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
                              sampled_token_ids=v.tokens, logprobs=v.logprobs or [],
                              prompt_logprobs=prompt_lps, num_sampled=v.counts, draft_token_ids=drafts,

@@ -1,0 +1,145 @@
+"""Speculative decoding's drafting policy (engine/spec_decode.py), driven directly on
+``SpecDecode`` with synthetic step times (no timing, no model): a proposer that never agrees
+(the random draft's floor) costs under 3 % from a cold start on, whatever its proposals
+cost; the cold start drafts one position until the engine measured more; the worker is asked
+for no more drafts than the request may verify; a proposer that always agrees still reaches
+K within a few dozen steps.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from pipeline.engine.request import Request
+from pipeline.engine.spec_decode import PROBE_SHARE, SLOW_START, SpecDecode
+from pipeline.sampling_params import SamplingParams
+
+BASE = 1e-3  # seconds of a one-token decode step
+
+
+def simulate(spec: SpecDecode, steps: int, accept: Callable[[int], int], forward_tokens: float,
+             token_price: float, prompt: int = 12) -> dict[str, float]:
+    """One request at batch 1, as the scheduler and the worker drive SpecDecode: a prefill
+    step, then ``steps`` decode steps. Each step's proposal runs one draft forward per draft
+    asked (``forward_tokens`` one-token steps' time each), a step of n tokens takes
+    BASE x (1 + token_price x (n - 1)); ``accept(d)``: the drafts kept of d. Returns the
+    output tok/s on over off (1 / BASE), drafts verified and proposals run."""
+    req = Request("r", list(range(prompt)), SamplingParams(max_tokens=steps + 2))
+    spec.start(req)
+    secs = produced = proposals = forwards = 0.0
+    asked = 0  # drafts the worker proposed after the previous step
+    for step in range(steps + 1):
+        spec.begin_step()
+        drafts = spec.drafts_for(req, 100) if step else []
+        idle: list[str] = []
+        fewer: dict[str, int] = {}
+        spec.want([req], idle, fewer)  # scheduled: then the step's result
+        kept = accept(len(drafts)) if drafts else 0
+        if drafts:
+            spec.on_verified(req, len(drafts), kept)
+        n_asked = 0 if idle else fewer.get(req.req_id, spec.k)
+        propose_s = BASE * forward_tokens * n_asked
+        step_s = BASE * (1 + token_price * len(drafts)) + propose_s
+        spec.observe_step(prompt if step == 0 else 1 + len(drafts), step_s, 1 + kept, propose_s,
+                          1 if n_asked else 0, decode=step > 0)
+        req.spec_token_ids = [7] * n_asked  # the proposer's drafts: as many as asked
+        secs += step_s
+        produced += 1 + kept
+        proposals += bool(n_asked)
+        forwards += n_asked
+        asked = n_asked
+    del asked
+    return {"ratio": produced / secs * BASE, "drafted": spec.num_draft_tokens, "proposals": proposals,
+            "forwards": forwards}
+
+
+@pytest.mark.parametrize("forward_tokens", [0.3, 1.0, 3.0])
+def test_a_draft_that_never_agrees_costs_under_3_percent_from_a_cold_start(forward_tokens):
+    """The random draft's floor: from a fresh engine (nothing measured), a proposer that never
+    agrees, its forward as dear as 0.3 to 3 target steps."""
+    spec = SpecDecode(4)
+    got = simulate(spec, 2000, lambda d: 0, forward_tokens, 0.3)
+    assert got["ratio"] >= 0.97, got
+    assert spec.cap == 0
+    # Cold: the request drafts one position (not K) until the proposal's price is known.
+    assert spec.drafted_per_position[1:] == [0, 0, 0]
+
+
+def test_the_first_proposals_price_gates_the_next():
+    spec = SpecDecode(4)
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=100))
+    spec.start(req)
+    spec.begin_step()
+    assert spec.step_cap == 1  # nothing measured: one position
+    idle: list[str] = []
+    fewer: dict[str, int] = {}
+    spec.want([req], idle, fewer)
+    assert idle == [] and fewer == {"r": 1}  # the worker proposes one draft, not K
+    # The prefill step: its proposal took four steps' time (a prefill does not feed the
+    # token line, its proposal is priced all the same).
+    spec.observe_step(3, 5 * BASE, 1, 4 * BASE, 1, decode=False)
+    assert spec.cap == 1  # no decode step yet: no tokens a second to price it in
+    spec.observe_step(1, BASE, 1)  # one decode step: a proposal costs ~4 tokens
+    assert spec.cost.proposal_price() > 3 and spec.cap == 0
+    spec.begin_step()
+    assert spec.step_cap == 0
+    idle, fewer = [], {}
+    spec.want([req], idle, fewer)
+    assert idle == ["r"]  # the worker proposes nothing for it
+
+
+def test_probe_steps_are_spaced_by_their_price():
+    spec = SpecDecode(4)
+    spec.observe_step(1, BASE, 1, 5 * BASE, 1)  # proposals cost 5 tokens
+    spec.observe_step(2, 1.2 * BASE, 1)
+    assert spec.cap == 0
+    every = spec.probe_every()
+    assert every >= spec.cost.proposal_price() / PROBE_SHARE
+    caps = []
+    for _ in range(3 * every):
+        spec.begin_step()
+        caps.append(spec.step_cap)
+    assert caps[0] == 0 and sum(caps) == 3  # one probe step per ``every``, not at once
+
+
+def test_a_dormant_request_asks_for_nothing_until_its_probe():
+    spec = SpecDecode(4, cost_aware=False)  # the per-request rule alone
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=1000))
+    spec.start(req)
+    asked: list[int] = []
+    for step in range(200):
+        spec.begin_step()
+        req.spec_token_ids = [7] * (asked[-1] if asked else 0)  # the worker's proposal
+        drafts = spec.drafts_for(req, 100) if step else []  # step 0: the prefill
+        idle: list[str] = []
+        fewer: dict[str, int] = {}
+        spec.want([req], idle, fewer)  # scheduled: then the step's result
+        asked.append(0 if idle else fewer.get("r", spec.k))
+        if drafts:
+            spec.on_verified(req, len(drafts), 0)
+    assert req.spec_k == 0
+    # A dormant request asks for one draft (its probe) after 2, 4, 8, 16, then 32 steps, and
+    # none while its probe is verified (it mostly fails): every draft asked for is verified
+    # but the one asked as it went dormant.
+    assert asked[:6] == [2, 2, 2, 1, 1, 0] and max(asked[6:]) == 1
+    assert sum(asked) - asked[-1] - spec.num_draft_tokens == 2
+    assert sum(1 for a in asked if a) <= 5 + 4 + 200 // 32
+
+
+def test_a_draft_that_always_agrees_reaches_k_within_a_few_dozen_steps():
+    spec = SpecDecode(6)
+    got = simulate(spec, 200, lambda d: d, 0.05, 0.05)
+    assert spec.cap == 6
+    assert spec.drafted_per_position[5] >= 200 - 6 * (SLOW_START + 3)  # K drafted nearly from the start
+    assert got["ratio"] > 3.5  # 7 tokens a step at ~1.6 steps' time (ideal ~4.3)
+
+
+def test_cost_rule_off_drafts_k_from_the_start():
+    spec = SpecDecode(4, cost_aware=False)
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=100))
+    spec.start(req)
+    spec.begin_step()
+    assert spec.step_cap == 4
+    req.spec_token_ids = [7] * 4
+    assert len(spec.drafts_for(req, 100)) == 2  # the request's own K: two first
