@@ -31,7 +31,7 @@ from pipeline.worker.input_batch import InputBatch
 from pipeline.worker.prompt_logprobs import prompt_logprobs
 from pipeline.worker.rank_model import RankModel
 from pipeline.worker.sampler import Sampler, build_metadata
-from pipeline.worker.spec.draft import DraftModel
+from pipeline.worker.spec.draft import DraftModel, draft_kv_bytes_per_block
 from pipeline.worker.spec.step import mask_drafts, verify_step
 from pipeline.worker.spec.verify import SpecDecoder
 from pipeline.worker.step_inputs import StepInputs, prepare_inputs
@@ -53,6 +53,8 @@ class ModelRunner(RankModel):
         spec = config.speculative_config
         # Speculative decoding: rank 0 proposes, every rank verifies the drafts it is sent.
         self.spec = SpecDecoder(spec, proposes=rank == 0) if spec is not None else None
+        if spec is not None and spec.method == "draft_model" and rank == 0:  # its KV is in the budget
+            self.draft_block_bytes = draft_kv_bytes_per_block(config, spec.model, self.block_size, self.device)
         self.spec_idle: list[str] = []  # the step's requests to propose nothing for
         self.spec_fewer: dict[str, int] = {}  # ... and to propose fewer than K drafts for
         self._signal: LayerSignal | None = None
