@@ -112,6 +112,7 @@ class SpecDecode:
         # position all the same, so its acceptance keeps being measured.
         self.step_cap = self.cap
         self._cap_probe = 1
+        self._every = PROBE_EVERY  # probe_every(), refitted with the cap
 
     def begin_step(self) -> None:
         """At the start of a schedule(): this step's cap."""
@@ -119,14 +120,13 @@ class SpecDecode:
             self.step_cap, self._cap_probe = self.cap, 1
         else:
             self.step_cap = 1 if self._cap_probe == 0 else 0
-            self._cap_probe = (self._cap_probe + 1) % self.probe_every()
+            self._cap_probe = (self._cap_probe + 1) % self._every
 
     def probe_every(self) -> int:
         """Steps between probe steps while no position pays: a probe costs each request a
         proposal (a draft model's forward: several tokens' worth) and a token run, so the
         dearer they are, the rarer the probe: its cost stays ~PROBE_SHARE of the steps."""
-        price = self.cost.proposal_price() + self.cost.token_price()
-        return max(PROBE_EVERY, math.ceil(price / PROBE_SHARE))
+        return self._every
 
     def next_k(self, req: Request) -> int:
         """How many drafts ``req``, just scheduled, may verify at its next step (0: none):
@@ -193,7 +193,7 @@ class SpecDecode:
             self.cost.add(tokens, seconds, produced)
         if proposed:
             self.cost.add_proposals(propose_s, proposed)
-        price = self.cost.token_price()
+        price, proposal = self.cost.token_price(), self.cost.proposal_price()
         drafted, cap, reach, net = self.drafted_per_position, 0, 0, 0.0
         # A position's gain: the share of the steps drafting it that kept it (a prior of one
         # in two until it was drafted a few times). The positions that pay together must
@@ -204,7 +204,9 @@ class SpecDecode:
             if reach == cap and (cap == 0 or drafted[cap - 1] >= SLOW_START):
                 reach += 1
             cap += 1
-        self.cap = reach if net > self.cost.proposal_price() else 0
+        self.cap = reach if net > proposal else 0
+        if not self.cap:
+            self._every = max(PROBE_EVERY, math.ceil((price + proposal) / PROBE_SHARE))
 
     def on_verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """``req``'s step verified ``num_drafts`` drafts and accepted the first ``num_accepted``."""

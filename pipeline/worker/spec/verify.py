@@ -191,6 +191,8 @@ class SpecDecoder:
             return out, 0
         skip, fewer = set(idle), fewer or {}
         rows = [r for r in sample_rows.tolist() if b.req_ids[r] not in skip and b.num_tokens[r] < b.max_model_len]
+        if not rows:
+            return out, 0
         ks = [fewer.get(b.req_ids[r] or "", self.k) for r in rows]
         if self.draft is not None:
             found = self.draft.propose(b, rows, ks)
