@@ -189,8 +189,10 @@ class SpecDecode:
         steps (``decode``) feed the line; every step's proposals are priced."""
         if not self.cost_aware:
             return
-        if decode and seconds > 0.0 and tokens > 0:
-            self.cost.add(tokens, seconds, produced)
+        # The line prices the forward (its seconds without the proposals, priced apart) in
+        # tokens of a step that proposes nothing: what decoding without drafts produces.
+        if decode and seconds > propose_s and tokens > 0:
+            self.cost.add(tokens, seconds - propose_s, produced)
         if proposed:
             self.cost.add_proposals(propose_s, proposed)
         price, proposal = self.cost.token_price(), self.cost.proposal_price()
