@@ -13,9 +13,7 @@ the in-process ``LLM`` (default: the embedded default model, as a user gets it):
 
 Each figure is output tok/s with the method on over off, runs alternating ABBA (a fresh
 ``LLM`` for each run, so no index learns from a previous run), the median of the pairs'
-ratios (``cpu_ratio``: the same per second of the process's CPU time, which time spent
-descheduled on a shared machine does not inflate); greedy outputs are checked equal on and
-off. Acceptance: tokens per verify step
+ratios; greedy outputs are checked equal on and off. Acceptance: tokens per verify step
 (``spec_mean_acceptance_length``) and accepted drafts per position; ``ceiling``: the speedup
 this acceptance allows at the price of a token the engine measured in the run (where the
 weights sit in cache, each token a step runs costs compute: the physics of the figure).
@@ -129,15 +127,14 @@ def random_draft(target: str, out: Path) -> str:
     return str(out)
 
 
-def _run(args: argparse.Namespace, fn, batch: int, spec: dict | None) -> tuple[float, float, list, dict]:
+def _run(args: argparse.Namespace, fn, batch: int, spec: dict | None) -> tuple[float, list, dict]:
     llm = _llm(args, spec)
     try:
         # Warm the kernels (untimed) on text the workload never sees: a suffix index must
         # not learn the workload's answers before it is timed.
         llm.generate(["Warm up."], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
-        cpu0 = time.process_time()
         toks, secs, outs = fn(llm, batch, args)
-        return toks / secs, toks / (time.process_time() - cpu0), outs, llm.stats()
+        return toks / secs, outs, llm.stats()
     finally:
         llm.close()
 
@@ -160,25 +157,21 @@ def ceiling(st: dict) -> float:
 def measure(args: argparse.Namespace, rep: Report, workload: str, method: str, batch: int) -> dict:
     fn, _ = WORKLOADS[workload]
     spec = METHODS[method]
-    ratios, cpu_ratios, on_tps, off_tps = [], [], [], []
+    ratios, on_tps, off_tps = [], [], []
     equal, st = True, {}  # type: tuple[bool, dict[str, Any]]
     for r in range(args.rounds):
         order = (None, spec) if r % 2 == 0 else (spec, None)
         got = {}
         for s in order:
             got[s is None] = _run(args, fn, batch, s)
-        (tps_off, cpu_off, outs_off, _), (tps_on, cpu_on, outs_on, st) = got[True], got[False]
+        (tps_off, outs_off, _), (tps_on, outs_on, st) = got[True], got[False]
         equal = equal and outs_on == outs_off
         ratios.append(tps_on / tps_off)
-        cpu_ratios.append(cpu_on / cpu_off)
         on_tps.append(tps_on)
         off_tps.append(tps_off)
     return rep.add(f"{workload} {method} batch {batch}", workload=workload, method=method, batch=batch,
                    ceiling=ceiling(st),
                    ratio=round(statistics.median(ratios), 3), ratios=[round(x, 3) for x in ratios],
-                   # Tokens per second of the process's CPU time: on a shared machine, time
-                   # spent descheduled does not count (a --threads 1 run is one busy thread).
-                   cpu_ratio=round(statistics.median(cpu_ratios), 3), cpu_ratios=[round(x, 3) for x in cpu_ratios],
                    tok_s_on=round(statistics.median(on_tps), 1), tok_s_off=round(statistics.median(off_tps), 1),
                    acceptance_length=round(float(st.get("spec_mean_acceptance_length", 0.0)), 3),
                    accepted_per_position=st.get("spec_accepted_per_position", []),
