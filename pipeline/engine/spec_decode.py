@@ -52,6 +52,7 @@ DORMANT_BELOW = 0.2  # accepted drafts per verify step, averaged, under which a 
 PROBE_EVERY = 32  # decode steps between a dormant request's one-draft probes
 PROBE_SHARE = 0.01  # cap 0: the share of its step time the engine's probe steps may cost
 SLOW_START = 4  # times position i is drafted before position i + 1 may be
+REFIT_EVERY = 8  # cap 0: steps between refits when no draft was verified nor proposed
 
 
 COST_DECAY = 0.98  # per step: the cost line follows the last ~50 steps
@@ -113,6 +114,8 @@ class SpecDecode:
         self.step_cap = self.cap
         self._cap_probe = 1
         self._every = PROBE_EVERY  # probe_every(), refitted with the cap
+        self._stale = 0  # steps observed since the cap was refitted
+        self._dirty = False  # drafts verified since
 
     def begin_step(self) -> None:
         """At the start of a schedule(): this step's cap."""
@@ -195,6 +198,12 @@ class SpecDecode:
             self.cost.add(tokens, seconds - propose_s, produced)
         if proposed:
             self.cost.add_proposals(propose_s, proposed)
+        # Cap 0 and nothing drafted nor proposed since (the steady state of drafts that do
+        # not pay): only the prices drift, slowly; a refit every few steps follows them.
+        self._stale += 1
+        if not (self.cap or proposed or self._dirty or self._stale >= REFIT_EVERY):
+            return
+        self._stale, self._dirty = 0, False
         price, proposal = self.cost.token_price(), self.cost.proposal_price()
         drafted, cap, reach, net = self.drafted_per_position, 0, 0, 0.0
         # A position's gain: the share of the steps drafting it that kept it (a prior of one
@@ -213,6 +222,7 @@ class SpecDecode:
     def on_verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """``req``'s step verified ``num_drafts`` drafts and accepted the first ``num_accepted``."""
         self.num_drafts += 1
+        self._dirty = True
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
         for i in range(num_accepted):

@@ -116,10 +116,10 @@ class StepResults:
                 d = out.draft_token_ids.get(rid)
                 req.spec_token_ids = bytes_to_ids(d).tolist() if d else []
         if s.spec is not None:  # the step's line only from decode and verify steps (no prefill)
-            s.spec.observe_step(sched.total_num_scheduled_tokens, out.execute_s, len(out.sampled_token_ids),
-                                out.propose_s, out.num_proposed,
-                                decode=sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens)
-                                + sum(len(d) // 4 for d in verified.values()))
+            total = sched.total_num_scheduled_tokens
+            s.spec.observe_step(total, out.execute_s, len(out.sampled_token_ids), out.propose_s, out.num_proposed,
+                                total == len(sched.num_scheduled_tokens)
+                                + (sum(len(d) for d in verified.values()) // 4 if verified else 0))
         if any_finished:
             s.running = [r for r in s.running if r.status == RequestStatus.RUNNING]
         return outputs
