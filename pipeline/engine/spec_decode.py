@@ -21,15 +21,20 @@ its weights from DRAM computes a few more tokens for free, one whose weights sit
 small model) pays for each. So the engine also measures it (``StepCost``: the worker's step
 time against the tokens it ran, a decayed least-squares line) and drafts position i only while
 the share of steps that accept it (``accepted / drafted`` there) is above what a token
-costs: the line's slope times the tokens a second the steps produce. Only steps of decodes
+costs (engine.spec_cost): the line's slope times the tokens a second the steps produce, plus
+what proposing one more draft costs. Only steps of decodes
 and verifies feed the line: a prefill's thousands of tokens are compute-bound, where a few
 more tokens of a decode step that reads its weights from DRAM come nearly free. Adding such a position
 raises tokens per second; one below it lowers them.
 
-Proposing costs the worker time too (a suffix index's lookups, a draft model's forwards): the
-positions worth their price must together gain more than a request's proposal costs
-(``StepCost.proposal_price``, measured from the first proposal on, a prefill step's too), else
-no request drafts but in a probe step, spaced so that probing costs about 1 % of the steps.
+Proposing costs the worker time too, per request (a suffix index's lookups, a draft model's
+catch-up) and per draft (a draft model's forward): the positions worth their price, the
+latter included, must together gain more than a request's proposal costs
+(``StepCost.proposal_prices``, measured from the first proposal on, a prefill step's too),
+else no request drafts but in a probe step, spaced so that probing costs about 1 % of the
+steps. A position's gain is taken as at most the one before's (a draft is kept only after
+the one before it was), so positions never drafted do not lend their prior to a proposer
+whose first position is measured to fail.
 
 Cold start: before anything is measured the cap is one position, and a position joins the cap
 only once the one before it was drafted ``SLOW_START`` times, so a proposer that never agrees
@@ -47,53 +52,13 @@ from __future__ import annotations
 import math
 
 from pipeline.engine.request import Request
+from pipeline.engine.spec_cost import StepCost
 
 DORMANT_BELOW = 0.2  # accepted drafts per verify step, averaged, under which a request stops drafting
 PROBE_EVERY = 32  # decode steps between a dormant request's one-draft probes
 PROBE_SHARE = 0.01  # cap 0: the share of its step time the engine's probe steps may cost
 SLOW_START = 4  # times position i is drafted before position i + 1 may be
 REFIT_EVERY = 8  # cap 0: steps between refits when no draft was verified nor proposed
-
-
-COST_DECAY = 0.98  # per step: the cost line follows the last ~50 steps
-
-
-class StepCost:
-    """Step seconds ~ a + b * tokens run, fitted over recent steps (decayed sums)."""
-
-    def __init__(self) -> None:
-        self.w = self.x = self.xx = self.y = self.xy = self.out = 0.0
-        self.propose_s = self.proposed = 0.0  # the worker's proposals: time and requests
-
-    def add_proposals(self, seconds: float, requests: int) -> None:
-        d = COST_DECAY
-        self.propose_s = d * self.propose_s + seconds
-        self.proposed = d * self.proposed + requests
-
-    def proposal_price(self) -> float:
-        """What proposing for one request costs, in tokens produced (its seconds x tokens
-        produced a second)."""
-        if not self.proposed or self.y <= 0.0:
-            return 0.0
-        return self.propose_s / self.proposed * self.out / self.y
-
-    def add(self, tokens: int, seconds: float, produced: int) -> None:
-        d = COST_DECAY
-        self.w = d * self.w + 1.0
-        self.x = d * self.x + tokens
-        self.xx = d * self.xx + tokens * tokens
-        self.y = d * self.y + seconds
-        self.xy = d * self.xy + tokens * seconds
-        self.out = d * self.out + produced
-
-    def token_price(self) -> float:
-        """The share of a produced token one more token run costs (slope x tokens produced
-        per second); 0 until the steps ran different token counts."""
-        var = self.w * self.xx - self.x * self.x
-        if var <= 1e-9 * self.w * self.w or self.y <= 0.0:
-            return 0.0
-        slope = max((self.w * self.xy - self.x * self.y) / var, 0.0)
-        return slope * self.out / self.y
 
 
 class SpecDecode:
@@ -184,12 +149,13 @@ class SpecDecode:
         return req.spec_token_ids[:n] if n > 0 else []
 
     def observe_step(self, tokens: int, seconds: float, produced: int, propose_s: float = 0.0,
-                     proposed: int = 0, decode: bool = True) -> None:
+                     proposed: int = 0, decode: bool = True, asked: int = 0) -> None:
         """A step ran ``tokens`` in ``seconds`` of the worker (``propose_s`` of them proposing
-        drafts for ``proposed`` requests) and produced ``produced`` tokens: refit the cost,
-        and the cap with it: the positions whose gain beats the price of a token, if all
-        of them together gain more than proposing costs (else none). Only decode and verify
-        steps (``decode``) feed the line; every step's proposals are priced."""
+        ``asked`` drafts for ``proposed`` requests) and produced ``produced`` tokens: refit
+        the cost, and the cap with it: the positions whose gain beats the price of a token
+        and of a draft, if all of them together gain more than proposing for a request
+        costs (else none). Only decode and verify steps (``decode``) feed the line; every
+        step's proposals are priced."""
         if not self.cost_aware:
             return
         # The line prices the forward (its seconds without the proposals, priced apart) in
@@ -197,20 +163,24 @@ class SpecDecode:
         if decode and seconds > propose_s and tokens > 0:
             self.cost.add(tokens, seconds - propose_s, produced)
         if proposed:
-            self.cost.add_proposals(propose_s, proposed)
+            self.cost.add_proposals(propose_s, proposed, asked)
         # Cap 0 and nothing drafted nor proposed since (the steady state of drafts that do
         # not pay): only the prices drift, slowly; a refit every few steps follows them.
         self._stale += 1
         if not (self.cap or proposed or self._dirty or self._stale >= REFIT_EVERY):
             return
         self._stale, self._dirty = 0, False
-        price, proposal = self.cost.token_price(), self.cost.proposal_price()
-        drafted, cap, reach, net = self.drafted_per_position, 0, 0, 0.0
+        token = self.cost.token_price()
+        proposal, per_draft = self.cost.proposal_prices()
+        price = token + per_draft  # of a draft position
+        drafted, cap, reach, net, gain = self.drafted_per_position, 0, 0, 0.0, 1.0
         # A position's gain: the share of the steps drafting it that kept it (a prior of one
-        # in two until it was drafted a few times). The positions that pay together must
-        # beat a proposal's price; of them, drafted are those up to the first whose previous
-        # position was drafted fewer than SLOW_START times (no evidence yet: no deeper).
-        while cap < self.k and (gain := (self.accepted_per_position[cap] + 1) / (drafted[cap] + 2)) > price:
+        # in two until it was drafted a few times), at most the gain of the one before (a
+        # draft is kept only after the one before it was). The positions that pay together
+        # must beat a proposal's price; of them, drafted are those up to the first whose
+        # previous position was drafted fewer than SLOW_START times (no evidence yet).
+        while cap < self.k and (gain := min(gain, (self.accepted_per_position[cap] + 1)
+                                            / (drafted[cap] + 2))) > price:
             net += gain - price
             if reach == cap and (cap == 0 or drafted[cap - 1] >= SLOW_START):
                 reach += 1

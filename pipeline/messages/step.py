@@ -100,3 +100,4 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     draft_token_ids: dict[str, bytes] = {}
     propose_s: float = 0.0  # the worker's time proposing them
     num_proposed: int = 0  # for how many requests it proposed
+    num_drafts_asked: int = 0  # how many drafts in all it was asked for them (engine.spec_cost)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from pipeline.engine.request import Request
+from pipeline.engine.spec_cost import StepCost
 from pipeline.engine.spec_decode import PROBE_SHARE, SLOW_START, SpecDecode
 from pipeline.sampling_params import SamplingParams
 
@@ -42,7 +43,7 @@ def simulate(spec: SpecDecode, steps: int, accept: Callable[[int], int], forward
         propose_s = BASE * forward_tokens * n_asked
         step_s = BASE * (1 + token_price * len(drafts)) + propose_s
         spec.observe_step(prompt if step == 0 else 1 + len(drafts), step_s, 1 + kept, propose_s,
-                          1 if n_asked else 0, decode=step > 0)
+                          1 if n_asked else 0, decode=step > 0, asked=n_asked)
         req.spec_token_ids = [7] * n_asked  # the proposer's drafts: as many as asked
         secs += step_s
         produced += 1 + kept
@@ -143,3 +144,37 @@ def test_cost_rule_off_drafts_k_from_the_start():
     assert spec.step_cap == 4
     req.spec_token_ids = [7] * 4
     assert len(spec.drafts_for(req, 100)) == 2  # the request's own K: two first
+
+
+def test_proposals_are_priced_per_request_and_per_draft():
+    """A draft model's proposal: a catch-up per request, a forward per draft; told apart
+    once proposals asked different draft counts (one count only: all of it per request)."""
+    cost = StepCost()
+    cost.add(1, BASE, 1)  # a token a BASE: prices in BASEs
+    cost.add_proposals(1.2 * BASE, 1, 1)
+    cost.add_proposals(2.4 * BASE, 2, 2)
+    assert cost.proposal_prices() == pytest.approx((1.2, 0.0))  # collinear: per request
+    cost.add_proposals(4.2 * BASE, 1, 4)
+    cost.add_proposals(2 * 2.2 * BASE, 2, 4)
+    assert cost.proposal_prices() == pytest.approx((0.2, 1.0))
+
+
+def test_a_failing_first_position_keeps_the_cap_shut():
+    """Even when noise makes a token look free (one token size seen: price 0): positions
+    never drafted count for no more than the first, measured to fail (not their prior of
+    1/2), and a draft model's forward is priced per draft."""
+    spec = SpecDecode(4)
+    spec.drafted_per_position[0], spec.accepted_per_position[0] = 20, 1
+    spec.cost.add(1, BASE, 1)
+    spec.cost.add_proposals(0.5 * BASE, 1, 4)  # cheap, per request (n-gram-like)
+    spec.observe_step(1, BASE, 1)
+    assert spec.cost.token_price() == 0.0
+    assert spec.cap == 0  # 4 x 2/22 < 0.5; priors would say 2/22 + 3 x 1/2
+    draft = SpecDecode(4)
+    draft.drafted_per_position[0], draft.accepted_per_position[0] = 5, 1  # one lucky hit in five
+    draft.cost.add(1, BASE, 1)
+    draft.cost.add_proposals(1.2 * BASE, 1, 1)  # a catch-up and a forward ...
+    draft.cost.add_proposals(2.2 * BASE, 1, 2)  # ... and one more forward per draft
+    draft.observe_step(1, BASE, 1)
+    assert draft.cost.proposal_prices() == pytest.approx((0.2, 1.0), abs=0.01)
+    assert draft.cap == 0  # a position gains 2/7 at most, costs a forward

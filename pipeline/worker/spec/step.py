@@ -52,12 +52,12 @@ def verify_step(runner: ModelRunner, step_id: int, last: torch.Tensor, last_lps:
         if so is not None and len(so):
             so.accept([b.req_ids[r] for r in sample_rows.tolist()], tokens)
         t0 = time.perf_counter()
-        drafts, proposed = spec.propose(b, sample_rows, runner.spec_idle,
-                                        so.check_drafts if so is not None else None, runner.spec_fewer)
+        drafts, proposed, asked = spec.propose(b, sample_rows, runner.spec_idle,
+                                               so.check_drafts if so is not None else None, runner.spec_fewer)
         return ModelRunnerOutput(step_id=step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
                                  sampled_token_ids=tokens, logprobs=last_lps or [], prompt_logprobs=prompt_lps,
                                  draft_token_ids=drafts, propose_s=time.perf_counter() - t0 if proposed else 0.0,
-                                 num_proposed=proposed)
+                                 num_proposed=proposed, num_drafts_asked=asked)
     draw_lps = None
     sampler = runner.sampler if b.num_needs_sampler and (tp is None or runner.rank == 0) else None
     if sampler is None and b.num_needs_sampler:  # rank > 0: rank 0's draws arrive below
@@ -74,9 +74,9 @@ def verify_step(runner: ModelRunner, step_id: int, last: torch.Tensor, last_lps:
         so.accept_many([b.req_ids[r] for r in sample_rows.tolist()],
                        [v.tokens[e - c:e] for e, c in zip(ends.tolist(), v.counts)])
     t0 = time.perf_counter()
-    drafts, proposed = spec.propose(b, sample_rows, runner.spec_idle, so.check_drafts if so is not None else None,
-                                    runner.spec_fewer)
+    drafts, proposed, asked = spec.propose(b, sample_rows, runner.spec_idle,
+                                           so.check_drafts if so is not None else None, runner.spec_fewer)
     return ModelRunnerOutput(step_id=step_id, req_ids=[b.req_ids[r] for r in sample_rows.tolist()],
                              sampled_token_ids=v.tokens, logprobs=v.logprobs or [],
                              prompt_logprobs=prompt_lps, num_sampled=v.counts, draft_token_ids=drafts,
-                             propose_s=time.perf_counter() - t0, num_proposed=proposed)
+                             propose_s=time.perf_counter() - t0, num_proposed=proposed, num_drafts_asked=asked)

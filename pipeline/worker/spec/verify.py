@@ -181,18 +181,19 @@ class SpecDecoder:
 
     def propose(self, b: InputBatch, sample_rows: np.ndarray, idle: list[str],
                 grammar: Callable[[str, list[int]], int] | None = None,
-                fewer: dict[str, int] | None = None) -> tuple[dict[str, bytes], int]:
+                fewer: dict[str, int] | None = None) -> tuple[dict[str, bytes], int, int]:
         """Drafts for each sampled row's next step (rank 0; none for ``idle``: the engine
         will not verify drafts for them then; ``fewer``: req_id -> at most that many, K for
-        the others), and for how many requests it proposed. A row with a grammar keeps the
-        drafts ``grammar`` allows (StructuredBatch.check_drafts)."""
+        the others), for how many requests it proposed and how many drafts it was asked in
+        all. A row with a grammar keeps the drafts ``grammar`` allows
+        (StructuredBatch.check_drafts)."""
         out: dict[str, bytes] = {}
         if self.proposer is None and self.draft is None:
-            return out, 0
+            return out, 0, 0
         skip, fewer = set(idle), fewer or {}
         rows = [r for r in sample_rows.tolist() if b.req_ids[r] not in skip and b.num_tokens[r] < b.max_model_len]
         if not rows:
-            return out, 0
+            return out, 0, 0
         ks = [fewer.get(b.req_ids[r] or "", self.k) for r in rows]
         if self.draft is not None:
             found = self.draft.propose(b, rows, ks)
@@ -207,4 +208,4 @@ class SpecDecoder:
                 drafts = drafts[:grammar(rid, drafts)] if grammar is not None else []
             if drafts:
                 out[rid] = ids_to_bytes(drafts)
-        return out, len(rows)
+        return out, len(rows), sum(ks)
