@@ -3,8 +3,9 @@ produced (engine.spec_decode prices draft positions with it; docs/speculative.md
 
 Two decayed least-squares fits over the last ~50 steps:
 - the forward: step seconds ~ a + b x tokens run, over decode and verify steps (their time
-  less the proposals'); ``token_price`` is b in produced tokens (b x tokens produced a
-  second of such steps): what one more token in a step costs;
+  less the proposals', and at most ``OUTLIER`` x what the line predicts: a step the process
+  was descheduled in says nothing of a token's price); ``token_price`` is b in produced
+  tokens (b x tokens produced a second of such steps): what one more token in a step costs;
 - the proposals: seconds ~ alpha x requests + beta x drafts asked, over the steps that
   proposed. A suffix index's lookup costs per request (alpha), a draft model's forward per
   draft (beta; its catch-up over the tokens it missed, per request again). While every
@@ -16,6 +17,10 @@ from __future__ import annotations
 
 COST_DECAY = 0.98  # per step: the fits follow the last ~50 steps
 COLLINEAR = 0.999  # squared correlation of requests and drafts asked above which they are not told apart
+# A step slower than this many times what the line predicts for its tokens counts as that:
+# the process was descheduled (a shared machine), which is no price of a token. Only once
+# the line has a few steps.
+OUTLIER = 2.0
 
 
 class StepCost:
@@ -59,6 +64,9 @@ class StepCost:
 
     def add(self, tokens: int, seconds: float, produced: int) -> None:
         d = COST_DECAY
+        if self.w >= 4.0:
+            slope = self._slope()
+            seconds = min(seconds, OUTLIER * ((self.y - slope * self.x) / self.w + slope * tokens))
         self.w = d * self.w + 1.0
         self.x = d * self.x + tokens
         self.xx = d * self.xx + tokens * tokens
@@ -69,8 +77,10 @@ class StepCost:
     def token_price(self) -> float:
         """The share of a produced token one more token run costs (slope x tokens produced
         per second); 0 until the steps ran different token counts."""
+        return self._slope() * self.out / self.y if self.y > 0.0 else 0.0
+
+    def _slope(self) -> float:
         var = self.w * self.xx - self.x * self.x
-        if var <= 1e-9 * self.w * self.w or self.y <= 0.0:
+        if var <= 1e-9 * self.w * self.w:
             return 0.0
-        slope = max((self.w * self.xy - self.x * self.y) / var, 0.0)
-        return slope * self.out / self.y
+        return max((self.w * self.xy - self.x * self.y) / var, 0.0)

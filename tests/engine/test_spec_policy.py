@@ -178,3 +178,16 @@ def test_a_failing_first_position_keeps_the_cap_shut():
     draft.observe_step(1, BASE, 1)
     assert draft.cost.proposal_prices() == pytest.approx((0.2, 1.0), abs=0.01)
     assert draft.cap == 0  # a position gains 2/7 at most, costs a forward
+
+
+def test_a_descheduled_step_does_not_price_a_token():
+    """A shared machine: one step of a one-token decode took 20 steps' time (the process was
+    descheduled). It counts as twice the predicted step at most: the price stays near the
+    truth (0.25 of a token per token) instead of jumping."""
+    cost = StepCost()
+    for i in range(40):
+        n = 1 + (i % 4 == 0)
+        cost.add(n, BASE * (1 + 0.25 * (n - 1)), 1)
+    assert cost.token_price() == pytest.approx(0.25, abs=0.02)
+    cost.add(2, 20 * BASE, 1)
+    assert cost.token_price() < 0.4  # unclamped: 1.57, which would shut drafting for ~50 steps
