@@ -59,6 +59,7 @@ PROBE_EVERY = 32  # decode steps between a dormant request's one-draft probes
 PROBE_SHARE = 0.01  # cap 0: the share of its step time the engine's probe steps may cost
 SLOW_START = 4  # times position i is drafted before position i + 1 may be
 REFIT_EVERY = 8  # cap 0: steps between refits when no draft was verified nor proposed
+KEEP_DECAY = 0.9  # per draft at a position: its keep share follows its last ~10 drafts
 
 
 class SpecDecode:
@@ -70,6 +71,11 @@ class SpecDecode:
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * num_speculative_tokens
         self.drafted_per_position = [0] * num_speculative_tokens
+        # The same, decayed per draft at each position: the keep shares the cap follows, so
+        # text that turns repetitive (an agent's later steps) reopens drafting within a few
+        # probes however long the history that said otherwise.
+        self._kept = [0.0] * num_speculative_tokens
+        self._tried = [0.0] * num_speculative_tokens
         self.cost = StepCost()
         # The draft positions worth their cost: one until the engine has measured more (the
         # cost rule off: always K).
@@ -174,13 +180,13 @@ class SpecDecode:
         proposal, per_draft = self.cost.proposal_prices()
         price = token + per_draft  # of a draft position
         drafted, cap, reach, net, gain = self.drafted_per_position, 0, 0, 0.0, 1.0
-        # A position's gain: the share of the steps drafting it that kept it (a prior of one
-        # in two until it was drafted a few times), at most the gain of the one before (a
+        kept, tried = self._kept, self._tried
+        # A position's gain: the share of its recent drafts kept (a prior of one in two
+        # until it was drafted a few times), at most the gain of the one before (a
         # draft is kept only after the one before it was). The positions that pay together
         # must beat a proposal's price; of them, drafted are those up to the first whose
         # previous position was drafted fewer than SLOW_START times (no evidence yet).
-        while cap < self.k and (gain := min(gain, (self.accepted_per_position[cap] + 1)
-                                            / (drafted[cap] + 2))) > price:
+        while cap < self.k and (gain := min(gain, (kept[cap] + 1) / (tried[cap] + 2))) > price:
             net += gain - price
             if reach == cap and (cap == 0 or drafted[cap - 1] >= SLOW_START):
                 reach += 1
@@ -197,8 +203,11 @@ class SpecDecode:
         self.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
+        kept, tried, d = self._kept, self._tried, KEEP_DECAY
         for i in range(num_drafts):
             self.drafted_per_position[i] += 1
+            tried[i] = d * tried[i] + 1.0
+            kept[i] = d * kept[i] + (i < num_accepted)
         if req.spec_k == 0:  # a probe: wake up, or wait twice as long (up to PROBE_EVERY)
             if num_accepted:
                 req.spec_ema, req.spec_backoff = float(num_accepted), 0

@@ -159,19 +159,27 @@ def test_proposals_are_priced_per_request_and_per_draft():
     assert cost.proposal_prices() == pytest.approx((0.2, 1.0))
 
 
+def verify(spec: SpecDecode, steps: int, hits: int) -> None:
+    """``steps`` verify steps of one draft, the first ``hits`` of them kept."""
+    req = Request("v", [1, 2, 3], SamplingParams(max_tokens=1000))
+    spec.start(req)
+    for i in range(steps):
+        spec.on_verified(req, 1, int(i < hits))
+
+
 def test_a_failing_first_position_keeps_the_cap_shut():
     """Even when noise makes a token look free (one token size seen: price 0): positions
     never drafted count for no more than the first, measured to fail (not their prior of
     1/2), and a draft model's forward is priced per draft."""
     spec = SpecDecode(4)
-    spec.drafted_per_position[0], spec.accepted_per_position[0] = 20, 1
+    verify(spec, 20, 1)
     spec.cost.add(1, BASE, 1)
     spec.cost.add_proposals(0.5 * BASE, 1, 4)  # cheap, per request (n-gram-like)
     spec.observe_step(1, BASE, 1)
     assert spec.cost.token_price() == 0.0
-    assert spec.cap == 0  # 4 x 2/22 < 0.5; priors would say 2/22 + 3 x 1/2
+    assert spec.cap == 0  # 4 x ~2/16 < 0.5; priors would say 2/16 + 3 x 1/2
     draft = SpecDecode(4)
-    draft.drafted_per_position[0], draft.accepted_per_position[0] = 5, 1  # one lucky hit in five
+    verify(draft, 5, 1)  # one lucky hit in five
     draft.cost.add(1, BASE, 1)
     draft.cost.add_proposals(1.2 * BASE, 1, 1)  # a catch-up and a forward ...
     draft.cost.add_proposals(2.2 * BASE, 1, 2)  # ... and one more forward per draft
@@ -191,3 +199,23 @@ def test_a_descheduled_step_does_not_price_a_token():
     assert cost.token_price() == pytest.approx(0.25, abs=0.02)
     cost.add(2, 20 * BASE, 1)
     assert cost.token_price() < 0.4  # unclamped: 1.57, which would shut drafting for ~50 steps
+
+
+def test_text_that_turns_repetitive_reopens_drafting_within_a_few_probes():
+    """The keep shares the cap follows are decayed (the last ~10 drafts of a position): after
+    a long history of failures, a handful of kept probes reopen it."""
+    spec = SpecDecode(4)
+    spec.cost.add(1, BASE, 1)
+    spec.cost.add(2, 1.3 * BASE, 1)  # a token costs 0.3
+    spec.cost.add_proposals(0.1 * BASE, 1, 1)
+    verify(spec, 200, 10)
+    spec.observe_step(1, BASE, 1)
+    assert spec.cap == 0
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=1000))
+    spec.start(req)
+    probes = 0
+    while spec.cap == 0:
+        spec.on_verified(req, 1, 1)  # a kept probe
+        spec.observe_step(2, 1.3 * BASE, 2)
+        probes += 1
+    assert probes <= 8
