@@ -18,10 +18,11 @@ accepts pays at most one extra token per PROBE_EVERY steps.
 
 What a draft position costs depends on the machine and the model: a decode step that reads
 its weights from DRAM computes a few more tokens for free, one whose weights sit in cache (a
-small model) pays for each. So the engine also measures it (``StepCost``: the worker's step
-time against the tokens it ran, a decayed least-squares line) and drafts position i only while
+small model) pays for each. So the engine also measures it (``StepCost``: the worker's steps
+that verified drafts against those of as many requests without, just before) and drafts
+position i only while
 the share of steps that accept it (``accepted / drafted`` there) is above what a token
-costs (engine.spec_cost): the line's slope times the tokens a second the steps produce, plus
+costs (engine.spec_cost): its seconds times the tokens a second the steps produce, plus
 what proposing one more draft costs. Only steps of decodes
 and verifies feed the line: a prefill's thousands of tokens are compute-bound, where a few
 more tokens of a decode step that reads its weights from DRAM come nearly free. Adding such a position
@@ -155,9 +156,10 @@ class SpecDecode:
         return req.spec_token_ids[:n] if n > 0 else []
 
     def observe_step(self, tokens: int, seconds: float, produced: int, propose_s: float = 0.0,
-                     proposed: int = 0, decode: bool = True, asked: int = 0) -> None:
+                     proposed: int = 0, decode: bool = True, asked: int = 0, drafts: int = 0) -> None:
         """A step ran ``tokens`` in ``seconds`` of the worker (``propose_s`` of them proposing
-        ``asked`` drafts for ``proposed`` requests) and produced ``produced`` tokens: refit
+        ``asked`` drafts for ``proposed`` requests; ``drafts`` of its tokens were drafts it
+        verified) and produced ``produced`` tokens: refit
         the cost, and the cap with it: the positions whose gain beats the price of a token
         and of a draft, if all of them together gain more than proposing for a request
         costs (else none). Only decode and verify steps (``decode``) feed the line; every
@@ -167,7 +169,7 @@ class SpecDecode:
         # The line prices the forward (its seconds without the proposals, priced apart) in
         # tokens of a step that proposes nothing: what decoding without drafts produces.
         if decode and seconds > propose_s and tokens > 0:
-            self.cost.add(tokens, seconds - propose_s, produced)
+            self.cost.add(tokens, seconds - propose_s, produced, drafts)
         if proposed:
             self.cost.add_proposals(propose_s, proposed, asked)
         # Cap 0 and nothing drafted nor proposed since (the steady state of drafts that do

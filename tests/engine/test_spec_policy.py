@@ -43,7 +43,7 @@ def simulate(spec: SpecDecode, steps: int, accept: Callable[[int], int], forward
         propose_s = BASE * forward_tokens * n_asked
         step_s = BASE * (1 + token_price * len(drafts)) + propose_s
         spec.observe_step(prompt if step == 0 else 1 + len(drafts), step_s, 1 + kept, propose_s,
-                          1 if n_asked else 0, decode=step > 0, asked=n_asked)
+                          1 if n_asked else 0, decode=step > 0, asked=n_asked, drafts=len(drafts))
         req.spec_token_ids = [7] * n_asked  # the proposer's drafts: as many as asked
         secs += step_s
         produced += 1 + kept
@@ -93,7 +93,7 @@ def test_the_first_proposals_price_gates_the_next():
 def test_probe_steps_are_spaced_by_their_price():
     spec = SpecDecode(4)
     spec.observe_step(1, BASE, 1, 5 * BASE, 1)  # proposals cost 5 tokens
-    spec.observe_step(2, 1.2 * BASE, 1)
+    spec.observe_step(2, 1.2 * BASE, 1, drafts=1)
     assert spec.cap == 0
     every = spec.probe_every()
     assert every >= spec.cost.proposal_price() / PROBE_SHARE
@@ -195,10 +195,10 @@ def test_a_descheduled_step_does_not_price_a_token():
     cost = StepCost()
     for i in range(40):
         n = 1 + (i % 4 == 0)
-        cost.add(n, BASE * (1 + 0.25 * (n - 1)), 1)
+        cost.add(n, BASE * (1 + 0.25 * (n - 1)), 1, n - 1)
     assert cost.token_price() == pytest.approx(0.25, abs=0.02)
-    cost.add(2, 20 * BASE, 1)
-    assert cost.token_price() < 0.4  # unclamped: 1.57, which would shut drafting for ~50 steps
+    cost.add(2, 20 * BASE, 1, 1)
+    assert cost.token_price() < 0.4  # unclamped: 2.0 for the next ~10 drafts' steps
 
 
 def test_text_that_turns_repetitive_reopens_drafting_within_a_few_probes():
@@ -206,7 +206,7 @@ def test_text_that_turns_repetitive_reopens_drafting_within_a_few_probes():
     a long history of failures, a handful of kept probes reopen it."""
     spec = SpecDecode(4)
     spec.cost.add(1, BASE, 1)
-    spec.cost.add(2, 1.3 * BASE, 1)  # a token costs 0.3
+    spec.cost.add(2, 1.3 * BASE, 1, 1)  # a token costs 0.3
     spec.cost.add_proposals(0.1 * BASE, 1, 1)
     verify(spec, 200, 10)
     spec.observe_step(1, BASE, 1)
@@ -216,6 +216,21 @@ def test_text_that_turns_repetitive_reopens_drafting_within_a_few_probes():
     probes = 0
     while spec.cap == 0:
         spec.on_verified(req, 1, 1)  # a kept probe
-        spec.observe_step(2, 1.3 * BASE, 2)
+        spec.observe_step(2, 1.3 * BASE, 2, drafts=1)
         probes += 1
     assert probes <= 8
+
+
+def test_the_price_of_a_token_follows_the_steps_of_the_moment():
+    """Drafts rare (probe steps only) while plain steps get faster (caches warming): each
+    verify step is priced against the plain steps just before it, so the price stays the
+    extra token's, where a line fitted over old slow steps drifted up."""
+    cost = StepCost()
+    step = 2.0 * BASE
+    for i in range(600):
+        step = max(BASE, step * 0.995)  # warming up
+        if i % 50 == 49:
+            cost.add(2, step + 0.3 * BASE, 1, 1)
+        else:
+            cost.add(1, step, 1)
+    assert cost.token_price() == pytest.approx(0.3, abs=0.05)
