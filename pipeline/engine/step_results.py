@@ -117,9 +117,9 @@ class StepResults:
                 req.spec_token_ids = bytes_to_ids(d).tolist() if d else []
         if s.spec is not None:  # a token's price only from decode and verify steps (no prefill)
             total = sched.total_num_scheduled_tokens
-            drafts = sum(len(d) for d in verified.values()) // 4 if verified else 0
+            n_drafts = sum(len(d) for d in verified.values()) // 4 if verified else 0
             s.spec.observe_step(total, out.execute_s, len(out.sampled_token_ids), out.propose_s, out.num_proposed,
-                                total == len(sched.num_scheduled_tokens) + drafts, out.num_drafts_asked, drafts)
+                                total == len(sched.num_scheduled_tokens) + n_drafts, out.num_drafts_asked, n_drafts)
         if any_finished:
             s.running = [r for r in s.running if r.status == RequestStatus.RUNNING]
         return outputs
