@@ -31,7 +31,7 @@ raises tokens per second; one below it lowers them.
 Proposing costs the worker time too, per request (a suffix index's lookups, a draft model's
 catch-up) and per draft (a draft model's forward): the positions worth their price, the
 latter included, must together gain more than a request's proposal costs
-(``StepCost.proposal_prices``, measured from the first proposal on, a prefill step's too),
+(``StepCost.prices``, measured from the first proposal on, a prefill step's too),
 else no request drafts but in a probe step, spaced so that probing costs about 1 % of the
 steps. A position's gain is taken as at most the one before's (a draft is kept only after
 the one before it was), so positions never drafted do not lend their prior to a proposer
@@ -156,10 +156,11 @@ class SpecDecode:
         return req.spec_token_ids[:n] if n > 0 else []
 
     def observe_step(self, tokens: int, seconds: float, produced: int, propose_s: float = 0.0,
-                     proposed: int = 0, decode: bool = True, asked: int = 0, drafts: int = 0) -> None:
+                     proposed: int = 0, decode: bool = True, asked: int = 0, drafts: int = 0,
+                     verifying: int = 0) -> None:
         """A step ran ``tokens`` in ``seconds`` of the worker (``propose_s`` of them proposing
-        ``asked`` drafts for ``proposed`` requests; ``drafts`` of its tokens were drafts it
-        verified) and produced ``produced`` tokens: refit
+        ``asked`` drafts for ``proposed`` requests; ``drafts`` of its tokens were drafts
+        ``verifying`` requests verified) and produced ``produced`` tokens: refit
         the cost, and the cap with it: the positions whose gain beats the price of a token
         and of a draft, if all of them together gain more than proposing for a request
         costs (else none). Only decode and verify steps (``decode``) feed the line; every
@@ -169,7 +170,7 @@ class SpecDecode:
         # The line prices the forward (its seconds without the proposals, priced apart) in
         # tokens of a step that proposes nothing: what decoding without drafts produces.
         if decode and seconds > propose_s and tokens > 0:
-            self.cost.add(tokens, seconds - propose_s, produced, drafts)
+            self.cost.add(tokens, seconds - propose_s, produced, drafts, verifying)
         if proposed:
             self.cost.add_proposals(propose_s, proposed, asked)
         # Cap 0 and nothing drafted nor proposed since (the steady state of drafts that do
@@ -178,9 +179,7 @@ class SpecDecode:
         if not (self.cap or proposed or self._dirty or self._stale >= REFIT_EVERY):
             return
         self._stale, self._dirty = 0, False
-        token = self.cost.token_price()
-        proposal, per_draft = self.cost.proposal_prices()
-        price = token + per_draft  # of a draft position
+        proposal, price = self.cost.prices()  # per request (verify and propose), per draft
         drafted, cap, reach, net, gain = self.drafted_per_position, 0, 0, 0.0, 1.0
         kept, tried = self._kept, self._tried
         # A position's gain: the share of its recent drafts kept (a prior of one in two

@@ -119,7 +119,8 @@ class StepResults:
             total = sched.total_num_scheduled_tokens
             n_drafts = sum(len(d) for d in verified.values()) // 4 if verified else 0
             s.spec.observe_step(total, out.execute_s, len(out.sampled_token_ids), out.propose_s, out.num_proposed,
-                                total == len(sched.num_scheduled_tokens) + n_drafts, out.num_drafts_asked, n_drafts)
+                                total == len(sched.num_scheduled_tokens) + n_drafts, out.num_drafts_asked, n_drafts,
+                                len(verified))
         if any_finished:
             s.running = [r for r in s.running if r.status == RequestStatus.RUNNING]
         return outputs

@@ -153,10 +153,10 @@ def test_proposals_are_priced_per_request_and_per_draft():
     cost.add(1, BASE, 1)  # a token a BASE: prices in BASEs
     cost.add_proposals(1.2 * BASE, 1, 1)
     cost.add_proposals(2.4 * BASE, 2, 2)
-    assert cost.proposal_prices() == pytest.approx((1.2, 0.0))  # collinear: per request
+    assert cost.prices() == pytest.approx((1.2, 0.0))  # collinear: per request
     cost.add_proposals(4.2 * BASE, 1, 4)
     cost.add_proposals(2 * 2.2 * BASE, 2, 4)
-    assert cost.proposal_prices() == pytest.approx((0.2, 1.0))
+    assert cost.prices() == pytest.approx((0.2, 1.0))
 
 
 def verify(spec: SpecDecode, steps: int, hits: int) -> None:
@@ -184,7 +184,7 @@ def test_a_failing_first_position_keeps_the_cap_shut():
     draft.cost.add_proposals(1.2 * BASE, 1, 1)  # a catch-up and a forward ...
     draft.cost.add_proposals(2.2 * BASE, 1, 2)  # ... and one more forward per draft
     draft.observe_step(1, BASE, 1)
-    assert draft.cost.proposal_prices() == pytest.approx((0.2, 1.0), abs=0.01)
+    assert draft.cost.prices() == pytest.approx((0.2, 1.0), abs=0.01)
     assert draft.cap == 0  # a position gains 2/7 at most, costs a forward
 
 
@@ -234,3 +234,15 @@ def test_the_price_of_a_token_follows_the_steps_of_the_moment():
         else:
             cost.add(1, step, 1)
     assert cost.token_price() == pytest.approx(0.3, abs=0.05)
+
+
+def test_a_verify_step_is_priced_per_request_and_per_draft():
+    """A verify step leaves the one-token decode path (a cost per request whatever its
+    drafts) and runs its drafts (a cost each): told apart once steps verified different
+    draft counts, so deep drafts are not charged the first one's fixed part."""
+    cost = StepCost()
+    for i in range(30):
+        cost.add(1, BASE, 1)
+        d = 1 + 3 * (i % 2)
+        cost.add(1 + d, BASE * (1.5 + 0.1 * d), 1, d, 1)
+    assert cost.verify.fit() == pytest.approx((0.5 * BASE, 0.1 * BASE))  # seconds
