@@ -13,7 +13,10 @@ the in-process ``LLM`` (default: the embedded default model, as a user gets it):
 
 Each figure is output tok/s with the method on over off, runs alternating ABBA (a fresh
 ``LLM`` for each run, so no index learns from a previous run), the median of the pairs'
-ratios; greedy outputs are checked equal on and off. Acceptance: tokens per verify step
+ratios; greedy outputs are checked equal on and off. ``--interleave``: each round runs the
+two engines side by side in the process, every generate call on one then the other (the order
+alternating), each timed apart: on a shared machine load that comes and goes within a run
+falls on both alike, where whole runs one after the other can differ by +-30 %. Acceptance: tokens per verify step
 (``spec_mean_acceptance_length``) and accepted drafts per position; ``ceiling``: the speedup
 this acceptance allows at the price of a token the engine measured in the run (where the
 weights sit in cache, each token a step runs costs compute: the physics of the figure).
@@ -53,6 +56,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
     p.add_argument("--methods", default="", help="comma-separated subset (default: each workload's)")
     p.add_argument("--dtype", default="auto", help="the target's (and drafts') dtype")
+    p.add_argument("--interleave", action="store_true",
+                   help="off and on side by side, alternating each generate call (for a shared machine)")
     p.add_argument("--quick", action="store_true", help="tiny workloads (the bench's test)")
 
 
@@ -139,6 +144,45 @@ def _run(args: argparse.Namespace, fn, batch: int, spec: dict | None) -> tuple[f
         llm.close()
 
 
+class _Pair:
+    """Two engines (off, on) behind one ``generate``: each call runs on both, the order
+    alternating, each timed apart; it answers with the ``on`` engine's outputs."""
+
+    def __init__(self, off: Any, on: Any) -> None:
+        self.llms = {False: off, True: on}
+        self.secs = {False: 0.0, True: 0.0}
+        self.toks = {False: 0, True: 0}
+        self.outs: dict[bool, list] = {False: [], True: []}
+        self.calls = 0
+
+    def generate(self, prompts: list, sp: SamplingParams, use_tqdm: bool = False) -> list:
+        res = {}
+        for on in ((False, True) if self.calls % 2 == 0 else (True, False)):
+            t0 = time.perf_counter()
+            res[on] = self.llms[on].generate(prompts, sp, use_tqdm=use_tqdm)
+            self.secs[on] += time.perf_counter() - t0
+        self.calls += 1
+        for on, got in res.items():
+            self.toks[on] += sum(len(r.outputs[0].token_ids) for r in got)
+            self.outs[on] += [list(r.outputs[0].token_ids) for r in got]
+        return res[True]
+
+
+def _run_pair(args: argparse.Namespace, fn, batch: int, spec: dict) -> dict[bool, tuple[float, list, dict]]:
+    """One round of --interleave: {on: (tok/s, outputs, stats)}."""
+    llms = [_llm(args, None)]
+    try:
+        llms.append(_llm(args, spec))
+        for llm in llms:  # as _run: warm up on text the workload never sees
+            llm.generate(["Warm up."], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+        pair = _Pair(*llms)
+        fn(pair, batch, args)
+        return {on: (pair.toks[on] / pair.secs[on], pair.outs[on], llms[on].stats()) for on in (False, True)}
+    finally:
+        for llm in llms:
+            llm.close()
+
+
 def ceiling(st: dict) -> float:
     """The most speculation can give with this run's acceptance and this machine's price of
     a token (engine.spec_decode): max over K of (1 + sum of the first K positions' keep
@@ -160,11 +204,15 @@ def measure(args: argparse.Namespace, rep: Report, workload: str, method: str, b
     ratios, on_tps, off_tps = [], [], []
     equal, st = True, {}  # type: tuple[bool, dict[str, Any]]
     for r in range(args.rounds):
-        order = (None, spec) if r % 2 == 0 else (spec, None)
-        got = {}
-        for s in order:
-            got[s is None] = _run(args, fn, batch, s)
-        (tps_off, outs_off, _), (tps_on, outs_on, st) = got[True], got[False]
+        if args.interleave:
+            pair = _run_pair(args, fn, batch, spec)
+            (tps_off, outs_off, _), (tps_on, outs_on, st) = pair[False], pair[True]
+        else:
+            order = (None, spec) if r % 2 == 0 else (spec, None)
+            got = {}
+            for s in order:
+                got[s is None] = _run(args, fn, batch, s)
+            (tps_off, outs_off, _), (tps_on, outs_on, st) = got[True], got[False]
         equal = equal and outs_on == outs_off
         ratios.append(tps_on / tps_off)
         on_tps.append(tps_on)
@@ -178,7 +226,7 @@ def measure(args: argparse.Namespace, rep: Report, workload: str, method: str, b
                    drafted_per_position=st.get("spec_drafted_per_position", []),
                    draft_cap=st.get("spec_draft_cap", 0), token_price=st.get("spec_token_price", 0.0),
                    proposal_price=st.get("spec_proposal_price", 0.0),
-                   outputs_equal=equal if workload != "floor" else None)
+                   outputs_equal=equal if workload != "floor" else None, interleaved=args.interleave)
 
 
 def main(args: argparse.Namespace) -> int:

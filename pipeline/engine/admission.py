@@ -46,6 +46,7 @@ class StepBudget:
     new_request_bytes: int = 0  # of the requests admitted in this step
     spec: dict[str, bytes] = field(default_factory=dict)  # drafts verified (SchedulerOutput)
     spec_idle: list[str] = field(default_factory=list)  # no drafts wanted next step
+    spec_fewer: dict[str, int] = field(default_factory=dict)  # fewer than K drafts wanted next step
 
 
 class Admission:

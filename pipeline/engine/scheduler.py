@@ -243,8 +243,8 @@ class Scheduler:
                 continue
             # Drafts: as many as leave room for the token it samples anyway in the budget,
             # max_tokens and max_model_len.
-            drafts = spec.plan(req, min(st.budget, min(req.max_num_tokens, max_len) - len(req.all_token_ids)) - 1,
-                               st.spec_idle) if spec is not None else []
+            drafts = spec.drafts_for(req, min(st.budget, min(req.max_num_tokens, max_len)
+                                              - len(req.all_token_ids)) - 1) if spec is not None else []
             n = 1 + len(drafts)
             need = n + min(self.lookahead, max_len - start - n)
             # Fast path: the decode token (and drafts) still fit in the request's last block.
@@ -283,11 +283,14 @@ class Scheduler:
         # No admission in a step that had to preempt: the pool is too tight for more work.
         if not preempted:
             self.admission.admit(step, st, new_reqs)
+        if spec is not None:  # what the worker proposes after this step, for whom
+            spec.want([self.requests[rid] for rid in num_sched], st.spec_idle, st.spec_fewer)
         if self.connector is not None:
             self.connector.build_connector_meta(step, num_sched, not preempted)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(step, new_reqs, cached_reqs, num_sched, sum(num_sched.values()),
-                               finished, [r.req_id for r in preempted], st.spec, st.spec_idle)
+                               finished, [r.req_id for r in preempted], st.spec, st.spec_idle,
+                               st.spec_fewer)
 
     def update_from_output(self, sched: SchedulerOutput,
                            out: ModelRunnerOutput) -> list[EngineOutput]:

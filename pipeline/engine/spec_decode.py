@@ -18,17 +18,31 @@ accepts pays at most one extra token per PROBE_EVERY steps.
 
 What a draft position costs depends on the machine and the model: a decode step that reads
 its weights from DRAM computes a few more tokens for free, one whose weights sit in cache (a
-small model) pays for each. So the engine also measures it (``StepCost``: the worker's step
-time against the tokens it ran, a decayed least-squares line) and drafts position i only while
+small model) pays for each. So the engine also measures it (``StepCost``: the worker's steps
+that verified drafts against those of as many requests without, just before) and drafts
+position i only while
 the share of steps that accept it (``accepted / drafted`` there) is above what a token
-costs: the line's slope times the tokens a second the steps produce. Only steps of decodes
+costs (engine.spec_cost): its seconds times the tokens a second the steps produce, plus
+what proposing one more draft costs. Only steps of decodes
 and verifies feed the line: a prefill's thousands of tokens are compute-bound, where a few
 more tokens of a decode step that reads its weights from DRAM come nearly free. Adding such a position
 raises tokens per second; one below it lowers them.
 
-Proposing costs the worker time too (a suffix index's lookups, a draft model's forwards): the
-positions worth their price must together gain more than a request's proposal costs
-(``StepCost.proposal_price``), else no request drafts (but for a probe step in 32).
+Proposing costs the worker time too, per request (a suffix index's lookups, a draft model's
+catch-up) and per draft (a draft model's forward): the positions worth their price, the
+latter included, must together gain more than a request's proposal costs
+(``StepCost.prices``, measured from the first proposal on, a prefill step's too),
+else no request drafts but in a probe step, spaced so that probing costs about 1 % of the
+steps. A position's gain is taken as at most the one before's (a draft is kept only after
+the one before it was), so positions never drafted do not lend their prior to a proposer
+whose first position is measured to fail.
+
+Cold start: before anything is measured the cap is one position, and a position joins the cap
+only once the one before it was drafted ``SLOW_START`` times, so a proposer that never agrees
+pays for one draft a request until its price is known, not for K. The worker is told how
+many drafts each request may verify next (``want``): it proposes no more (a draft model's
+forward per draft), and none for a request that will not verify drafts, a dormant one's
+included; a draft model catches its KV up lazily when such a request drafts again.
 
 Owns / State: the counters (verify steps with drafts, drafted and accepted tokens, by
 position), the step cost line and the cap it sets; the per-request K, average and probe
@@ -39,50 +53,14 @@ from __future__ import annotations
 import math
 
 from pipeline.engine.request import Request
+from pipeline.engine.spec_cost import StepCost
 
 DORMANT_BELOW = 0.2  # accepted drafts per verify step, averaged, under which a request stops drafting
 PROBE_EVERY = 32  # decode steps between a dormant request's one-draft probes
-
-
-COST_DECAY = 0.98  # per step: the cost line follows the last ~50 steps
-
-
-class StepCost:
-    """Step seconds ~ a + b * tokens run, fitted over recent steps (decayed sums)."""
-
-    def __init__(self) -> None:
-        self.w = self.x = self.xx = self.y = self.xy = self.out = 0.0
-        self.propose_s = self.proposed = 0.0  # the worker's proposals: time and requests
-
-    def add_proposals(self, seconds: float, requests: int) -> None:
-        d = COST_DECAY
-        self.propose_s = d * self.propose_s + seconds
-        self.proposed = d * self.proposed + requests
-
-    def proposal_price(self) -> float:
-        """What proposing for one request costs, in tokens produced (its seconds x tokens
-        produced a second)."""
-        if not self.proposed or self.y <= 0.0:
-            return 0.0
-        return self.propose_s / self.proposed * self.out / self.y
-
-    def add(self, tokens: int, seconds: float, produced: int) -> None:
-        d = COST_DECAY
-        self.w = d * self.w + 1.0
-        self.x = d * self.x + tokens
-        self.xx = d * self.xx + tokens * tokens
-        self.y = d * self.y + seconds
-        self.xy = d * self.xy + tokens * seconds
-        self.out = d * self.out + produced
-
-    def token_price(self) -> float:
-        """The share of a produced token one more token run costs (slope x tokens produced
-        per second); 0 until the steps ran different token counts."""
-        var = self.w * self.xx - self.x * self.x
-        if var <= 1e-9 * self.w * self.w or self.y <= 0.0:
-            return 0.0
-        slope = max((self.w * self.xy - self.x * self.y) / var, 0.0)
-        return slope * self.out / self.y
+PROBE_SHARE = 0.01  # cap 0: the share of its step time the engine's probe steps may cost
+SLOW_START = 4  # times position i is drafted before position i + 1 may be
+REFIT_EVERY = 8  # cap 0: steps between refits when no draft was verified nor proposed
+KEEP_DECAY = 0.9  # per draft at a position: its keep share follows its last ~10 drafts
 
 
 class SpecDecode:
@@ -94,38 +72,63 @@ class SpecDecode:
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * num_speculative_tokens
         self.drafted_per_position = [0] * num_speculative_tokens
+        # The same, decayed per draft at each position: the keep shares the cap follows, so
+        # text that turns repetitive (an agent's later steps) reopens drafting within a few
+        # probes however long the history that said otherwise.
+        self._kept = [0.0] * num_speculative_tokens
+        self._tried = [0.0] * num_speculative_tokens
         self.cost = StepCost()
-        self.cap = num_speculative_tokens  # the draft positions worth their cost
-        # cap 0 (not even the first position pays): one step in PROBE_EVERY drafts one
+        # The draft positions worth their cost: one until the engine has measured more (the
+        # cost rule off: always K).
+        self.cap = 1 if cost_aware else num_speculative_tokens
+        # cap 0 (not even the first position pays): one step in probe_every() drafts one
         # position all the same, so its acceptance keeps being measured.
-        self.step_cap = num_speculative_tokens
-        self._cap_probe = 0
+        self.step_cap = self.cap
+        self._cap_probe = 1
+        self._every = PROBE_EVERY  # probe_every(), refitted with the cap
+        self._stale = 0  # steps observed since the cap was refitted
+        self._dirty = False  # drafts verified since
 
     def begin_step(self) -> None:
         """At the start of a schedule(): this step's cap."""
-        if self.cap:
-            self.step_cap, self._cap_probe = self.cap, 0
+        if self.cap:  # should the cap drop to 0, its first probe comes probe_every() steps on
+            self.step_cap, self._cap_probe = self.cap, 1
         else:
             self.step_cap = 1 if self._cap_probe == 0 else 0
-            # A probe costs a proposal (a draft model's forwards: several tokens' worth), so
-            # the dearer proposing is, the rarer the probe: its cost stays ~1/PROBE_EVERY.
-            every = PROBE_EVERY * max(1, math.ceil(self.cost.proposal_price()))
-            self._cap_probe = (self._cap_probe + 1) % every
+            self._cap_probe = (self._cap_probe + 1) % self._every
 
-    def plan(self, req: Request, room: int, idle: list[str]) -> list[int]:
-        """A decode step of ``req``: its drafts (``drafts_for``); its id added to ``idle``
-        when it will not verify drafts at its next step (``wants_drafts``)."""
-        drafts = self.drafts_for(req, room)
-        if not self.wants_drafts(req):
-            idle.append(req.req_id)
-        return drafts
+    def probe_every(self) -> int:
+        """Steps between probe steps while no position pays: a probe costs each request a
+        proposal (a draft model's forward: several tokens' worth) and a token run, so the
+        dearer they are, the rarer the probe: its cost stays ~PROBE_SHARE of the steps."""
+        return self._every
+
+    def next_k(self, req: Request) -> int:
+        """How many drafts ``req``, just scheduled, may verify at its next step (0: none):
+        the worker proposes that many for it (proposing costs the worker's step time)."""
+        if self.cap == 0:
+            if self._cap_probe != 0:
+                return 0
+            cap = 1  # the next step is a probe step
+        else:
+            cap = self.cap
+        if req.spec_k > 0:
+            return min(req.spec_k, cap)
+        return 1 if req.spec_probe <= 1 else 0  # dormant: its probe's one draft
 
     def wants_drafts(self, req: Request) -> bool:
-        """Whether ``req``, just scheduled, may verify drafts at its next step: the worker
-        proposes for it only then (proposing costs the worker's step time)."""
-        if self.cap == 0 and self._cap_probe != 0:
-            return False
-        return req.spec_k > 0 or req.spec_probe <= 1
+        return self.next_k(req) > 0
+
+    def want(self, reqs: list[Request], idle: list[str], fewer: dict[str, int]) -> None:
+        """The step's scheduled requests: those that will not verify drafts at their next
+        step into ``idle``, those that may verify fewer than K into ``fewer`` (req_id ->
+        how many): what the worker proposes after this step (SchedulerOutput)."""
+        for req in reqs:
+            k = self.next_k(req)
+            if k == 0:
+                idle.append(req.req_id)
+            elif k < self.k:
+                fewer[req.req_id] = k
 
     def start(self, req: Request) -> None:
         """A new request: two drafts first; K grows with what it keeps (2 x the average + 1:
@@ -145,40 +148,67 @@ class SpecDecode:
             req.spec_probe -= 1
             if req.spec_probe > 0:
                 return []
-            k = 1
+            n = min(1, self.step_cap, room, len(req.spec_token_ids))
+            if n:  # no proposal until its verdict (on_verified): a dormant request's probe mostly fails
+                req.spec_probe = 2
+            return req.spec_token_ids[:n]
         n = min(k, self.step_cap, room, len(req.spec_token_ids))
         return req.spec_token_ids[:n] if n > 0 else []
 
     def observe_step(self, tokens: int, seconds: float, produced: int, propose_s: float = 0.0,
-                     proposed: int = 0) -> None:
+                     proposed: int = 0, decode: bool = True, asked: int = 0, drafts: int = 0,
+                     verifying: int = 0) -> None:
         """A step ran ``tokens`` in ``seconds`` of the worker (``propose_s`` of them proposing
-        drafts for ``proposed`` requests) and produced ``produced`` tokens: refit the cost,
-        and the cap with it: the positions whose gain beats the price of a token, if all
-        of them together gain more than proposing costs (else none)."""
-        if seconds <= 0.0 or tokens <= 0 or not self.cost_aware:
+        ``asked`` drafts for ``proposed`` requests; ``drafts`` of its tokens were drafts
+        ``verifying`` requests verified) and produced ``produced`` tokens: refit
+        the cost, and the cap with it: the positions whose gain beats the price of a token
+        and of a draft, if all of them together gain more than proposing for a request
+        costs (else none). Only decode and verify steps (``decode``) feed the line; every
+        step's proposals are priced."""
+        if not self.cost_aware:
             return
-        self.cost.add(tokens, seconds, produced)
+        # The line prices the forward (its seconds without the proposals, priced apart) in
+        # tokens of a step that proposes nothing: what decoding without drafts produces.
+        if decode and seconds > propose_s and tokens > 0:
+            self.cost.add(tokens, seconds - propose_s, produced, drafts, verifying)
         if proposed:
-            self.cost.add_proposals(propose_s, proposed)
-        price = self.cost.token_price()
-        cap, net = 0, 0.0
-        # A position's gain: the share of the steps drafting it that kept it (a prior of
-        # one in two until it was drafted a few times).
-        while cap < self.k and (gain := (self.accepted_per_position[cap] + 1)
-                                / (self.drafted_per_position[cap] + 2)) > price:
+            self.cost.add_proposals(propose_s, proposed, asked)
+        # Cap 0 and nothing drafted nor proposed since (the steady state of drafts that do
+        # not pay): only the prices drift, slowly; a refit every few steps follows them.
+        self._stale += 1
+        if not (self.cap or proposed or self._dirty or self._stale >= REFIT_EVERY):
+            return
+        self._stale, self._dirty = 0, False
+        proposal, price = self.cost.prices()  # per request (verify and propose), per draft
+        drafted, cap, reach, net, gain = self.drafted_per_position, 0, 0, 0.0, 1.0
+        kept, tried = self._kept, self._tried
+        # A position's gain: the share of its recent drafts kept (a prior of one in two
+        # until it was drafted a few times), at most the gain of the one before (a
+        # draft is kept only after the one before it was). The positions that pay together
+        # must beat a proposal's price; of them, drafted are those up to the first whose
+        # previous position was drafted fewer than SLOW_START times (no evidence yet).
+        while cap < self.k and (gain := min(gain, (kept[cap] + 1) / (tried[cap] + 2))) > price:
             net += gain - price
+            if reach == cap and (cap == 0 or drafted[cap - 1] >= SLOW_START):
+                reach += 1
             cap += 1
-        self.cap = cap if net > self.cost.proposal_price() else 0
+        self.cap = reach if net > proposal else 0
+        if not self.cap:
+            self._every = max(PROBE_EVERY, math.ceil((price + proposal) / PROBE_SHARE))
 
     def on_verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """``req``'s step verified ``num_drafts`` drafts and accepted the first ``num_accepted``."""
         self.num_drafts += 1
+        self._dirty = True
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
+        kept, tried, d = self._kept, self._tried, KEEP_DECAY
         for i in range(num_drafts):
             self.drafted_per_position[i] += 1
+            tried[i] = d * tried[i] + 1.0
+            kept[i] = d * kept[i] + (i < num_accepted)
         if req.spec_k == 0:  # a probe: wake up, or wait twice as long (up to PROBE_EVERY)
             if num_accepted:
                 req.spec_ema, req.spec_backoff = float(num_accepted), 0

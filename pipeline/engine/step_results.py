@@ -117,13 +117,15 @@ class StepResults:
             if done:
                 any_finished = True
                 s.finish(req)
-            elif out.draft_token_ids:
+            elif out.draft_token_ids or req.spec_token_ids:  # none proposed: none (stale ones never verify)
                 d = out.draft_token_ids.get(rid)
                 req.spec_token_ids = bytes_to_ids(d).tolist() if d else []
-        if s.spec is not None and sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens) + sum(
-                len(d) // 4 for d in verified.values()):  # decode and verify only: no prefill
-            s.spec.observe_step(sched.total_num_scheduled_tokens, out.execute_s, len(out.sampled_token_ids),
-                                out.propose_s, out.num_proposed)
+        if s.spec is not None:  # a token's price only from decode and verify steps (no prefill)
+            total = sched.total_num_scheduled_tokens
+            n_drafts = sum(len(d) for d in verified.values()) // 4 if verified else 0
+            s.spec.observe_step(total, out.execute_s, len(out.sampled_token_ids), out.propose_s, out.num_proposed,
+                                total == len(sched.num_scheduled_tokens) + n_drafts, out.num_drafts_asked, n_drafts,
+                                len(verified))
         if any_finished:
             s.running = [r for r in s.running if r.status == RequestStatus.RUNNING]
         return outputs

@@ -69,6 +69,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # Requests that will not verify drafts at their next step (dormant, or drafts do not pay
     # now): the worker proposes nothing for them.
     spec_idle: list[str] = []
+    # Requests that may verify fewer than K drafts at their next step: how many (the worker
+    # proposes no more; a draft model runs a forward per draft).
+    spec_fewer: dict[str, int] = {}
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -110,4 +113,5 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     draft_token_ids: dict[str, bytes] = {}
     propose_s: float = 0.0  # the worker's time proposing them
     num_proposed: int = 0  # for how many requests it proposed
+    num_drafts_asked: int = 0  # how many drafts in all it was asked for them (engine.spec_cost)
     pooled: list[Pooled] = []  # embedding requests whose prefill ended this step

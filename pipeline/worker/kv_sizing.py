@@ -50,7 +50,8 @@ def available_bytes(ranks: int) -> int:
 
 def decide_num_blocks(config: EngineConfig, per_block: int, block_size: int, max_model_len: int,
                       device: torch.device, profile: Callable[[int], int], weight_bytes: int = 0) -> int:
-    """Blocks of ``per_block`` bytes (``KVLayout.bytes_per_block``: all layers, K and V);
+    """Blocks of ``per_block`` bytes (``KVLayout.bytes_per_block``: all layers, K and V,
+    plus a draft model's KV per block where there is one: the budget covers both);
     ``profile(per_block)`` on CUDA;
     ``weight_bytes``: what this rank's weights take (the CPU default follows it)."""
     blocks_per_seq = -(-max_model_len // block_size)

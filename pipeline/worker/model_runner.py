@@ -32,7 +32,7 @@ from pipeline.worker.pooling import Pooler
 from pipeline.worker.prompt_logprobs import prompt_logprobs
 from pipeline.worker.rank_model import RankModel
 from pipeline.worker.sampler import Sampler, build_metadata
-from pipeline.worker.spec.draft import DraftModel
+from pipeline.worker.spec.draft import DraftModel, draft_kv_bytes_per_block
 from pipeline.worker.spec.step import mask_drafts, verify_step
 from pipeline.worker.spec.verify import SpecDecoder
 from pipeline.worker.step_inputs import StepInputs, prepare_inputs
@@ -55,7 +55,10 @@ class ModelRunner(RankModel):
         spec = config.speculative_config
         # Speculative decoding: rank 0 proposes, every rank verifies the drafts it is sent.
         self.spec = SpecDecoder(spec, proposes=rank == 0) if spec is not None else None
+        if spec is not None and spec.method == "draft_model" and rank == 0:  # its KV is in the budget
+            self.draft_block_bytes = draft_kv_bytes_per_block(config, spec.model, self.block_size, self.device)
         self.spec_idle: list[str] = []  # the step's requests to propose nothing for
+        self.spec_fewer: dict[str, int] = {}  # ... and to propose fewer than K drafts for
         self._signal: LayerSignal | None = None
         self._signal_ranks = 1  # ranks sharing the KV segment (and the signal's layers)
         self._signal_stream = None
@@ -126,7 +129,7 @@ class ModelRunner(RankModel):
             b.num_computed_tokens[b.index[cached.req_id]] = cached.num_computed_tokens
         if spec is not None:
             spec.stage(b, sched.spec_token_ids)
-            self.spec_idle = sched.spec_idle
+            self.spec_idle, self.spec_fewer = sched.spec_idle, sched.spec_fewer
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         # A decode step replays a CUDA graph unless a layer signal must fire per layer.

@@ -87,7 +87,10 @@ class RankModel:
         self.eos_token_ids: list[int] = list(mc.eos_token_ids)
         self.num_layers = mc.num_layers
         self.num_blocks = 0
-        self.kv_cache_bytes = 0
+        # A draft model's KV bytes per block (rank 0 with one, set by ModelRunner): its cache
+        # has as many blocks as the pool, so the budget is divided by both together.
+        self.draft_block_bytes = 0
+        self.kv_cache_bytes = 0  # the pool's and the draft model's
         self.weight_bytes = 0
         self.weight_format = ""  # set by load()
         self.model: CausalLM | None = None
@@ -171,11 +174,13 @@ class RankModel:
         if shared and self.rank == 0:
             assert self.tp is not None
             self.tp.barrier()
-        self.kv_cache_bytes = self.kv_cache.layout.total_bytes
+        draft = self.draft_block_bytes * self.num_blocks
+        self.kv_cache_bytes = self.kv_cache.layout.total_bytes + draft
         tokens = self.num_blocks * self.block_size
+        of_draft = f", of which the draft model's {draft / 2**20:.1f} MiB" if draft else ""
         print(f"kv cache: {self.num_blocks} blocks x {self.block_size} tokens "
-              f"({self.kv_cache_bytes / 2**20:.1f} MiB): {tokens} tokens, {tokens / self.max_model_len:.2f}x "
-              f"max_model_len={self.max_model_len}", file=sys.stderr, flush=True)
+              f"({self.kv_cache_bytes / 2**20:.1f} MiB{of_draft}): {tokens} tokens, "
+              f"{tokens / self.max_model_len:.2f}x max_model_len={self.max_model_len}", file=sys.stderr, flush=True)
 
     @property
     def _kv_heads(self) -> int:
@@ -193,7 +198,8 @@ class RankModel:
         def cache(nb: int) -> KVCache:  # a throw-away cache for the GPU profiling step
             return KVCache(mc.num_layers, nb, self.block_size, self._kv_heads, mc.head_dim,
                            self.dtype, self.device)
-        return decide_num_blocks(self.config, self._block_bytes(), self.block_size, self.max_model_len,
+        return decide_num_blocks(self.config, self._block_bytes() + self.draft_block_bytes, self.block_size,
+                                 self.max_model_len,
                                  self.device, lambda per_block: profile_gpu_blocks(
                                      self.model, self.config, self.block_size, self.max_model_len,
                                      self.device, cache, per_block), self.weight_bytes)

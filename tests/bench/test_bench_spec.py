@@ -44,3 +44,16 @@ def test_the_ceiling_is_the_best_k_at_the_measured_price():
     # K=1: 1.6 / 1.2; K=2: 1.9 / 1.4 (the best); K=3: 2.0 / 1.6.
     assert ceiling(st) == pytest.approx(1.9 / 1.4, abs=1e-3)
     assert ceiling({}) == 1.0
+
+
+def test_interleaved_rounds_run_both_engines_side_by_side():
+    """--interleave: off and on in one process, each generate call on both; greedy outputs
+    still compared (the agent loop builds its prompts from the answers, equal on and off)."""
+    p = subprocess.run([*PIPELINE, "bench", "spec", "--json", "--quick", "--rounds", "1", "--batches", "1",
+                        "--workloads", "continue,agent", "--methods", "ngram", "--interleave"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {r["case"]: r for r in json.loads(p.stdout)["results"]}
+    assert set(rows) == {"continue ngram batch 1", "agent ngram batch 1"}
+    for r in rows.values():
+        assert r["interleaved"] and r["outputs_equal"] is True and r["tok_s_on"] > 0 and r["tok_s_off"] > 0

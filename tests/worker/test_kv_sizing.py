@@ -71,3 +71,27 @@ def test_flags_override_the_default(flags, blocks):
         assert runner.num_blocks == blocks
     finally:
         runner.close()
+
+
+def test_a_draft_models_kv_is_counted_in_the_budget(tmp_path):
+    """With a draft model, --kv-cache-memory (and the default budget) pays for the target's
+    and the draft's KV together: blocks = budget // (both bytes per block)."""
+    from pipeline.bench.spec import random_draft
+    from pipeline.worker.spec.draft import draft_kv_bytes_per_block
+    spec = {"method": "draft_model", "model": random_draft(DEFAULT_MODEL, tmp_path / "draft"),
+            "num_speculative_tokens": 2}
+    # The random draft: 1 layer, 1 KV head of 64, float32: 8 KiB a 16-token block.
+    draft = 1 * 2 * 16 * 1 * 64 * 4
+    for flags, budget in (({"kv_cache_memory": 3 * MiB, "max_model_len": 512}, 3 * MiB),
+                          ({"max_num_seqs": 256}, 64 * MiB)):  # the default model's default budget
+        runner = make_runner(DEFAULT_MODEL, dtype="auto", num_blocks=0, speculative_config=spec, **flags)
+        try:
+            target = runner.kv_cache.layout.bytes_per_block
+            assert runner.draft_block_bytes == draft == draft_kv_bytes_per_block(
+                runner.config, spec["model"], 16, runner.device)
+            assert runner.num_blocks == budget // (target + draft)
+            assert runner.spec.draft.kv_bytes == draft * runner.num_blocks
+            assert runner.kv_cache_bytes == runner.kv_cache.layout.total_bytes + runner.spec.draft.kv_bytes
+            assert budget - (target + draft) < runner.kv_cache_bytes <= budget
+        finally:
+            runner.close()

@@ -14,6 +14,10 @@ last known token is speculative: the next proposal reruns from the last known po
 Drafting greedily makes a draft a token, not a distribution, which the verify step's
 rejection rule takes exactly (worker.spec.verify).
 
+Memory: the pool is sized for both (``draft_kv_bytes_per_block`` is added to the target's
+bytes per block before ``--kv-cache-memory`` or the default budget is divided into blocks,
+worker.kv_sizing), so the two caches together stay within the budget.
+
 Owns / State: the draft model's weights and KV tensors, ``computed`` per request.
 """
 from __future__ import annotations
@@ -33,6 +37,15 @@ from pipeline.models.llama import CausalLM
 from pipeline.models.loader import load_weights
 from pipeline.worker.device import resolve_dtype, weight_plan
 from pipeline.worker.input_batch import InputBatch
+
+
+def draft_kv_bytes_per_block(config: EngineConfig, model_dir: str, block_size: int, device: torch.device) -> int:
+    """The draft model's KV bytes for one block of the pool (all its layers, K and V), read
+    from its config before it is loaded: what each block costs beside the target's."""
+    mc = load_model_config(model_dir)
+    dtype = resolve_dtype(config.model_config.dtype, mc.torch_dtype, device)
+    item = torch.empty(0, dtype=dtype).element_size()
+    return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * item
 
 
 class DraftModel:
@@ -59,9 +72,10 @@ class DraftModel:
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(mc.num_layers)]
         self.computed: dict[str, int] = {}
-        kv_mib = self.kv.numel() * self.kv.element_size() / 2**20
-        print(f"draft model: {mc.architecture} {model_dir}, {dtype}, KV {kv_mib:.1f} MiB beside the "
-              f"target's, loaded in {time.perf_counter() - t0:.2f}s", file=sys.stderr, flush=True)
+        self.kv_bytes = self.kv.numel() * self.kv.element_size()
+        print(f"draft model: {mc.architecture} {model_dir}, {dtype}, KV {self.kv_bytes / 2**20:.1f} MiB "
+              f"({num_blocks} blocks, counted in the KV budget), loaded in {time.perf_counter() - t0:.2f}s",
+              file=sys.stderr, flush=True)
 
     def remove(self, req_id: str) -> None:
         self.computed.pop(req_id, None)
@@ -95,12 +109,12 @@ class DraftModel:
             hidden = self.model(inp, pos, meta, self.layers)
             return argmax(self.model.compute_logits(hidden.index_select(0, last))).cpu().numpy()
 
-    def propose(self, b: InputBatch, rows: list[int], k: int) -> dict[int, list[int]]:
-        """Up to ``k`` greedy drafts for each of ``rows`` (row -> drafts), within the slots
-        its blocks give and max_model_len."""
+    def propose(self, b: InputBatch, rows: list[int], want: list[int]) -> dict[int, list[int]]:
+        """Up to ``want[i]`` greedy drafts for each of ``rows`` (row -> drafts), within the
+        slots its blocks give and max_model_len."""
         bs = self.block_size
         live, starts, ids, ks = [], [], [], []
-        for r in rows:
+        for r, k in zip(rows, want):
             rid = b.req_ids[r]
             assert rid is not None  # a live row
             n = int(b.num_tokens[r])

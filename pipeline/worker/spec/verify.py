@@ -180,21 +180,27 @@ class SpecDecoder:
         return Verified(tokens, counts, lps)
 
     def propose(self, b: InputBatch, sample_rows: np.ndarray, idle: list[str],
-                grammar: Callable[[str, list[int]], int] | None = None) -> tuple[dict[str, bytes], int]:
+                grammar: Callable[[str, list[int]], int] | None = None,
+                fewer: dict[str, int] | None = None) -> tuple[dict[str, bytes], int, int]:
         """Drafts for each sampled row's next step (rank 0; none for ``idle``: the engine
-        will not verify drafts for them then), and for how many requests it proposed. A row
-        with a grammar keeps the drafts ``grammar`` allows (StructuredBatch.check_drafts)."""
+        will not verify drafts for them then; ``fewer``: req_id -> at most that many, K for
+        the others), for how many requests it proposed and how many drafts it was asked in
+        all. A row with a grammar keeps the drafts ``grammar`` allows
+        (StructuredBatch.check_drafts)."""
         out: dict[str, bytes] = {}
         if self.proposer is None and self.draft is None:
-            return out, 0
-        skip = set(idle)
+            return out, 0, 0
+        skip, fewer = set(idle), fewer or {}
         rows = [r for r in sample_rows.tolist() if b.req_ids[r] not in skip and b.num_tokens[r] < b.max_model_len]
+        if not rows:
+            return out, 0, 0
+        ks = [fewer.get(b.req_ids[r] or "", self.k) for r in rows]
         if self.draft is not None:
-            found = self.draft.propose(b, rows, self.k)
+            found = self.draft.propose(b, rows, ks)
         else:
             assert self.proposer is not None
             found = {r: self.proposer.propose(b.req_ids[r], b.token_ids[r, :b.num_tokens[r]],
-                                              int(b.num_prompt_tokens[r]), self.k) for r in rows}
+                                              int(b.num_prompt_tokens[r]), k) for r, k in zip(rows, ks)}
         for r, drafts in found.items():
             rid = b.req_ids[r]
             assert rid is not None  # a live row
@@ -202,4 +208,4 @@ class SpecDecoder:
                 drafts = drafts[:grammar(rid, drafts)] if grammar is not None else []
             if drafts:
                 out[rid] = ids_to_bytes(drafts)
-        return out, len(rows)
+        return out, len(rows), sum(ks)
