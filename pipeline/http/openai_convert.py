@@ -247,6 +247,11 @@ def chat_fields(req: ChatCompletionRequest, max_model_len: int,
         if "structured_outputs" in fields:
             raise invalid(f"field `tool_choice`: {parsing.mode!r} forces the answer's shape; it cannot "
                           "be combined with response_format, structured_outputs or guided_*", "tool_choice")
+        try:  # the grammar built from the tools: its limits name the tools, not structured_outputs
+            StructuredOutputsParams(**parsing.structured)
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise invalid(f"field `tools`: the calls' JSON schema (from the functions' parameters) "
+                          f"for tool_choice {parsing.mode!r}: {str(exc) or type(exc).__name__}", "tools") from None
         fields["structured_outputs"] = parsing.structured
     elif parsing is not None and parsing.reasoning_end and req.response_format is not None \
             and "structured_outputs" in fields:

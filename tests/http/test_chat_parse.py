@@ -64,6 +64,17 @@ def test_forced_choices_become_the_grammar():
     assert err.value.param == "tool_choice"
 
 
+def test_a_forced_choice_over_tools_too_large_names_the_tools():
+    big = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {f"p{j}": {"type": "string", "description": "x" * 200}
+                                         for j in range(20)}}}} for i in range(20)]
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                "tools": big, "tool_choice": "required"})
+    with pytest.raises(ApiError) as err:
+        chat_fields(req, 256, None, chat_parsing(req, ChatParsers()))
+    assert err.value.param == "tools" and "65536" in err.value.message
+
+
 def test_none_renders_the_tools_but_parses_nothing():
     parsing = ChatParsing(TOOLS, "none", None, ChatParsers("hermes", True))
     assert parsing.structured is None and not parsing.active
