@@ -5,10 +5,10 @@ an event-loop reader (``_pump``) that routes replies by wire id (``base.Inflight
 per-request asyncio queues with plain non-blocking reads (no future or epoll_ctl per message:
 that machinery was most of a streamed token's cost in a busy client), and an I/O task watches
 the socket monitor (ending the requests of a lost connection), so any number of tasks of one
-event loop may share it. It belongs to the event loop that uses it
-first; once that loop has ended (``asyncio.run`` returned) the next loop that uses it takes
-it over, while a loop still running elsewhere keeps it (RuntimeError). Same protocol,
-time-out, error and connection-loss rules as ``Client`` (see the package docstring).
+event loop may share it. It belongs to the event loop that uses it first; once that loop has
+ended (``asyncio.run`` returned) the next loop that uses it takes it over, while a loop still
+running elsewhere keeps it (RuntimeError). Same protocol, time-out, error and connection-loss
+rules as ``Client`` (see the package docstring).
 """
 from __future__ import annotations
 
@@ -86,10 +86,9 @@ class AsyncClient:
             self._forget(wire, abort=True)
             raise
 
-    async def embed(self, prompt: str | None = None, *, id: str | None = None,
-                    timeout: float | None | EllipsisType = ..., **fields: Any) -> RequestResult:
-        """``generate`` with task "embed" (as ``Client.embed``)."""
-        return await self.generate(prompt, id=id, timeout=timeout, task="embed", **fields)
+    async def embed(self, prompt: str | None = None, **fields: Any) -> RequestResult:
+        """``generate`` with task "embed" (as ``Client.embed``; ``id``, ``timeout`` as there)."""
+        return await self.generate(prompt, task="embed", **fields)
 
     async def stream(self, prompt: str | None = None, *, id: str | None = None,
                      timeout: float | None | EllipsisType = ...,
@@ -121,17 +120,14 @@ class AsyncClient:
             self._send_nowait(P.encode(P.Abort(id=wire)))
 
     async def health(self, timeout: float | None | EllipsisType = ...) -> P.HealthReply:
-        wire = self._reqs.new_id()
-        return await self._call(wire, P.Health(id=wire), timeout)
+        return await self._call(P.Health, timeout)
 
     async def stats(self, timeout: float | None | EllipsisType = ...) -> dict[str, Any]:
-        wire = self._reqs.new_id()
-        return (await self._call(wire, P.Stats(id=wire), timeout)).stats
+        return (await self._call(P.Stats, timeout)).stats
 
     async def metrics(self, timeout: float | None | EllipsisType = ...) -> str:
         """The daemon's Prometheus text (the same as its --metrics-port serves)."""
-        wire = self._reqs.new_id()
-        return (await self._call(wire, P.Metrics(id=wire), timeout)).text
+        return (await self._call(P.Metrics, timeout)).text
 
     async def close(self) -> None:
         if self._closed:
@@ -160,11 +156,12 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, wire: str, msg: P.Health | P.Stats | P.Metrics, timeout: float | None | EllipsisType) -> Any:
+    async def _call(self, kind: type[P.Health | P.Stats | P.Metrics], timeout: float | None | EllipsisType) -> Any:
+        wire = self._reqs.new_id()
         t = self.timeout if timeout is ... else timeout
         try:
             async with asyncio.timeout(t):
-                return await self._get(self._submit(wire, wire, P.encode(msg), False))
+                return await self._get(self._submit(wire, wire, P.encode(kind(id=wire)), False))
         finally:
             self._reqs.pop(wire)
 
@@ -193,8 +190,7 @@ class AsyncClient:
         monitor_ready = asyncio.Event()
         loop.add_reader(self._fds[0], self._pump)
         loop.add_reader(self._fds[1], monitor_ready.set)
-        # A first look: replies or monitor events may wait that signalled no FD on this loop
-        # (an unread reply keeps its pipe active, so the next one signals nothing).
+        # A first look: what waits here signalled no FD on this loop (an unread reply mutes the next).
         monitor_ready.set()
         self._io_task = loop.create_task(self._io(monitor_ready))
 
@@ -215,9 +211,8 @@ class AsyncClient:
                          else RequestError(refused))
             return q
         self._reqs.add(wire, user_id, q, is_generate, time.monotonic())
-        # A DEALER cannot send while no daemon is connected: the frame then waits its turn
-        # in _sending, and the caller keeps waiting on its queue (answer, time-out or lost
-        # connection) meanwhile.
+        # A DEALER cannot send while no daemon is connected: the frame waits its turn in
+        # _sending, the caller on its queue (answer, time-out or lost connection).
         if self._sending or not self._send_nowait(frame):
             self._sending[wire] = frame
         return q
