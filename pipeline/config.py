@@ -13,6 +13,10 @@ from pathlib import Path
 import msgspec
 
 from pipeline.bind import check_bind
+from pipeline.config_checks import REASONING_PARSERS, TOOL_CALL_PARSERS
+from pipeline.config_checks import check_choices as _check_choices
+from pipeline.config_checks import check_ranges as _check_ranges
+from pipeline.config_checks import flag as _flag
 from pipeline.sizes import parse_size
 from pipeline.spec_config import SpeculativeConfig
 
@@ -20,39 +24,12 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent / "default_model")
 MAX_BLOCK_SIZE = 256
 INT4_GROUP_SIZES = (32, 64, 128)  # layers/int4.py GROUP_SIZES (not imported: no torch here)
 MAX_CHAT_TEMPLATE_BYTES = 1 << 20  # --chat-template: the file travels to every stage
-# The parsers' names (pipeline.tool_parsers / pipeline.reasoning register them; a test checks
-# these agree).
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
-CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16", "float16"),
-           "quantization": ("none", "int8", "int4"),
-           "preemption_policy": ("newest", "lowest_priority"), "role": ("mixed", "prefill", "decode"),
-           "kv_transfer": ("auto", "ipc", "tcp"), "pd_fallback": ("none", "local"),
-           "distributed_backend": ("auto", "nccl", "gloo"), "pooling": ("last", "mean")}
 
 # vLLM's other names for the number formats (--dtype half, LLM(dtype="float")).
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 DEFAULT_KV_OFFLOAD_SIZE = 16 << 30
 SIZE_FIELDS = ("kv_cache_memory", "kv_offload_size", "kv_offload_host")
-def _flag(field: str) -> str:
-    return "--" + field.replace("_", "-")
-
-
-def _check_ranges(cfg: msgspec.Struct, ranges: tuple[tuple[str, int, int | None], ...]) -> None:
-    for name, lo, hi in ranges:
-        v = getattr(cfg, name)
-        if v < lo or (hi is not None and v > hi):
-            limit = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-            raise ValueError(f"{_flag(name)} must be {limit}, got {v}")
-
-
-def _check_choices(cfg: msgspec.Struct) -> None:
-    for name in cfg.__struct_fields__:
-        choices = CHOICES.get(name)
-        if choices is not None and getattr(cfg, name) not in choices:
-            raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got "
-                             f"{getattr(cfg, name)!r}")
 
 
 class ModelConfig(msgspec.Struct, kw_only=True):

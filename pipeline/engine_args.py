@@ -8,7 +8,6 @@ import argparse
 import os
 
 from pipeline.config import (
-    CHOICES,
     DEFAULT_KV_OFFLOAD_SIZE,
     DTYPE_ALIASES,
     FIELD_GROUP,
@@ -16,10 +15,9 @@ from pipeline.config import (
     INT4_GROUP_SIZES,
     MAX_BLOCK_SIZE,
     MAX_CHAT_TEMPLATE_BYTES,
-    REASONING_PARSERS,
-    TOOL_CALL_PARSERS,
     EngineConfig,
 )
+from pipeline.config_checks import CHOICES, REASONING_PARSERS, TOOL_CALL_PARSERS
 from pipeline.sizes import size_arg
 
 

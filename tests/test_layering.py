@@ -27,7 +27,8 @@ LAYERS: dict[str, set[str]] = {
     "version": set(),
     "bind": set(),
     "spec_config": set(),
-    "config": {"sizes", "bind", "spec_config"},
+    "config_checks": set(),
+    "config": {"sizes", "bind", "spec_config", "config_checks"},
     "sampling_params": set(),
     "reasoning": set(),
     # a chat answer's parts (reasoning, tool calls, content): the front ends' and LLM.chat's

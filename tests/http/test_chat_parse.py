@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.chat_parse import ChatParseError, ChatParsers, ChatParsing
-from pipeline.config import REASONING_PARSERS, TOOL_CALL_PARSERS, EngineConfig
+from pipeline.config import EngineConfig
+from pipeline.config_checks import REASONING_PARSERS, TOOL_CALL_PARSERS
 from pipeline.http.openai_api import ChatCompletionRequest
 from pipeline.http.openai_convert import ApiError, chat_fields, chat_parsing
 from pipeline.reasoning import REASONING_PARSERS as REASONING_REGISTRY
