@@ -233,3 +233,41 @@ class ToolParser:
         self._join_frags()
         out, self._out = self._out, StreamDelta()
         return out
+
+
+ARGS_KEYS = ("parameters", "arguments")  # where a JSON call object keeps its arguments
+
+
+class ObjectCallsParser(ToolParser):
+    """Calls as JSON objects one after another (``llama3_json``, ``required``'s array): mode
+    ``plain`` once the rest is content, ``call`` while an object is scanned (``sep`` after
+    it); a subclass reads what lies between the objects (``_between``)."""
+
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        super().__init__(tools)
+        self._mode = "start"
+        self._obj = CallObject(self, ARGS_KEYS)
+
+    def _step(self, final: bool) -> bool:
+        if self._mode == "plain":
+            self._content_upto(len(self._buf))
+            return True
+        if self._mode == "call":
+            return self._call_step(self._obj, after="sep", broken="plain")
+        return self._take_ws() and self._between(final)
+
+    def _between(self, final: bool) -> bool:
+        """The mode's step at the next non-blank character (``_buf[0]``)."""
+        raise NotImplementedError
+
+    def _open_call(self) -> None:
+        self._obj = CallObject(self, ARGS_KEYS)
+        self._mode = "call"
+
+    def _to_content(self) -> None:
+        self._break()
+        self._mode = "plain"
+
+    def _eof(self) -> None:
+        if self._mode == "call":
+            self._obj.eof()

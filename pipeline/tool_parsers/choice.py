@@ -16,10 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.tool_parsers.base import ToolParser
-from pipeline.tool_parsers.json_scan import CallObject
-
-ARGS_KEYS = ("parameters", "arguments")
+from pipeline.tool_parsers.base import ObjectCallsParser, ToolParser
 
 
 def _functions(tools: list[dict] | None) -> list[dict]:
@@ -50,42 +47,23 @@ def named_schema(tools: list[dict] | None, name: str) -> dict[str, Any]:
     raise ValueError(f"field `tool_choice`: no function named {name} in `tools`")
 
 
-class RequiredParser(ToolParser):
+class RequiredParser(ObjectCallsParser):
     name = "required"
 
-    def __init__(self, tools: list[dict] | None = None) -> None:
-        super().__init__(tools)
-        self._mode = "start"
-        self._obj = CallObject(self, ARGS_KEYS)
-
-    def _step(self, final: bool) -> bool:
-        mode = self._mode
-        if mode == "plain":
-            self._content_upto(len(self._buf))
-            return True
-        if mode == "call":
-            return self._call_step(self._obj, after="sep", broken="plain")
-        if not self._take_ws():
-            return False
-        c = self._buf[0]
+    def _between(self, final: bool) -> bool:
+        mode, c = self._mode, self._buf[0]
         if (mode == "start" and c == "[") or (mode == "sep" and c == ","):
             self._take(1)
             self._mode = "item"
         elif mode == "item" and c == "{":
-            self._obj = CallObject(self, ARGS_KEYS)
-            self._mode = "call"
+            self._open_call()
         elif mode == "sep" and c == "]":
             self._take(1)
             self._clean()
             self._mode = "plain"
         else:
-            self._break()
-            self._mode = "plain"
+            self._to_content()
         return True
-
-    def _eof(self) -> None:
-        if self._mode == "call":
-            self._obj.eof()
 
 
 class NamedParser(ToolParser):

@@ -13,38 +13,23 @@ Owns / State: the mode (``start``/``next``: before a call; ``call``; ``sep``: af
 """
 from __future__ import annotations
 
-from pipeline.tool_parsers.base import ToolParser
-from pipeline.tool_parsers.json_scan import CallObject
+from pipeline.tool_parsers.base import ObjectCallsParser
 from pipeline.tool_parsers.stream import starts
 
 PYTHON_TAG = "<|python_tag|>"
-ARGS_KEYS = ("parameters", "arguments")
 
 
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(ObjectCallsParser):
     name = "llama3_json"
 
-    def __init__(self, tools: list[dict] | None = None) -> None:
-        super().__init__(tools)
-        self._mode = "start"
-        self._obj = CallObject(self, ARGS_KEYS)
-
-    def _step(self, final: bool) -> bool:
+    def _between(self, final: bool) -> bool:
         mode = self._mode
-        if mode == "plain":
-            self._content_upto(len(self._buf))
-            return True
-        if mode == "call":
-            return self._call_step(self._obj, after="sep", broken="plain")
-        if not self._take_ws():
-            return False
         if mode == "sep":
             if self._buf[0] == ";":
                 self._take(1)
                 self._mode = "next"
             else:
-                self._break()
-                self._mode = "plain"
+                self._to_content()
             return True
         if mode == "start":  # the tag may open the output, once
             s = starts(self._buf, PYTHON_TAG)
@@ -55,13 +40,7 @@ class Llama3JsonToolParser(ToolParser):
                 self._mode = "next"
                 return True
         if self._buf[0] == "{":
-            self._obj = CallObject(self, ARGS_KEYS)
-            self._mode = "call"
+            self._open_call()
         else:
-            self._break()
-            self._mode = "plain"
+            self._to_content()
         return True
-
-    def _eof(self) -> None:
-        if self._mode == "call":
-            self._obj.eof()
