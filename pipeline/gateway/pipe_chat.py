@@ -14,8 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from pydantic import ValidationError
 
 from pipeline.chat_parse import ChatParseError, ChatParsers, ChatParsing
+from pipeline.http.openai_api import NamedToolChoice
 from pipeline.messages import GatewayRequest, RequestResult
 from pipeline.sampling_params.structured import StructuredOutputsParams
 
@@ -40,12 +42,11 @@ def split_tool_fields(line: str) -> tuple[str | dict[str, Any], ToolFields]:
 def _choice(value: Any) -> str | dict[str, Any] | None:
     if value is None or value in ("none", "auto", "required"):
         return value
-    fn = value.get("function") if isinstance(value, dict) else None
-    if isinstance(value, dict) and value.get("type") == "function" and isinstance(fn, dict) \
-            and isinstance(fn.get("name"), str) and set(value) == {"type", "function"} and set(fn) == {"name"}:
-        return value
-    raise ValueError('field `tool_choice`: must be "none", "auto", "required" or '
-                     '{"type": "function", "function": {"name": ...}}')
+    try:  # the API's own model of a named choice
+        return NamedToolChoice.model_validate(value).model_dump()
+    except ValidationError:
+        raise ValueError('field `tool_choice`: must be "none", "auto", "required" or '
+                         '{"type": "function", "function": {"name": ...}}') from None
 
 
 class PipeChats:

@@ -274,5 +274,6 @@ def chat_fields(req: ChatCompletionRequest, max_model_len: int,
     if req.chat_template_kwargs:
         fields["chat_template_kwargs"] = req.chat_template_kwargs
     if req.tools:  # rendered with tool_choice "none" too, as vLLM does
-        fields["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+        fields["tools"] = parsing.tools if parsing is not None else [t.model_dump(exclude_none=True)
+                                                                     for t in req.tools]
     return fields
