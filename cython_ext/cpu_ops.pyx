@@ -42,6 +42,7 @@ cdef extern from "cpu_ops_attn.h":
 cdef extern from "cpu_ops_bw.h":
     double pipe_read_sum(const float *x, int64_t n, int threads) nogil
     double pipe_amx_peak(int kind, int64_t iters, int threads) nogil
+    double pipe_fma_peak(int64_t iters, int threads) nogil
 
 cdef extern from "cpu_ops_gemv.h":
     int PIPE_GEMV_MAX_M
@@ -388,6 +389,30 @@ def amx_peak(int kind, int64_t iters, int threads) -> float:
     with nogil:
         r = pipe_amx_peak(kind, iters, threads)
     return r
+
+
+PEAK_KINDS = ("fp32_fma", "amx_bf16", "amx_int8")
+
+
+def peak_flops(str kind, int threads, int tries=5) -> float:
+    """The peak FLOP/s (int8: ops/s) of one instruction kind on ``threads`` threads, no memory
+    traffic, best of ``tries``: "fp32_fma" (AVX2 VFMADD231PS), "amx_bf16" (TDPBF16PS),
+    "amx_int8" (TDPBSSD). ValueError for another kind or one this CPU lacks."""
+    if kind not in PEAK_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(PEAK_KINDS)}, got {kind!r}")
+    cdef double r = 0.0, best = 0.0
+    cdef int code = PEAK_KINDS.index(kind)
+    cdef int64_t fma_iters = 20_000_000 // max(1, threads)  # ~0.05 s at 100 GFLOP/s
+    for _ in range(max(1, tries)):
+        with nogil:
+            if code == 0:
+                r = pipe_fma_peak(fma_iters, threads)
+            else:
+                r = pipe_amx_peak(code - 1, 200_000, threads)
+        best = max(best, r)
+    if best <= 0.0:
+        raise ValueError(f"peak_flops: this CPU has no {kind}")
+    return best
 
 
 def gemv_bf16(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t weight,

@@ -1,12 +1,13 @@
 /* Bench support, CPU ops: the machine's limits (`pipeline bench worker`): its read bandwidth,
  * the limit of a decode step that streams its weights once, and the peak of the AMX tile
- * products (cpu_ops_amx.h), the limit of a prefill or a large batch.
+ * products (cpu_ops_amx.h) or of AVX2 FMAs, the limit of a prefill or a large batch.
  *
  *   pipe_read_sum: the sum of n floats, read by `threads` OpenMP threads, each over one
  *   contiguous slice, with eight independent vector accumulators: the loop is bound by
  *   loads, not by the latency of one add chain (torch.sum ran at ~60 % of this, a one-thread
  *   memcpy measures one core's copy, not the memory system).
  *   pipe_amx_peak: FLOP/s of TDPBF16PS / TDPBSSD on tiles loaded once (no memory traffic).
+ *   pipe_fma_peak: FLOP/s of AVX2 float32 FMAs on registers (the AVX2 panel GEMM's limit).
  * No state.
  */
 #ifndef PIPELINE_CPU_OPS_BW_H
@@ -59,6 +60,45 @@ static double pipe_read_sum(const float *x, int64_t n, int threads) {
         total += pipe_read_slice(x + lo, hi - lo);
     }
     return total;
+}
+
+/* FLOP/s of `threads` threads each issuing `iters` x 12 independent 8-lane float32 FMAs
+ * (VFMADD231PS ymm, the AVX2 panel GEMM's instruction) on registers: the peak, no memory
+ * traffic. 0 without AVX2/FMA. */
+__attribute__((target("avx2,fma")))
+static double pipe_fma_peak(int64_t iters, int threads) {
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0.0;
+    double t0 = 0.0, t1 = 0.0, sink = 0.0;
+    #pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+        /* 12 chains (FMA latency 4-5 cycles x 2 ports), named: an array was kept in memory */
+        const __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
+        __m256 a0 = _mm256_set1_ps(0.f), a1 = _mm256_set1_ps(1.f), a2 = _mm256_set1_ps(2.f),
+               a3 = _mm256_set1_ps(3.f), a4 = _mm256_set1_ps(4.f), a5 = _mm256_set1_ps(5.f),
+               a6 = _mm256_set1_ps(6.f), a7 = _mm256_set1_ps(7.f), a8 = _mm256_set1_ps(8.f),
+               a9 = _mm256_set1_ps(9.f), a10 = _mm256_set1_ps(10.f), a11 = _mm256_set1_ps(11.f);
+        #pragma omp barrier
+        #pragma omp master
+        t0 = omp_get_wtime();
+        for (int64_t i = 0; i < iters; i++) {
+            a0 = _mm256_fmadd_ps(a0, m, c); a1 = _mm256_fmadd_ps(a1, m, c);
+            a2 = _mm256_fmadd_ps(a2, m, c); a3 = _mm256_fmadd_ps(a3, m, c);
+            a4 = _mm256_fmadd_ps(a4, m, c); a5 = _mm256_fmadd_ps(a5, m, c);
+            a6 = _mm256_fmadd_ps(a6, m, c); a7 = _mm256_fmadd_ps(a7, m, c);
+            a8 = _mm256_fmadd_ps(a8, m, c); a9 = _mm256_fmadd_ps(a9, m, c);
+            a10 = _mm256_fmadd_ps(a10, m, c); a11 = _mm256_fmadd_ps(a11, m, c);
+        }
+        #pragma omp barrier
+        #pragma omp master
+        t1 = omp_get_wtime();
+        float out[8];
+        __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                                 _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
+        t = _mm256_add_ps(t, _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
+        _mm256_storeu_ps(out, t);
+        sink += out[0]; /* the chains' results used: not optimised away */
+    }
+    return sink == -1.0 ? 0.0 : (double)threads * (double)iters * 12.0 * 16.0 / (t1 - t0);
 }
 
 /* FLOP/s of `threads` threads each issuing `iters` x 4 independent tile products (bf16:

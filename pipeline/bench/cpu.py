@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench.cpu_http import SIGPIPE_EXIT, run_http
-from pipeline.bench.cpu_limits import limits, weight_bytes
+from pipeline.bench.cpu_limits import limits, peak_for, prefill_flops, weight_bytes
 from pipeline.bench.cpu_llamacpp import run_llamacpp
 from pipeline.bench.report import Report
 
@@ -146,8 +146,8 @@ def offline(args, rep: Report, shape: str, model: str, batches: list[int], lim: 
     res: dict[str, dict] = {}
     for fmt in args.formats.split(","):
         res[fmt] = _child(args, "pipeline", model, fmt, ps, batches)
-        if args.vllm_env and fmt == "bf16":
-            res["vllm bf16"] = _child(args, "vllm", model, fmt, ps, batches)
+        if args.vllm_env and fmt in ("bf16", "float32"):  # float32: its choice on an AVX2-only core
+            res[f"vllm {fmt}"] = _child(args, "vllm", model, fmt, ps, batches)
     for name, r in res.items():
         fmt = name.split()[-1]
         wb = weight_bytes(model, fmt)
@@ -157,6 +157,11 @@ def offline(args, rep: Report, shape: str, model: str, batches: list[int], lim: 
                           rss_mib=round(r["rss_mib"]))
             # Decode reads every weight once per step: tok/s per sequence x bytes vs the bandwidth.
             row["decode_bw_fraction"] = round(f["decode_tok_per_s"] / int(b) * wb / lim["read_bytes_per_s"], 3)
+            # The 1-token generate is the prefill: its products against the instructions' peak.
+            flop, peak = prefill_flops(model, int(b), args.prompt_len), peak_for(fmt, lim)
+            row["prefill_gflop_s"] = round(flop / f["prefill_s"] / 1e9, 1)
+            if peak:
+                row["prefill_peak_fraction"] = round(flop / f["prefill_s"] / peak, 3)
     return res
 
 

@@ -2,8 +2,9 @@
 step must read, so that every figure can be set against physics.
 
 - DRAM read bandwidth: ``bench worker``'s parallel read of 1 GiB (vector loads, all threads).
-- Peak FLOP/s of the instructions the kernels use, where the extension measures them
-  (``cpu_ops.peak_flops(kind, threads)``: an in-register loop with no memory traffic).
+- Peak FLOP/s of the instructions the kernels use, where the CPU has them
+  (``cpu_ops.peak_flops(kind, threads)``: an in-register loop with no memory traffic): AMX
+  tiles, or AVX2 float32 FMAs (the panel GEMM's on a core with AVX2 alone).
 - Step bytes: every projection and the LM head once (the embedding is only looked up, unless
   tied: then it is the LM head), at the format's bytes per weight (int8 and int4 with their
   scales). A batch-1 decode cannot beat bandwidth / step bytes.
@@ -31,6 +32,27 @@ def weight_bytes(model: str, fmt: str) -> float:
     return step_params(model) * _BYTES[fmt]
 
 
+def prefill_flops(model: str, seqs: int, tokens: int) -> float:
+    """Multiply-adds x 2 of a prefill of ``seqs`` prompts of ``tokens``: every projection
+    per token, the LM head once per prompt (attention left out: a few percent at 128)."""
+    from pipeline.models.config import load_model_config
+    c = load_model_config(model)
+    head = c.vocab_size * c.hidden_size
+    return 2.0 * (step_params(model) - head) * seqs * tokens + 2.0 * head * seqs
+
+
+def peak_for(fmt: str, lim: dict[str, Any]) -> float | None:
+    """The peak of the instructions a format's products at batch run on here: AMX tiles for
+    bf16/int8 where the CPU has them; float32 FMAs on a core with AVX2 alone (every format's
+    GEMM there); None where neither was measured (AVX-512 without AMX)."""
+    amx = {"bf16": "peak_amx_bf16_flops", "int8": "peak_amx_int8_flops"}.get(fmt, "")
+    if amx in lim:
+        return float(lim[amx])
+    if lim.get("isa") == "avx2" and "peak_fp32_fma_flops" in lim:
+        return float(lim["peak_fp32_fma_flops"])
+    return None
+
+
 def limits(threads: int) -> dict[str, Any]:
     import torch
 
@@ -38,11 +60,10 @@ def limits(threads: int) -> dict[str, Any]:
     from pipeline.bench.bandwidth import read_bandwidth
     torch.set_num_threads(threads)
     out: dict[str, Any] = {"threads": threads, "read_bytes_per_s": read_bandwidth()}
-    peak = getattr(cpu_ops, "peak_flops", None)
-    if peak is not None:
-        for kind in ("fp32_fma", "bf16_dp", "amx_bf16", "amx_int8"):
-            try:
-                out[f"peak_{kind}_flops"] = float(peak(kind, threads))
-            except (ValueError, RuntimeError, OSError):  # not on this CPU
-                pass
+    out["isa"] = cpu_ops.lp_isa("bf16", 896)  # the bf16 kernels' vector body here
+    for kind in cpu_ops.PEAK_KINDS:
+        try:
+            out[f"peak_{kind}_flops"] = cpu_ops.peak_flops(kind, threads)
+        except ValueError:  # not on this CPU
+            pass
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 
 import pytest
@@ -14,7 +15,7 @@ from e2e_helpers import PIPELINE, ROOT, env
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from pipeline.bench import cpu
+from pipeline.bench import cpu, cpu_limits
 from pipeline.bench.cpu_limits import step_params
 
 
@@ -27,11 +28,22 @@ def test_tiny_run_offline_and_http(tmp_path):
     out = json.loads(p.stdout)
     rows = {r["case"]: r for r in out["results"]}
     assert rows["limits"]["read_bytes_per_s"] > 0
+    assert rows["limits"]["isa"] in ("avx512", "avx2", "portable")
+    if rows["limits"]["isa"] == "avx2":  # the panel GEMM's instruction, measured in the run
+        assert rows["limits"]["peak_fp32_fma_flops"] > 0
     for fmt in ("bf16", "int8"):
         for b in (1, 4):
             r = rows[f"tiny offline {fmt} batch {b}"]
             assert r["output_tok_per_s"] == pytest.approx(b * 6 / r["total_s"], rel=1e-3)
-            assert r["decode_tok_per_s"] > 0 and r["rss_mib"] > 0
+            d = r["decode_tok_per_s"]  # NaN where the full generate took no longer (noise)
+            assert d > 0 if r["total_s"] > r["prefill_s"] else math.isnan(d)
+            assert r["rss_mib"] > 0
+            flop = cpu_limits.prefill_flops(str(tmp_path / "tiny"), b, 16)
+            assert r["prefill_gflop_s"] == pytest.approx(flop / r["prefill_s"] / 1e9, abs=0.051)
+            peak = cpu_limits.peak_for(fmt, rows["limits"])
+            assert (peak is None) == ("prefill_peak_fraction" not in r)
+            if peak:
+                assert r["prefill_peak_fraction"] == pytest.approx(flop / r["prefill_s"] / peak, abs=5e-4)
     http = rows["tiny http pipeline"]
     assert http["requests"] == http["completed"] == 6, http
     assert http["first_errors"] == []
@@ -69,3 +81,12 @@ def test_bad_flags_name_the_flag_and_limit(argv, says, capsys):
     p.add_argument("--json", action="store_true")
     assert cpu.main(p.parse_args(argv)) == 2
     assert says in capsys.readouterr().err
+
+
+def test_peak_flops_names_its_kinds():
+    from pipeline._ext import cpu_ops
+    with pytest.raises(ValueError, match="kind must be one of fp32_fma, amx_bf16, amx_int8"):
+        cpu_ops.peak_flops("sse9", 1)
+    if not cpu_ops.amx_ok():
+        with pytest.raises(ValueError, match="this CPU has no amx_bf16"):
+            cpu_ops.peak_flops("amx_bf16", 1, tries=1)
