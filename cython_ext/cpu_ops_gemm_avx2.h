@@ -16,7 +16,7 @@
  * x (6 x KC floats, 6 KB) stays in L1 across the panel's column blocks; PIPE_G2_MC rows go
  * over all the thread's panels before the next ones. Threads split the column blocks. Sums run in a different order than the GEMV's, so the floats differ from it
  * in the last bits, as BLAS's did.
- * State: one panel buffer per calling thread, grown on demand.
+ * State: one 128 KB panel buffer per OpenMP thread, kept for the thread's life.
  */
 #ifndef PIPELINE_CPU_OPS_GEMM_AVX2_H
 #define PIPELINE_CPU_OPS_GEMM_AVX2_H

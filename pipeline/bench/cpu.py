@@ -61,6 +61,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=96, help="tokens per request")
     p.add_argument("--threads", type=int, default=2, help="worker threads, both engines")
     p.add_argument("--vllm-env", default="", help="vLLM's CPU virtualenv (vllm-cpu.sh install DIR)")
+    p.add_argument("--vllm-formats", default="bf16",
+                   help="the formats vLLM runs too: bf16, float32 (an AVX2-only core emulates bf16)")
     p.add_argument("--llamacpp", default="", help="a llama.cpp tree built with cmake (bench/cpu_llamacpp.py)")
     p.add_argument("--http-requests", type=int, default=64)
     p.add_argument("--http-concurrency", type=int, default=32)
@@ -146,7 +148,7 @@ def offline(args, rep: Report, shape: str, model: str, batches: list[int], lim: 
     res: dict[str, dict] = {}
     for fmt in args.formats.split(","):
         res[fmt] = _child(args, "pipeline", model, fmt, ps, batches)
-        if args.vllm_env and fmt in ("bf16", "float32"):  # float32: its choice on an AVX2-only core
+        if args.vllm_env and fmt in args.vllm_formats.split(","):
             res[f"vllm {fmt}"] = _child(args, "vllm", model, fmt, ps, batches)
     for name, r in res.items():
         fmt = name.split()[-1]
@@ -183,6 +185,9 @@ def check_args(args: argparse.Namespace) -> list[int]:
     for fmt in args.formats.split(","):
         if fmt not in _DTYPE:
             raise ValueError(f"--formats: unknown {fmt!r}; one of {', '.join(_DTYPE)}")
+    for fmt in args.vllm_formats.split(","):
+        if fmt not in ("bf16", "float32"):
+            raise ValueError(f"--vllm-formats: unknown {fmt!r}; one of bf16, float32")
     return batches
 
 

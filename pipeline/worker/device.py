@@ -29,13 +29,19 @@ def cpu_has_fast_bf16() -> bool:
     return False
 
 
-def resolve_dtype(requested: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(requested: str, checkpoint_dtype: str, device: torch.device,
+                  have_ops: bool = False) -> torch.dtype:
+    """``--dtype``, or for "auto" the checkpoint's: on a CPU float16 becomes float32 (its ops
+    are emulated), and bfloat16 stays where it is fast: native bf16 support, or the C ops
+    (``have_ops``), whose packed bf16 weights run float32 FMAs on any AVX2 core at half
+    float32's bytes (docs/cpu.md "AVX2 only")."""
     if requested != "auto":
         if requested not in _DTYPES:
             raise ValueError(f"--dtype must be one of auto, {', '.join(_DTYPES)}, got {requested!r}")
         return _DTYPES[requested]
     ckpt = _DTYPES.get(checkpoint_dtype, torch.float32)
-    if device.type == "cpu" and ckpt != torch.float32 and not (ckpt == torch.bfloat16 and cpu_has_fast_bf16()):
+    if device.type == "cpu" and ckpt != torch.float32 \
+            and not (ckpt == torch.bfloat16 and (have_ops or cpu_has_fast_bf16())):
         return torch.float32  # half types without native CPU support are emulated and slow
     return ckpt
 

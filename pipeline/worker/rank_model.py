@@ -73,7 +73,8 @@ class RankModel:
         # (pipeline.LLM: its rank processes).
         self.watch_peers: Callable[[float], None] | None = None
         self.plan_key = secrets.token_hex(16)  # known to the group only, after it joined
-        self.dtype = resolve_dtype(config.model_config.dtype, mc.torch_dtype, self.device)
+        self.dtype = resolve_dtype(config.model_config.dtype, mc.torch_dtype, self.device,
+                                   ops.backend(self.device) is not None)
         self.block_size = config.resolved_block_size()
         default_len = mc.max_position_embeddings
         if mc.sliding_window is not None:

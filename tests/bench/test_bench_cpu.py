@@ -73,6 +73,7 @@ def test_tiny_run_offline_and_http(tmp_path):
     (["--output-len", "1"], "--output-len must be >= 2"),
     (["--shapes", "7b"], "--shapes: unknown '7b'"),
     (["--formats", "fp8"], "--formats: unknown 'fp8'"),
+    (["--vllm-formats", "int8"], "--vllm-formats: unknown 'int8'"),
     (["--vllm-env", "/nonexistent"], "--vllm-env /nonexistent: no bin/python"),
 ])
 def test_bad_flags_name_the_flag_and_limit(argv, says, capsys):

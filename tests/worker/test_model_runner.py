@@ -168,6 +168,9 @@ def test_dtype_auto_avoids_emulated_half_types_on_cpu():
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", "float16", cpu) == torch.float32
     assert resolve_dtype("auto", "bfloat16", cpu) == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
+    # with the C ops a bf16 checkpoint stays bf16 on any CPU (packed, float32 FMAs on AVX2)
+    assert resolve_dtype("auto", "bfloat16", cpu, have_ops=True) == torch.bfloat16
+    assert resolve_dtype("auto", "float16", cpu, have_ops=True) == torch.float32
     assert resolve_dtype("bfloat16", "float32", cpu) == torch.bfloat16
     assert resolve_dtype("auto", "bfloat16", torch.device("cuda", 0)) == torch.bfloat16
     with pytest.raises(ValueError, match="--dtype must be one of"):

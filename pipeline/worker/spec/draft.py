@@ -43,7 +43,7 @@ def draft_kv_bytes_per_block(config: EngineConfig, model_dir: str, block_size: i
     """The draft model's KV bytes for one block of the pool (all its layers, K and V), read
     from its config before it is loaded: what each block costs beside the target's."""
     mc = load_model_config(model_dir)
-    dtype = resolve_dtype(config.model_config.dtype, mc.torch_dtype, device)
+    dtype = resolve_dtype(config.model_config.dtype, mc.torch_dtype, device, ops.backend(device) is not None)
     item = torch.empty(0, dtype=dtype).element_size()
     return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * item
 
@@ -60,7 +60,7 @@ class DraftModel:
             raise ValueError(f"--speculative-config model {model_dir}: max_position_embeddings="
                              f"{mc.max_position_embeddings} is below the target's max_model_len={max_model_len}")
         self.device, self.block_size = device, block_size
-        dtype = resolve_dtype(config.model_config.dtype, mc.torch_dtype, device)
+        dtype = resolve_dtype(config.model_config.dtype, mc.torch_dtype, device, ops.backend(device) is not None)
         plan = weight_plan(model_dir, dtype, "none", config.model_config.quantization_group_size, device,
                            ops.backend(device) is not None)
         with torch.device("meta"):
