@@ -301,12 +301,12 @@ def lp_isa(str kind, int64_t k) -> str:
 
 BF16_GEMV_MAX_M = PIPE_BF16_GEMV_MAX_M
 INT8_GEMV_MAX_M = PIPE_I8_GEMV_MAX_M
-ROUTE_NAMES = ("blas", "gemv", "amx", "gemm_avx2")
+ROUTE_NAMES = ("blas", "gemv", "amx")
 
 
 def linear_route(str kind, int64_t m, int64_t k) -> str:
-    """The kernel linear_bf16 / linear_i8 take for m rows of k values: "gemv", "amx",
-    "gemm_avx2" (cpu_ops_gemm_avx2.h) or "blas" (not taken: a dequantised copy)."""
+    """The kernel linear_bf16 / linear_i8 take for m rows of k values: "gemv", "amx" or
+    "blas" (not taken: the caller multiplies a dequantised copy)."""
     if kind not in ("bf16", "int8"):
         raise ValueError(f"kind must be bf16 or int8, got {kind!r}")
     return ROUTE_NAMES[pipe_linear_bf16_route(m, k) if kind == "bf16" else pipe_linear_i8_route(m, k)]
@@ -315,9 +315,8 @@ def linear_route(str kind, int64_t m, int64_t k) -> str:
 def linear_bf16(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t weight,
                 uintptr_t bias, int64_t m, int64_t k, int64_t n) -> bool:
     """As gemv_bf16, by the GEMV up to BF16_GEMV_MAX_M rows and on AMX tiles beyond (the
-    GEMV where AMX is absent and the CPU has AVX-512 BF16 or m <= GEMV_MAX_M; on AVX2 alone
-    the panel GEMM of cpu_ops_gemm_avx2.h beyond GEMV_MAX_M); False (nothing written) where
-    none applies: the caller multiplies a dequantised copy."""
+    GEMV where AMX is absent and the CPU has AVX-512 BF16 or AVX2, or m <= GEMV_MAX_M);
+    False (nothing written) where neither applies: the caller multiplies a dequantised copy."""
     cdef int rc
     with nogil:
         rc = pipeline_cpu_linear_bf16(<float *>y, ldy, <const float *>x, ldx,
@@ -330,8 +329,8 @@ def linear_bf16(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t we
 def linear_i8(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t q, uintptr_t scale,
               uintptr_t bias, int64_t m, int64_t k, int64_t n) -> bool:
     """As gemv_i8, by the GEMV up to INT8_GEMV_MAX_M rows and on AMX tiles beyond (the GEMV
-    up to 32 rows where AMX or amx_i8_fits(k) is not; on AVX2 alone the panel GEMM
-    beyond); False (nothing written) otherwise."""
+    up to 32 rows where AMX or amx_i8_fits(k) is not, any rows on AVX2 alone); False
+    (nothing written) otherwise."""
     cdef int rc
     with nogil:
         rc = pipeline_cpu_linear_i8(<float *>y, ldy, <const float *>x, ldx, <const int8_t *>q,

@@ -1,8 +1,7 @@
 /* Worker stage, CPU ops: the products on AMX tiles that the layers call (prefill, batches).
  *
  *   pipeline_cpu_amx_bf16 / _i8:       y = x @ W^T (+ bias), x float32 rounded / quantised here
- *   pipeline_cpu_linear_bf16 / _i8:    the GEMV, the AMX kernel or (AVX2 only) the panel GEMM,
- *                                      whichever is faster for M
+ *   pipeline_cpu_linear_bf16 / _i8:    the GEMV or the AMX kernel, whichever is faster for M
  *   pipeline_cpu_swiglu:               act = silu(x @ gate^T) * (x @ up^T), gate_up never written
  *   pipeline_cpu_mlp_bf16:             down(swiglu(x)), the activation passed as bf16 A tiles
  *
@@ -17,19 +16,17 @@
 #include <stdlib.h>
 #include <string.h>
 #include "cpu_ops_amx.h"
-#include "cpu_ops_gemm_avx2.h"
 
 /* Rows up to which the GEMVs run where AMX could: measured on the 0.5B model's projections
  * (docs/cpu.md), AMX ties the GEMVs at one row (both read the weights at DRAM speed) and wins
- * from two. Without AMX the int8 GEMV serves up to PIPE_I8_NO_AMX_GEMV_MAX_M rows (then
- * dequantise + BLAS), the bf16 one any number with AVX-512 BF16, else PIPE_GEMV_MAX_M. */
+ * from two. Without AMX the GEMVs take any number of rows on AVX2 alone and the bf16 one with
+ * AVX-512 BF16 (measured on an AVX2-only core, `pipeline bench gemm`: 1.0-1.1x BLAS on the
+ * weights in float32 from 512 rows up, far ahead below; int8's VPMADDUBSW 1.3x ahead of float32
+ * FMAs at every row count); elsewhere (AVX-512 without BF16/AMX: not measured since) up to
+ * PIPE_GEMV_MAX_M (bf16) or PIPE_I8_NO_AMX_GEMV_MAX_M (int8) rows, then dequantise + BLAS. */
 #define PIPE_BF16_GEMV_MAX_M 1
 #define PIPE_I8_GEMV_MAX_M 1
 #define PIPE_I8_NO_AMX_GEMV_MAX_M 32
-/* On a core with AVX2 only, the panel GEMM (cpu_ops_gemm_avx2.h) takes the rows past the
- * GEMVs' (PIPE_GEMV_MAX_M, PIPE_I8_NO_AMX_GEMV_MAX_M), where dequantise + BLAS ran: on the
- * 0.5B model's projections the bf16 GEMV was 1.6x faster than it at 8 rows and 2x at 4, the
- * int8 one (VPMADDUBSW, 4 products per lane) 1.2x at 32 (docs/cpu.md "AVX2 only"). */
 
 /* x rounded to bf16 into the tiles of Mp rows of Kp (zeros past M and K): AVX-512 BF16 (every
  * AMX CPU has it), rounding to nearest even as pipe_f32_to_bf16 does. */
@@ -116,31 +113,27 @@ static int pipeline_cpu_amx_i8(float *y, int64_t ldy, const float *x, int64_t ld
     return pipe_amx_i8(y, ldy, x, ldx, P, scale, bias, M, K, N, 0);
 }
 
-/* Which kernel pipeline_cpu_linear_bf16 / _i8 run for M rows of K: 2 AMX tiles, 3 the AVX2
- * panel GEMM, 1 the GEMV, 0 none (they answer 1: the caller dequantises for BLAS). The
- * one-call decoder asks the same question before a step (pipe_decoder_takes). */
+/* Which kernel pipeline_cpu_linear_bf16 / _i8 run for M rows of K: 2 AMX tiles, 1 the
+ * GEMV, 0 neither (they answer 1: the caller dequantises for BLAS). The one-call decoder asks
+ * the same question before a step (pipe_decoder_takes). */
 static int pipe_linear_bf16_route(int64_t M, int64_t K) {
     if (M > PIPE_BF16_GEMV_MAX_M && pipe_amx_ok()) return 2;
-    const int level = pipe_bf16_level(K);
-    if (level == PIPE_ISA_AVX2 && M > PIPE_GEMV_MAX_M) return 3;
-    return M <= PIPE_GEMV_MAX_M || level == PIPE_ISA_AVX512;
+    return M <= PIPE_GEMV_MAX_M || pipe_bf16_level(K) != PIPE_ISA_PORTABLE;
 }
 
 static int pipe_linear_i8_route(int64_t M, int64_t K) {
     if (M > PIPE_I8_GEMV_MAX_M && pipe_amx_ok() && pipe_amx_i8_fits(K)) return 2;
-    if (M <= PIPE_I8_NO_AMX_GEMV_MAX_M) return 1;
-    return pipe_i8_level(K) == PIPE_ISA_AVX2 ? 3 : 0;
+    return M <= PIPE_I8_NO_AMX_GEMV_MAX_M || pipe_i8_level(K) == PIPE_ISA_AVX2;
 }
 
 /* y = x @ W^T (+ bias) with bf16 W packed: 0 done, -1 out of scratch memory, 1 not taken
- * (no AMX, no AVX2, M > PIPE_GEMV_MAX_M: the caller dequantises for BLAS). AMX
+ * (no AMX, no vector body, M > PIPE_GEMV_MAX_M: the caller dequantises for BLAS). AMX
  * without scratch falls back to the GEMV, which takes any rows. */
 static int pipeline_cpu_linear_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
                                     const uint16_t *W, const float *bias, int64_t M, int64_t K,
                                     int64_t N) {
     const int route = pipe_linear_bf16_route(M, K);
     if (route == 2 && pipeline_cpu_amx_bf16(y, ldy, x, ldx, W, bias, M, K, N) == 0) return 0;
-    if (route == 3) return pipeline_cpu_gemm_avx2_bf16(y, ldy, x, ldx, W, bias, M, K, N);
     return route ? pipeline_cpu_gemv_bf16(y, ldy, x, ldx, W, bias, M, K, N) : 1;
 }
 
@@ -150,7 +143,6 @@ static int pipeline_cpu_linear_i8(float *y, int64_t ldy, const float *x, int64_t
                                   int64_t M, int64_t K, int64_t N) {
     const int route = pipe_linear_i8_route(M, K);
     if (route == 2 && pipeline_cpu_amx_i8(y, ldy, x, ldx, P, scale, bias, M, K, N) == 0) return 0;
-    if (route == 3) return pipeline_cpu_gemm_avx2_i8(y, ldy, x, ldx, P, scale, bias, M, K, N);
     return route ? pipeline_cpu_gemv_i8(y, ldy, x, ldx, P, scale, bias, M, K, N) : 1;
 }
 

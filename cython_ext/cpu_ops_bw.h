@@ -7,7 +7,8 @@
  *   loads, not by the latency of one add chain (torch.sum ran at ~60 % of this, a one-thread
  *   memcpy measures one core's copy, not the memory system).
  *   pipe_amx_peak: FLOP/s of TDPBF16PS / TDPBSSD on tiles loaded once (no memory traffic).
- *   pipe_fma_peak: FLOP/s of AVX2 float32 FMAs on registers (the AVX2 panel GEMM's limit).
+ *   pipe_fma_peak: FLOP/s of AVX2 float32 FMAs on registers (float32 and, on a core with
+ *   AVX2 alone, bf16 products: the GEMV widens bf16 in registers and runs these FMAs).
  * No state.
  */
 #ifndef PIPELINE_CPU_OPS_BW_H
@@ -63,7 +64,7 @@ static double pipe_read_sum(const float *x, int64_t n, int threads) {
 }
 
 /* FLOP/s of `threads` threads each issuing `iters` x 12 independent 8-lane float32 FMAs
- * (VFMADD231PS ymm, the AVX2 panel GEMM's instruction) on registers: the peak, no memory
+ * (VFMADD231PS ymm) on registers: the peak, no memory
  * traffic. 0 without AVX2/FMA. */
 __attribute__((target("avx2,fma")))
 static double pipe_fma_peak(int64_t iters, int threads) {

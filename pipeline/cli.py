@@ -29,6 +29,7 @@ BENCHES = {
     "tp": "pipeline.bench.tp",
     "structured": "pipeline.bench.structured",
     "cpu": "pipeline.bench.cpu",
+    "gemm": "pipeline.bench.gemm",
     "kvtier": "pipeline.bench.kvtier",
     "spec": "pipeline.bench.spec",
 }

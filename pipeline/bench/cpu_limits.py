@@ -4,7 +4,7 @@ step must read, so that every figure can be set against physics.
 - DRAM read bandwidth: ``bench worker``'s parallel read of 1 GiB (vector loads, all threads).
 - Peak FLOP/s of the instructions the kernels use, where the CPU has them
   (``cpu_ops.peak_flops(kind, threads)``: an in-register loop with no memory traffic): AMX
-  tiles, or AVX2 float32 FMAs (the panel GEMM's on a core with AVX2 alone).
+  tiles, or AVX2 float32 FMAs (float32, and bf16 on a core with AVX2 alone).
 - Step bytes: every projection and the LM head once (the embedding is only looked up, unless
   tied: then it is the LM head), at the format's bytes per weight (int8 and int4 with their
   scales). A batch-1 decode cannot beat bandwidth / step bytes.
@@ -43,12 +43,12 @@ def prefill_flops(model: str, seqs: int, tokens: int) -> float:
 
 def peak_for(fmt: str, lim: dict[str, Any]) -> float | None:
     """The peak of the instructions a format's products at batch run on here: AMX tiles for
-    bf16/int8 where the CPU has them; float32 FMAs on a core with AVX2 alone (every format's
-    GEMM there); None where neither was measured (AVX-512 without AMX)."""
+    bf16/int8 where the CPU has them; float32 FMAs for bf16 and float32 on a core with AVX2
+    alone; None where it was not measured (int8's VPMADDUBSW, AVX-512 without AMX)."""
     amx = {"bf16": "peak_amx_bf16_flops", "int8": "peak_amx_int8_flops"}.get(fmt, "")
     if amx in lim:
         return float(lim[amx])
-    if lim.get("isa") == "avx2" and "peak_fp32_fma_flops" in lim:
+    if fmt in ("bf16", "float32") and lim.get("isa") == "avx2" and "peak_fp32_fma_flops" in lim:
         return float(lim["peak_fp32_fma_flops"])
     return None
 

@@ -29,7 +29,7 @@ def test_tiny_run_offline_and_http(tmp_path):
     rows = {r["case"]: r for r in out["results"]}
     assert rows["limits"]["read_bytes_per_s"] > 0
     assert rows["limits"]["isa"] in ("avx512", "avx2", "portable")
-    if rows["limits"]["isa"] == "avx2":  # the panel GEMM's instruction, measured in the run
+    if rows["limits"]["isa"] == "avx2":  # bf16's instruction there, measured in the run
         assert rows["limits"]["peak_fp32_fma_flops"] > 0
     for fmt in ("bf16", "int8"):
         for b in (1, 4):

@@ -1,0 +1,45 @@
+"""`pipeline bench gemm` on the tiny shape, in process: a row per format and row count, the
+route `cpu_ops.linear_route` names, figures consistent with each other, bad flags refused.
+No timing asserts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline import cli
+from pipeline.layers import ops
+
+pytestmark = pytest.mark.skipif(ops.backend(__import__("torch").device("cpu")) is None,
+                                reason="C CPU ops not built")
+
+
+def test_tiny_rows_per_format(capsys):
+    argv = ["bench", "gemm", "--shape", "tiny", "--rows", "1,9,40", "--repeats", "1", "--json"]
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["case"]: r for r in out["results"]}
+    machine = out["machine"]
+    assert set(rows) == {f"{f} rows {m}" for f in ("bf16", "int8") for m in (1, 9, 40)}
+    from pipeline._ext import cpu_ops
+    for fmt in ("bf16", "int8"):
+        for m in (1, 9, 40):
+            r = rows[f"{fmt} rows {m}"]
+            assert r["route"] == cpu_ops.linear_route(fmt, m, 64)
+            assert r["blas_over_ours"] == pytest.approx(r["blas_f32_ms"] / r["ms"], rel=2e-2, abs=2e-3)
+            # a peak where the instruction's is measured: AMX tiles; bf16's FMAs on AVX2 alone
+            measured = r["route"] == "amx" or (fmt == "bf16" and cpu_ops.lp_isa(fmt, 64) == "avx2")
+            assert ("peak_fraction" in r) == measured
+            if measured:
+                key = f"peak_amx_{fmt}_gflop_s" if r["route"] == "amx" else "peak_fp32_fma_gflop_s"
+                assert r["peak_fraction"] == pytest.approx(r["gflop_s"] / machine[key], rel=2e-2, abs=2e-3)
+    assert out["machine"]["shape"] == "tiny" and out["machine"]["threads"] >= 1
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--rows", "0"], "--rows must be integers >= 1"),
+    (["--formats", "int4"], "--formats: bf16 and int8 only"),
+])
+def test_bad_flags_name_the_flag(argv, says, capsys):
+    assert cli.main(["bench", "gemm", *argv]) == 2
+    assert says in capsys.readouterr().out

@@ -1,0 +1,64 @@
+"""Which kernel bf16 and int8 weights take by the number of rows (``cpu_ops.linear_route``),
+and that it does not change the floats: on a core with AVX2 alone (the ``avx2`` ISA cap on any
+x86 CPU with AVX2) the GEMVs take every batch, where before 9 rows (bf16) and 33 (int8) went to
+a dequantised float32 copy for BLAS, and each row of a batch equals that row multiplied alone,
+bit for bit, through strided x and y, the columns past N untouched."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.layers import ops
+from pipeline.layers.lowp import LowpWeight
+
+cpu_ops = ops.backend(torch.device("cpu"))
+pytestmark = pytest.mark.skipif(cpu_ops is None, reason="C CPU ops not built")
+
+
+def _has_avx2() -> bool:
+    cpu_ops.set_isa("avx2")
+    try:
+        return cpu_ops.lp_isa("bf16", 64) == "avx2"
+    finally:
+        cpu_ops.set_isa("amx")
+
+
+@pytest.fixture(autouse=True)
+def _avx2_cap():
+    if not _has_avx2():
+        pytest.skip("the CPU has no AVX2")
+    cpu_ops.set_isa("avx2")
+    yield
+    cpu_ops.set_isa("amx")
+
+
+def test_avx2_routes_every_batch_to_the_gemvs():
+    for kind in ("bf16", "int8"):
+        assert {cpu_ops.linear_route(kind, m, 896) for m in (1, 8, 9, 32, 33, 2048)} == {"gemv"}
+    cpu_ops.set_isa("portable")  # no vector body: past the small-row GEMV, BLAS
+    assert cpu_ops.linear_route("bf16", 9, 896) == "blas" and cpu_ops.linear_route("int8", 33, 896) == "blas"
+    with pytest.raises(ValueError, match="kind must be bf16 or int8"):
+        cpu_ops.linear_route("int4", 9, 64)
+
+
+@settings(max_examples=30, deadline=None)
+@given(fmt=st.sampled_from(["bf16", "int8"]), m=st.integers(9, 90), n=st.integers(1, 80),
+       k=st.integers(1, 300), pad_x=st.integers(0, 5), pad_y=st.integers(0, 20),
+       bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_a_batch_is_its_rows_alone(fmt, m, n, k, pad_x, pad_y, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    lw = LowpWeight(torch.randn(n, k, generator=g) * 0.1, fmt, torch.float32)
+    x = torch.randn(m, k + pad_x, generator=g)[:, :k]  # rows k + pad_x apart
+    b = torch.randn(n, generator=g) if bias else None
+    out_full = torch.full((m, n + pad_y), float("nan"))
+    lw.linear(x, b, out_full[:, :n])
+    rows = torch.cat([lw.linear(x[i:i + 1].contiguous(), b) for i in range(m)])
+    assert torch.equal(out_full[:, :n], rows)
+    assert torch.isnan(out_full[:, n:]).all()  # nothing past the N columns was written
+    wd = lw.dense(torch.float32).double()
+    ref = x.double() @ wd.t() + (0 if b is None else b.double())
+    # int8 quantises x per token (1/254 of its range at most), bf16 sums float32 products
+    mag = x.double().abs() @ wd.abs().t() + (0 if b is None else b.double().abs())
+    assert ((out_full[:, :n].double() - ref).abs() / (mag + 1e-6)).max() < (1e-2 if fmt == "int8" else 1e-5)
