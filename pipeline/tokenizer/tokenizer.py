@@ -228,8 +228,8 @@ class Tokenizer:
             if at < 0:
                 raise ValueError(f"field `messages[{len(messages) - 1}].content`: continue_final_message "
                                  "needs non-empty content that the chat template renders")
-            n = len(final.lstrip())
-            text = text[:at + (n if text[at:at + n] == final else len(final.strip()))]
+            n = len(final.lstrip())  # the content's trailing whitespace kept where the template kept it
+            text = text[:at + (n if text[at:at + n] == final.lstrip() else len(final.strip()))]
         return text
 
     @property

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from model_driver import make_runner, tiny_hf_model
 
@@ -190,6 +190,7 @@ def test_chat_text_parts_tool_role_and_custom_template(tokenizers):
 @given(conv=st.lists(st.tuples(st.sampled_from(["system", "user", "assistant", "tool"]),
                                st.text(max_size=12).filter(str.strip)), min_size=1, max_size=4),
        continue_final=st.booleans())
+@example(conv=[("system", "\r0\r")], continue_final=True)  # trailing whitespace the template keeps (CI)
 def test_chat_ids_match_transformers(tokenizers, conv, continue_final):
     # Our rendering (roles, generation prompt, continuing the final message) gives the token
     # ids transformers' apply_chat_template gives on the same checkpoint.
