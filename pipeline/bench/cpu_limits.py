@@ -19,13 +19,18 @@ from typing import Any
 _BYTES = {"float32": 4.0, "bf16": 2.0, "int8": 1.0 + 4 / 896, "int4": 0.5 + 4 / 64}
 
 
-def step_params(model: str) -> int:
-    """Weights one decode step reads: the layers' projections and the LM head."""
+def _params(model: str) -> tuple[int, int]:
+    """(the layers' projection weights, the LM head's) of the checkpoint's config."""
     from pipeline.models.config import load_model_config
     c = load_model_config(model)
     per_layer = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
                  + 3 * c.hidden_size * c.intermediate_size)
-    return c.num_layers * per_layer + c.vocab_size * c.hidden_size
+    return c.num_layers * per_layer, c.vocab_size * c.hidden_size
+
+
+def step_params(model: str) -> int:
+    """Weights one decode step reads: the layers' projections and the LM head."""
+    return sum(_params(model))
 
 
 def weight_bytes(model: str, fmt: str) -> float:
@@ -35,10 +40,8 @@ def weight_bytes(model: str, fmt: str) -> float:
 def prefill_flops(model: str, seqs: int, tokens: int) -> float:
     """Multiply-adds x 2 of a prefill of ``seqs`` prompts of ``tokens``: every projection
     per token, the LM head once per prompt (attention left out: a few percent at 128)."""
-    from pipeline.models.config import load_model_config
-    c = load_model_config(model)
-    head = c.vocab_size * c.hidden_size
-    return 2.0 * (step_params(model) - head) * seqs * tokens + 2.0 * head * seqs
+    layers, head = _params(model)
+    return 2.0 * layers * seqs * tokens + 2.0 * head * seqs
 
 
 def peak_for(fmt: str, lim: dict[str, Any]) -> float | None:
@@ -61,9 +64,16 @@ def limits(threads: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
     out: dict[str, Any] = {"threads": threads, "read_bytes_per_s": read_bandwidth()}
     out["isa"] = cpu_ops.lp_isa("bf16", 896)  # the bf16 kernels' vector body here
+    return out | {f"peak_{kind}_flops": v for kind, v in measure_peaks(threads).items()}
+
+
+def measure_peaks(threads: int) -> dict[str, float]:
+    """FLOP/s per ``cpu_ops.PEAK_KINDS`` entry this CPU has (``cpu_ops.peak_flops``)."""
+    from pipeline._ext import cpu_ops
+    out: dict[str, float] = {}
     for kind in cpu_ops.PEAK_KINDS:
         try:
-            out[f"peak_{kind}_flops"] = cpu_ops.peak_flops(kind, threads)
+            out[kind] = cpu_ops.peak_flops(kind, threads)
         except ValueError:  # not on this CPU
             pass
     return out

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from pipeline.bench.cpu import SHAPES
+from pipeline.bench.cpu_limits import measure_peaks, peak_for
 from pipeline.bench.report import Report
 
 
@@ -54,17 +55,6 @@ def _blas(dense: list[torch.Tensor], xs: list[torch.Tensor], outs: list[torch.Te
         torch.mm(x, d.t(), out=o)
 
 
-def _peaks(threads: int) -> dict[str, float]:
-    from pipeline._ext import cpu_ops
-    out: dict[str, float] = {}
-    for kind in getattr(cpu_ops, "PEAK_KINDS", ()):  # () from an older tree's build (an A/B)
-        try:
-            out[kind] = cpu_ops.peak_flops(kind, threads)
-        except ValueError:  # not on this CPU
-            pass
-    return out
-
-
 def main(args: argparse.Namespace) -> int:
     from pipeline._ext import cpu_ops
     from pipeline.layers.lowp import LowpWeight
@@ -87,9 +77,10 @@ def main(args: argparse.Namespace) -> int:
     g = torch.Generator().manual_seed(0)
     floats = [torch.randn(n, k, generator=g) / k ** 0.5 for n, k in shapes]
     rep = Report("gemm")
-    peaks = _peaks(threads)
+    peaks = measure_peaks(threads)
     rep.machine.update(threads=threads, shape=args.shape,
                        **{f"peak_{k}_gflop_s": round(v / 1e9, 1) for k, v in peaks.items()})
+    lim = {"isa": cpu_ops.lp_isa("bf16", h), **{f"peak_{k}_flops": v for k, v in peaks.items()}}
     for fmt in formats:
         packed = [LowpWeight(w.clone(), fmt, torch.float32) for w in floats]
         dense = [p.dense(torch.float32).clone() for p in packed]  # BLAS's operand: the same values
@@ -101,9 +92,9 @@ def main(args: argparse.Namespace) -> int:
             t_ours = _best(functools.partial(_ours, packed, xs, outs), args.repeats, reps)
             t_blas = _best(functools.partial(_blas, dense, xs, outs), args.repeats, reps)
             flop = sum(2.0 * m * n * k for n, k in shapes)
-            route = cpu_ops.linear_route(fmt, m, h) if hasattr(cpu_ops, "linear_route") else "?"
-            peak = peaks.get(f"amx_{fmt}") if route == "amx" else (
-                peaks.get("fp32_fma") if fmt == "bf16" and cpu_ops.lp_isa(fmt, h) == "avx2" else None)
+            route = cpu_ops.linear_route(fmt, m, h)
+            # the peak of the instruction that ran: not AMX's for a GEMV row on an AMX CPU
+            peak = peak_for(fmt, lim) if route == "amx" or lim["isa"] == "avx2" else None
             row = rep.add(f"{fmt} rows {m}", route=route, ms=round(t_ours * 1e3, 3),
                           gflop_s=round(flop / t_ours / 1e9, 1), blas_f32_ms=round(t_blas * 1e3, 3),
                           blas_over_ours=round(t_blas / t_ours, 3))

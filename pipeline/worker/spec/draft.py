@@ -60,9 +60,10 @@ class DraftModel:
             raise ValueError(f"--speculative-config model {model_dir}: max_position_embeddings="
                              f"{mc.max_position_embeddings} is below the target's max_model_len={max_model_len}")
         self.device, self.block_size = device, block_size
-        dtype = resolve_dtype(config.model_config.dtype, mc.torch_dtype, device, ops.backend(device) is not None)
+        have_ops = ops.backend(device) is not None
+        dtype = resolve_dtype(config.model_config.dtype, mc.torch_dtype, device, have_ops)
         plan = weight_plan(model_dir, dtype, "none", config.model_config.quantization_group_size, device,
-                           ops.backend(device) is not None)
+                           have_ops)
         with torch.device("meta"):
             model = CausalLM(mc, max_model_len)
         load_weights(model, model_dir, plan)
