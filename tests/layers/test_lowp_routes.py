@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pipeline.layers import ops
@@ -47,6 +47,7 @@ def test_avx2_routes_every_batch_to_the_gemvs():
 @given(fmt=st.sampled_from(["bf16", "int8"]), m=st.integers(9, 90), n=st.integers(1, 80),
        k=st.integers(1, 300), pad_x=st.integers(0, 5), pad_y=st.integers(0, 20),
        bias=st.booleans(), seed=st.integers(0, 2**16))
+@example(fmt="int8", m=9, n=2, k=3, pad_x=0, pad_y=0, bias=False, seed=0)  # CI: one large x, one small w
 def test_a_batch_is_its_rows_alone(fmt, m, n, k, pad_x, pad_y, bias, seed):
     g = torch.Generator().manual_seed(seed)
     lw = LowpWeight(torch.randn(n, k, generator=g) * 0.1, fmt, torch.float32)
@@ -59,6 +60,10 @@ def test_a_batch_is_its_rows_alone(fmt, m, n, k, pad_x, pad_y, bias, seed):
     assert torch.isnan(out_full[:, n:]).all()  # nothing past the N columns was written
     wd = lw.dense(torch.float32).double()
     ref = x.double() @ wd.t() + (0 if b is None else b.double())
-    # int8 quantises x per token (1/254 of its range at most), bf16 sums float32 products
+    err = (out_full[:, :n].double() - ref).abs()
+    # bf16 sums float32 products: a float32 rounding of the magnitude sum
     mag = x.double().abs() @ wd.abs().t() + (0 if b is None else b.double().abs())
-    assert ((out_full[:, :n].double() - ref).abs() / (mag + 1e-6)).max() < (1e-2 if fmt == "int8" else 1e-5)
+    slack = 1e-5 * mag + 1e-6
+    if fmt == "int8":  # x quantised per token: each element off by half a step, amax / 254
+        slack = slack + x.double().abs().amax(1, keepdim=True) / 254 * wd.abs().sum(1)
+    assert (err <= slack).all(), (err / slack).max()
