@@ -66,6 +66,8 @@ cdef extern from "cpu_ops_gemv_i8.h":
 
 cdef extern from "cpu_ops_gemv_q4.h":
     int pipe_q4_level() nogil
+    int PIPE_Q4_GEMV_MAX_M
+    int pipe_linear_q4_route(int64_t M) nogil
     int pipeline_cpu_gemv_q4(float *y, int64_t ldy, const float *x, int64_t ldx,
                              const uint8_t *P, const uint16_t *S, const uint8_t *Z,
                              const int32_t *perm, const float *bias, int64_t M, int64_t K,
@@ -301,15 +303,20 @@ def lp_isa(str kind, int64_t k) -> str:
 
 BF16_GEMV_MAX_M = PIPE_BF16_GEMV_MAX_M
 INT8_GEMV_MAX_M = PIPE_I8_GEMV_MAX_M
+INT4_GEMV_MAX_M = PIPE_Q4_GEMV_MAX_M
 ROUTE_NAMES = ("blas", "gemv", "amx")
 
 
 def linear_route(str kind, int64_t m, int64_t k) -> str:
-    """The kernel linear_bf16 / linear_i8 take for m rows of k values: "gemv", "amx" or
-    "blas" (not taken: the caller multiplies a dequantised copy)."""
-    if kind not in ("bf16", "int8"):
-        raise ValueError(f"kind must be bf16 or int8, got {kind!r}")
-    return ROUTE_NAMES[pipe_linear_bf16_route(m, k) if kind == "bf16" else pipe_linear_i8_route(m, k)]
+    """The kernel linear_bf16 / linear_i8 / an int4 weight take for m rows of k values:
+    "gemv", "amx" or "blas" (not taken: the caller multiplies a dequantised copy)."""
+    if kind == "bf16":
+        return ROUTE_NAMES[pipe_linear_bf16_route(m, k)]
+    if kind == "int8":
+        return ROUTE_NAMES[pipe_linear_i8_route(m, k)]
+    if kind == "int4":
+        return ROUTE_NAMES[pipe_linear_q4_route(m)]
+    raise ValueError(f"kind must be bf16, int8 or int4, got {kind!r}")
 
 
 def linear_bf16(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t weight,

@@ -262,6 +262,15 @@ static void pipe_q4_blocks_portable(const pipe_q4_args *a, int64_t b0, int64_t b
 
 static int pipe_q4_level(void) { return pipe_lp_level(1); }
 
+/* Rows up to which this GEMV runs where the caller has a better GEMM for a dequantised copy
+ * (AMX, or BLAS beside VNNI); on a core with AVX2 alone it runs any number: there a float32
+ * copy for BLAS at every call took 1.5x (512-2048 rows) to 5x (33 rows) the GEMV's time for
+ * one 0.5B layer (docs/cpu.md "AVX2 only"). 1: the GEMV, 0: the caller's dequantised GEMM. */
+#define PIPE_Q4_GEMV_MAX_M 32
+static int pipe_linear_q4_route(int64_t M) {
+    return M <= PIPE_Q4_GEMV_MAX_M || pipe_q4_level() == PIPE_ISA_AVX2;
+}
+
 /* P, S, Z as above for NB = ceil(N / 16) blocks and G = ceil(K / gs) groups (gs a multiple
  * of 8); perm: NULL, or K input indices (row k of the packed weight multiplies x[perm[k]]).
  * Returns -1 without scratch memory. */

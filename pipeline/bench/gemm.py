@@ -28,7 +28,8 @@ from pipeline.bench.report import Report
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="0.5b", choices=list(SHAPES), help="a `bench cpu` shape")
-    p.add_argument("--formats", default="bf16,int8", help="comma-separated: bf16, int8")
+    p.add_argument("--formats", default="bf16,int8", help="comma-separated: bf16, int8, int4 "
+                   "(groups of 128, symmetric: `--quantization int4`'s default)")
     p.add_argument("--rows", default="1,4,8,16,32,512,2048", help="comma-separated row counts")
     p.add_argument("--threads", type=int, default=0, help="0: every usable core")
     p.add_argument("--repeats", type=int, default=5, help="timed windows; the best is kept")
@@ -57,6 +58,7 @@ def _blas(dense: list[torch.Tensor], xs: list[torch.Tensor], outs: list[torch.Te
 
 def main(args: argparse.Namespace) -> int:
     from pipeline._ext import cpu_ops
+    from pipeline.layers.int4 import Int4Weight
     from pipeline.layers.lowp import LowpWeight
     from pipeline.worker.threads import usable_cores
     rows = [int(r) for r in args.rows.split(",") if r]
@@ -64,8 +66,8 @@ def main(args: argparse.Namespace) -> int:
     if not rows or min(rows) < 1 or args.repeats < 1 or args.threads < 0:
         print("bench gemm: --rows must be integers >= 1, --repeats >= 1, --threads >= 0")
         return 2
-    if any(f not in ("bf16", "int8") for f in formats):
-        print(f"bench gemm: --formats: bf16 and int8 only, got {args.formats!r}")
+    if any(f not in ("bf16", "int8", "int4") for f in formats):
+        print(f"bench gemm: --formats: bf16, int8 and int4 only, got {args.formats!r}")
         return 2
     threads = args.threads or usable_cores()
     torch.set_num_threads(threads)
@@ -82,7 +84,8 @@ def main(args: argparse.Namespace) -> int:
                        **{f"peak_{k}_gflop_s": round(v / 1e9, 1) for k, v in peaks.items()})
     lim = {"isa": cpu_ops.lp_isa("bf16", h), **{f"peak_{k}_flops": v for k, v in peaks.items()}}
     for fmt in formats:
-        packed = [LowpWeight(w.clone(), fmt, torch.float32) for w in floats]
+        packed = [Int4Weight.from_float(w, 128, torch.float32) if fmt == "int4"
+                  else LowpWeight(w.clone(), fmt, torch.float32) for w in floats]
         dense = [p.dense(torch.float32).clone() for p in packed]  # BLAS's operand: the same values
         for m in rows:
             xs = [torch.randn(m, k, generator=g) for _, k in shapes]

@@ -16,7 +16,7 @@ from torch import nn
 
 from pipeline.layers import ops, ops_fused
 from pipeline.layers.attention import AttentionMetadata
-from pipeline.layers.int4 import INT4_GEMV_MAX_M, PACKED
+from pipeline.layers.int4 import PACKED
 from pipeline.layers.lowp import LowpWeight, mlp_bf16
 
 
@@ -152,8 +152,9 @@ def _layer_table(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Ten
     """(the C layer table of ``model`` over ``kv_caches`` (cpu_ops.DecoderLayers), the most
     tokens it takes), built once and kept on the model; None when a layer needs the Python
     loop (q/k norms, or float32 projections not stored [in, out]). float32 projections run
-    in the C GEMV (at most ``GEMV_MAX_M`` rows), int4 ones up to ``INT4_GEMV_MAX_M``; bf16 and
-    int8 any number (the GEMV or AMX tiles, as ``LowpWeight.linear`` picks)."""
+    in the C GEMV (at most ``GEMV_MAX_M`` rows), int4 ones as far as their GEMV takes rows
+    (``cpu_ops.linear_route``); bf16 and int8 any number (the GEMV or AMX tiles, as
+    ``LowpWeight.linear`` picks)."""
     key = (id(kv_caches), kv_caches[0][0].data_ptr())  # the runner's one list of caches
     cached = getattr(model, "_c_layer_table", None)
     if cached is not None and cached[0] == key:
@@ -182,6 +183,8 @@ def _layer_table(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Ten
     ext = ops.backend(kv_caches[0][0].device)
     assert ext is not None, "forward_fused runs only with the C ops"
     int4 = any(row[0] == _FMT_CODE["int4"] for row in rows)
-    table = ext.DecoderLayers(rows, INT4_GEMV_MAX_M if int4 else sys.maxsize)
+    q4_rows = ext.INT4_GEMV_MAX_M  # past it the GEMV runs on AVX2 alone, else Python dequantises
+    table = ext.DecoderLayers(rows, q4_rows if int4 and ext.linear_route("int4", q4_rows + 1, 0) != "gemv"
+                              else sys.maxsize)
     model._c_layer_table = (key, (table, table.max_tokens))
     return table, table.max_tokens

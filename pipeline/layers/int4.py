@@ -11,11 +11,12 @@ an integer zero point (none: symmetric, z = 8). Quantised here at load (round to
 - with zero points: s = (max - min) / 15 over the group's range widened to hold 0, z =
   round(-min / s), as GPTQ's round-to-nearest.
 
-Packing (``pack_int4``) and the kernel: ``cpu_ops_gemv_q4.h``. ``linear`` runs up to
-``INT4_GEMV_MAX_M`` rows in the C GEMV (x quantised per token to int8, exact int32 sums per
-group) and more rows as int8 does: the weight dequantised by all threads into the shared
-scratch of ``layers.lowp``, then one GEMM. ``perm`` (GPTQ act-order): packed input k is
-input ``perm[k]``; the GEMV gathers x by it, the dequantised copy is in the original order.
+Packing (``pack_int4``) and the kernel: ``cpu_ops_gemv_q4.h``. ``linear`` runs rows in the C GEMV
+(x quantised per token to int8, exact int32 sums per group) where ``cpu_ops.linear_route``
+says so (up to 32 rows, any number on a core with AVX2 alone), else as int8 does: the weight
+dequantised by all threads into the shared scratch of ``layers.lowp``, then one GEMM.
+``perm`` (GPTQ act-order): packed input k is input ``perm[k]``; the GEMV gathers x by it, the
+dequantised copy is in the original order.
 Owns: the packed tensors of one projection (nibbles, scales, zero points, permutation).
 """
 from __future__ import annotations
@@ -29,8 +30,6 @@ from pipeline.layers.ops import backend
 
 BLOCK = 16  # output channels per packed block (checkpoints' groups: any multiple of 8)
 __all__ = ["GROUP_SIZES", "Int4Weight", "PACKED", "pack_int4", "quantize_int4", "unpack_int4"]
-# Rows up to which the GEMV beats dequantise + GEMM (measured: docs/cpu.md).
-INT4_GEMV_MAX_M = 32
 
 
 def quantize_int4(w: torch.Tensor, group_size: int, sym: bool
@@ -113,7 +112,6 @@ class Int4Weight(nn.Module):
             raise ValueError(f"int4 weight: perm must have {in_features} entries, got {tuple(perm.shape)}")
         self.out_features, self.in_features, self.group_size = n, in_features, group_size
         self.gemm_dtype = gemm_dtype
-        self.gemv_max_m = INT4_GEMV_MAX_M
         self.weight: torch.Tensor
         self.scale: torch.Tensor
         self.zero: torch.Tensor | None
@@ -203,7 +201,7 @@ class Int4Weight(nn.Module):
         elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
             raise ValueError(f"out must be float32 [{m}, {n}] with dense rows")
         ext = backend(x.device)
-        if 0 < m <= self.gemv_max_m and ext is not None:
+        if m > 0 and ext is not None and ext.linear_route("int4", m, k) == "gemv":
             ext.gemv_q4(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), *self._ptrs(),
                         0 if bias is None else bias.data_ptr(), m, k, n, self.group_size)
             return out

@@ -41,9 +41,22 @@ def test_tiny_rows_per_format(capsys):
     assert out["machine"]["shape"] == "tiny" and out["machine"]["threads"] >= 1
 
 
+def test_int4_rows_take_the_route_named(capsys):
+    argv = ["bench", "gemm", "--shape", "tiny", "--formats", "int4", "--rows", "1,40", "--repeats", "1",
+            "--json"]
+    assert cli.main(argv) == 0
+    rows = {r["case"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    from pipeline._ext import cpu_ops
+    assert set(rows) == {"int4 rows 1", "int4 rows 40"}
+    for m in (1, 40):
+        r = rows[f"int4 rows {m}"]
+        assert r["route"] == cpu_ops.linear_route("int4", m, 64) and "peak_fraction" not in r
+        assert r["ms"] > 0 and r["blas_f32_ms"] > 0
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--rows", "0"], "--rows must be integers >= 1"),
-    (["--formats", "int4"], "--formats: bf16 and int8 only"),
+    (["--formats", "int2"], "--formats: bf16, int8 and int4 only"),
 ])
 def test_bad_flags_name_the_flag(argv, says, capsys):
     assert cli.main(["bench", "gemm", *argv]) == 2

@@ -1,7 +1,7 @@
-"""Which kernel bf16 and int8 weights take by the number of rows (``cpu_ops.linear_route``),
+"""Which kernel bf16, int8 and int4 weights take by the number of rows (``cpu_ops.linear_route``),
 and that it does not change the floats: on a core with AVX2 alone (the ``avx2`` ISA cap on any
-x86 CPU with AVX2) the GEMVs take every batch, where before 9 rows (bf16) and 33 (int8) went to
-a dequantised float32 copy for BLAS, and each row of a batch equals that row multiplied alone,
+x86 CPU with AVX2) the GEMVs take every batch, where before 9 rows (bf16) and 33 (int8, int4)
+went to a dequantised float32 copy for BLAS, and each row of a batch equals that row multiplied alone,
 bit for bit, through strided x and y, the columns past N untouched (a row alone goes through the
 bf16 kernel's four-block loop, a batch through groups of rows: the same order of sums)."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pipeline.layers import ops
+from pipeline.layers.int4 import Int4Weight
 from pipeline.layers.lowp import LowpWeight
 
 cpu_ops = ops.backend(torch.device("cpu"))
@@ -36,12 +37,27 @@ def _avx2_cap():
 
 
 def test_avx2_routes_every_batch_to_the_gemvs():
-    for kind in ("bf16", "int8"):
+    for kind in ("bf16", "int8", "int4"):
         assert {cpu_ops.linear_route(kind, m, 896) for m in (1, 8, 9, 32, 33, 2048)} == {"gemv"}
     cpu_ops.set_isa("portable")  # no vector body: past the small-row GEMV, BLAS
     assert cpu_ops.linear_route("bf16", 9, 896) == "blas" and cpu_ops.linear_route("int8", 33, 896) == "blas"
-    with pytest.raises(ValueError, match="kind must be bf16 or int8"):
-        cpu_ops.linear_route("int4", 9, 64)
+    assert cpu_ops.linear_route("int4", cpu_ops.INT4_GEMV_MAX_M + 1, 896) == "blas"
+    assert cpu_ops.linear_route("int4", cpu_ops.INT4_GEMV_MAX_M, 896) == "gemv"
+    with pytest.raises(ValueError, match="kind must be bf16, int8 or int4"):
+        cpu_ops.linear_route("int2", 9, 64)
+
+
+def test_int4_batch_on_avx2_is_its_rows_alone():
+    """Past 32 rows an int4 weight stays in its GEMV (no dequantised copy): each row of a
+    batch equals that row alone, bit for bit (exact int32 sums per group, one scaling)."""
+    g = torch.Generator().manual_seed(3)
+    w = Int4Weight.from_float(torch.randn(70, 200, generator=g) * 0.1, 64, torch.float32)
+    x = torch.randn(cpu_ops.INT4_GEMV_MAX_M + 9, 200, generator=g)
+    b = torch.randn(70, generator=g)
+    batch = w.linear(x, b)
+    assert torch.equal(batch, torch.cat([w.linear(x[i:i + 1], b) for i in range(x.shape[0])]))
+    cpu_ops.set_isa("portable")  # the dequantised product: not the GEMV's floats
+    assert not torch.equal(w.linear(x, b), batch)
 
 
 @settings(max_examples=30, deadline=None)
