@@ -609,6 +609,25 @@ cdef extern from "cpu_ops_pack.h":
                              int64_t K, int64_t ld) nogil
 
 
+cdef extern from "cpu_ops_pack_q4.h":
+    int pipeline_cpu_pack_q4(uint8_t *P, uint16_t *S, uint8_t *Z, const void *w, int dtype,
+                             int64_t N, int64_t K, int64_t ld, int64_t gs) nogil
+
+
+def pack_q4(uintptr_t packed, uintptr_t scale, uintptr_t zero, uintptr_t w, int dtype, int64_t n,
+            int64_t k, int64_t ld, int64_t group_size) -> None:
+    """w [n, k] (row stride ld elements, dtype 0 float32 / 1 bfloat16 / 2 float16) quantised in
+    groups of group_size inputs as int4.quantize_int4 does, into gemv_q4's blocks: packed
+    uint8 [ceil(n/16), G * group_size / 8, 64], scale fp16 and zero uint8 (0: symmetric)
+    [ceil(n/16), G, 16], G = ceil(k / group_size) (cpu_ops_pack_q4.h)."""
+    cdef int rc
+    with nogil:
+        rc = pipeline_cpu_pack_q4(<uint8_t *>packed, <uint16_t *>scale, <uint8_t *>zero,
+                                  <const void *>w, dtype, n, k, ld, group_size)
+    if rc:
+        raise ValueError(f"group_size must be a multiple of 8 up to 128, got {group_size}")
+
+
 def _pack_rc(int rc, str what, int dtype, int64_t n, int64_t k, int64_t ld):
     if rc == -1:
         raise ValueError(f"{what} in place: w must have dense rows, a multiple of 16 of them "

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from pipeline.config import INT4_GROUP_SIZES as GROUP_SIZES  # --quantization-group-size
-from pipeline.layers.lowp import _DEQUANT_CODE, LowpWeight, _scratch
+from pipeline.layers.lowp import _DEQUANT_CODE, _PACK_CODE, LowpWeight, _c_packer, _scratch
 from pipeline.layers.ops import backend
 
 BLOCK = 16  # output channels per packed block (checkpoints' groups: any multiple of 8)
@@ -110,16 +110,25 @@ class Int4Weight(nn.Module):
                              f"{in_features} inputs in groups of {group_size} (a multiple of 8)")
         if perm is not None and perm.shape != (in_features,):
             raise ValueError(f"int4 weight: perm must have {in_features} entries, got {tuple(perm.shape)}")
-        self.out_features, self.in_features, self.group_size = n, in_features, group_size
+        self._hold(pack_int4(q), _blocks(scale.to(torch.float16)),
+                   None if zero is None else _blocks(zero.to(torch.uint8)),
+                   None if perm is None else perm.to(torch.int32).contiguous(), n, in_features,
+                   group_size, gemm_dtype)
+
+    def _hold(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+              perm: torch.Tensor | None, out_features: int, in_features: int, group_size: int,
+              gemm_dtype: torch.dtype) -> None:
+        """Keep the kernel's blocks (``pack_int4``, ``_blocks``) as the module's buffers."""
+        self.out_features, self.in_features, self.group_size = out_features, in_features, group_size
         self.gemm_dtype = gemm_dtype
         self.weight: torch.Tensor
         self.scale: torch.Tensor
         self.zero: torch.Tensor | None
         self.perm: torch.Tensor | None
-        self.register_buffer("weight", pack_int4(q))
-        self.register_buffer("scale", _blocks(scale.to(torch.float16)))
-        self.register_buffer("zero", None if zero is None else _blocks(zero.to(torch.uint8)))
-        self.register_buffer("perm", None if perm is None else perm.to(torch.int32).contiguous())
+        self.register_buffer("weight", packed)
+        self.register_buffer("scale", scale)
+        self.register_buffer("zero", zero)
+        self.register_buffer("perm", perm)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, group_size: int, gemm_dtype: torch.dtype,
@@ -129,6 +138,19 @@ class Int4Weight(nn.Module):
                              f"{tuple(weight.shape)} on {weight.device}")
         # No group wider than a row (rounded up to 8): padding would only cost bytes.
         group_size = min(group_size, -(-weight.shape[1] // 8) * 8)
+        ext = _c_packer(weight)
+        if ext is not None:  # one pass, straight into the blocks (cpu_ops_pack_q4.h)
+            n, k = weight.shape
+            nb, g = -(-n // BLOCK), -(-k // group_size)
+            packed = torch.empty((nb, g * group_size // 8, 64), dtype=torch.uint8)
+            scale = torch.empty((nb, g, BLOCK), dtype=torch.float16)
+            zero = None if sym else torch.empty((nb, g, BLOCK), dtype=torch.uint8)
+            ext.pack_q4(packed.data_ptr(), scale.data_ptr(), 0 if zero is None else zero.data_ptr(),
+                        weight.data_ptr(), _PACK_CODE[weight.dtype], n, k, weight.stride(0), group_size)
+            self = cls.__new__(cls)
+            nn.Module.__init__(self)
+            self._hold(packed, scale, zero, None, n, k, group_size, gemm_dtype)
+            return self
         # In chunks of rows (~4 MB of float32 each; rows are independent, so the same q):
         # whole, a 151936 x 896 embedding's float32 temporaries peaked at 2.6 GB during load.
         rows = max(16, (1 << 20) // max(weight.shape[1], 1))

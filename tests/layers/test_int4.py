@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pipeline.layers import ops
@@ -48,6 +48,29 @@ def _weight(n: int, k: int, gs: int, sym: bool, seed: int, act_order: bool = Fal
     perm = torch.randperm(k, generator=g)
     q, s, z = quantize_int4(w[:, perm], gs, sym)
     return Int4Weight(q, s, z, gs, k, torch.float32, perm)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 40), k=st.integers(1, 300), gs=st.sampled_from([8, 32, 64, 128]),
+       sym=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       pad=st.integers(0, 3), ties=st.booleans(), seed=st.integers(0, 2**16))
+@example(n=17, k=130, gs=64, sym=False, dtype=torch.bfloat16, pad=2, ties=True, seed=0)
+def test_c_packer_is_the_torch_quantiser(n, k, gs, sym, dtype, pad, ties, seed):
+    """from_float's one C pass (cpu_ops_pack_q4.h) gives the buffers quantize_int4 +
+    pack_int4 + _blocks give, bit for bit: ties of rint (values on half steps), all-zero
+    groups, padding rows and inputs, strided rows, every source dtype."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k + pad, generator=g)
+    if ties:  # quarter steps: many values land exactly half way between levels
+        w = torch.randint(-16, 17, (n, k + pad), generator=g).float() / 4
+        w[0, :min(k, gs)] = 0  # an all-zero group: scale 0, q = z
+    w = w.to(dtype)[:, :k]  # rows k + pad apart
+    c = Int4Weight.from_float(w, gs, torch.float32, sym=sym)
+    gs = c.group_size  # from_float narrows a group wider than the row
+    q, sc, z = quantize_int4(w, gs, sym)
+    ref = Int4Weight(q, sc, z, gs, k, torch.float32)
+    assert torch.equal(c.weight, ref.weight) and torch.equal(c.scale.view(torch.int16), ref.scale.view(torch.int16))
+    assert (c.zero is None) == sym and (sym or torch.equal(c.zero, ref.zero))
 
 
 @settings(max_examples=40, deadline=None)
