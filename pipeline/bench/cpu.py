@@ -62,7 +62,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="worker threads, both engines")
     p.add_argument("--vllm-env", default="", help="vLLM's CPU virtualenv (vllm-cpu.sh install DIR)")
     p.add_argument("--vllm-formats", default="bf16",
-                   help="the formats vLLM runs, after ours: bf16, float32 (an AVX2-only core emulates bf16)")
+                   help="the formats vLLM runs, after ours: bf16, float32 (an AVX2-only core emulates "
+                   "bf16); HTTP serves the first")
     p.add_argument("--llamacpp", default="", help="a llama.cpp tree built with cmake (bench/cpu_llamacpp.py)")
     p.add_argument("--http-requests", type=int, default=64)
     p.add_argument("--http-concurrency", type=int, default=32)

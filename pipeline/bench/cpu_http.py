@@ -69,13 +69,15 @@ SIGPIPE_EXIT = 141
 
 
 def start_vllm(args, model: str, tries: int = 3) -> tuple[subprocess.Popen, str]:
-    from pipeline.bench.cpu import VLLM_SH
+    from pipeline.bench.cpu import _DTYPE, VLLM_SH
     max_len, seqs = _flags(args, model)
     port = _free_port()
+    # its first --vllm-formats (float32 where an AVX2-only core would emulate bf16)
+    dtype = _DTYPE[args.vllm_formats.split(",")[0]][0]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
     log = open(os.path.join(args.models_dir, "vllm-serve.log"), "w")
     proc = subprocess.Popen(["bash", str(VLLM_SH), "serve", args.vllm_env, model, "--host", "127.0.0.1",
-                             "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(max_len),
+                             "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_len),
                              "--max-num-seqs", str(seqs), "--served-model-name", SERVED],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
