@@ -137,6 +137,8 @@ static inline __m512i pipe_pack_i8_unit16(const char *row, int dtype, int64_t k,
 }
 #endif
 
+#include "cpu_ops_pack_avx2.h"
+
 /* torch's amax/amin in float32; a NaN anywhere or an all-zero row gives scale 1. */
 static float pipe_pack_scale(const char *row, int dtype, int64_t K) {
     float amax = 0.f;
@@ -152,6 +154,9 @@ static float pipe_pack_scale(const char *row, int dtype, int64_t K) {
     }
     nan = bad != 0;
     amax = _mm512_reduce_max_ps(m);
+#elif PIPE_PACK_AVX2
+    amax = pipe_pack_amax8(row, dtype, K, &nan);
+    k = K;
 #endif
     for (; k < K; k++) {
         float a = fabsf(pipe_pack_load(row, dtype, k));
@@ -179,6 +184,9 @@ static void pipe_pack_block(uint32_t *out, const char *w, int dtype, int64_t row
         int64_t n = units - j < 16 ? units - j : 16;
         for (int64_t c = 0; c < n; c++) _mm512_storeu_si512(out + (j + c) * 16, r[c]);
     }
+#elif PIPE_PACK_AVX2
+    (void)per;
+    pipe_pack_block8(out, w, dtype, rows, K, ld_bytes, units, i8, s);
 #else
     for (int64_t j = 0; j < units; j++)
         for (int64_t i = 0; i < 16; i++) {
