@@ -201,12 +201,47 @@ void pipe_i8_group_avx2(const int R, int64_t m0, const int8_t *P, const int8_t *
     }
 }
 
+/* One row (decode at batch 1) over four blocks at once: four weight streams in flight (one
+ * block's stream at a time left a DRAM-bound read short of the bandwidth, as for bf16). */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
+void pipe_i8_quad_avx2(int64_t m0, const int8_t *P, const int8_t *xq, int64_t K4, int64_t b,
+                       int32_t (*sums)[PIPE_I8_BLOCK]) {
+    const int8_t *pb = P + b * PIPE_I8_BLOCK * 4 * K4;
+    const int64_t bs = PIPE_I8_BLOCK * 4 * K4;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i lo[4], hi[4];
+    for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_si256();
+    for (int64_t k4 = 0; k4 < K4; k4++) {
+        int32_t xv;
+        memcpy(&xv, xq + m0 * K4 * 4 + k4 * 4, 4);
+        const __m256i xb = _mm256_set1_epi32(xv);
+        for (int j = 0; j < 4; j++) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(pb + j * bs + k4 * 64));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(pb + j * bs + k4 * 64 + 32));
+            lo[j] = _mm256_add_epi32(lo[j], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(xb, w0)), ones));
+            hi[j] = _mm256_add_epi32(hi[j], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(xb, w1)), ones));
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_si256((__m256i *)sums[j], lo[j]);
+        _mm256_storeu_si256((__m256i *)(sums[j] + 8), hi[j]);
+    }
+}
+
 __attribute__((target("avx2,fma")))
 static void pipe_i8_blocks_avx2(float *y, int64_t ldy, const int8_t *P, const int8_t *xq,
                                 const float *xs, const float *scale, const float *bias,
                                 int64_t M, int64_t K4, int64_t N, int64_t b0, int64_t b1) {
     int32_t sums[4][PIPE_I8_BLOCK];
-    for (int64_t b = b0; b < b1; b++) {
+    int64_t b = b0;
+    if (M == 1)
+        for (; b + 4 <= b1; b += 4) {
+            pipe_i8_quad_avx2(0, P, xq, K4, b, sums);
+            for (int j = 0; j < 4; j++) pipe_i8_store(y, ldy, sums[j], 0, b + j, N, xs, scale, bias);
+        }
+    for (; b < b1; b++) {
         int64_t m0 = 0;
         for (; m0 + 4 <= M; m0 += 4) {
             pipe_i8_group_avx2(4, m0, P, xq, K4, b, sums);

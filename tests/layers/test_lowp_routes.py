@@ -3,7 +3,7 @@ and that it does not change the floats: on a core with AVX2 alone (the ``avx2`` 
 x86 CPU with AVX2) the GEMVs take every batch, where before 9 rows (bf16) and 33 (int8, int4)
 went to a dequantised float32 copy for BLAS, and each row of a batch equals that row multiplied alone,
 bit for bit, through strided x and y, the columns past N untouched (a row alone goes through the
-bf16 kernel's four-block loop, a batch through groups of rows: the same order of sums)."""
+four-block loops, a batch through groups of rows: the same order of sums)."""
 from __future__ import annotations
 
 import pytest
@@ -66,6 +66,7 @@ def test_int4_batch_on_avx2_is_its_rows_alone():
        bias=st.booleans(), seed=st.integers(0, 2**16))
 @example(fmt="int8", m=9, n=2, k=3, pad_x=0, pad_y=0, bias=False, seed=0)  # CI: one large x, one small w
 @example(fmt="bf16", m=9, n=70, k=45, pad_x=1, pad_y=3, bias=True, seed=1)  # rows alone: 4 blocks at once, odd K
+@example(fmt="int8", m=9, n=70, k=45, pad_x=1, pad_y=3, bias=True, seed=1)  # the same for int8
 def test_a_batch_is_its_rows_alone(fmt, m, n, k, pad_x, pad_y, bias, seed):
     g = torch.Generator().manual_seed(seed)
     lw = LowpWeight(torch.randn(n, k, generator=g) * 0.1, fmt, torch.float32)
