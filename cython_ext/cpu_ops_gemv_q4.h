@@ -213,10 +213,64 @@ void pipe_q4_group_avx2(const int R, int64_t m0, int64_t b, const pipe_q4_args *
     }
 }
 
+/* One row (decode at batch 1) over four blocks at once: four weight streams in flight and
+ * four independent integer sums (one block at a time read a 151936 x 896 lm_head at 8.3 GB/s
+ * on one Zen 3 core, four at 10.4). Each block's sums and scaling as in the group above. */
+__attribute__((target("avx2,fma,f16c"))) static inline __attribute__((always_inline))
+void pipe_q4_quad_avx2(int64_t b, const pipe_q4_args *a, float (*out)[PIPE_Q4_BLOCK]) {
+    const int64_t steps = a->gs / 8, bs = a->G * steps * 64;
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 flo[4], fhi[4];
+    for (int j = 0; j < 4; j++) flo[j] = fhi[j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < a->G; g++) {
+        __m256i lo[4], hi[4];
+        for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_si256();
+        for (int64_t i = 0; i < steps; i++) {
+            const int8_t *xr = a->xq + g * a->gs + i * 8; /* row 0 */
+            const __m256i xl = _mm256_set1_epi32(pipe_q4_x4(xr)), xh = _mm256_set1_epi32(pipe_q4_x4(xr + 4));
+            for (int j = 0; j < 4; j++) {
+                const uint8_t *pg = a->P + (b + j) * bs + (g * steps + i) * 64;
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)pg);
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(pg + 32));
+                lo[j] = _mm256_add_epi32(lo[j], _mm256_madd_epi16(_mm256_add_epi16(
+                    _mm256_maddubs_epi16(_mm256_and_si256(w0, mask), xl),
+                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w0, 4), mask), xh)), ones));
+                hi[j] = _mm256_add_epi32(hi[j], _mm256_madd_epi16(_mm256_add_epi16(
+                    _mm256_maddubs_epi16(_mm256_and_si256(w1, mask), xl),
+                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w1, 4), mask), xh)), ones));
+            }
+        }
+        const __m256i xs = _mm256_set1_epi32(a->xsum[g]);
+        for (int j = 0; j < 4; j++) {
+            const uint16_t *sb = a->S + ((b + j) * a->G + g) * PIPE_Q4_BLOCK;
+            __m256i zlo = _mm256_set1_epi32(8), zhi = zlo;
+            if (a->Z) {
+                const uint8_t *zb = a->Z + ((b + j) * a->G + g) * PIPE_Q4_BLOCK;
+                zlo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)zb));
+                zhi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zb + 8)));
+            }
+            const __m256i sl = _mm256_sub_epi32(lo[j], _mm256_mullo_epi32(zlo, xs));
+            const __m256i sh = _mm256_sub_epi32(hi[j], _mm256_mullo_epi32(zhi, xs));
+            flo[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb)), flo[j]);
+            fhi[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 8))), fhi[j]);
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_ps(out[j], flo[j]);
+        _mm256_storeu_ps(out[j] + 8, fhi[j]);
+    }
+}
+
 __attribute__((target("avx2,fma,f16c")))
 static void pipe_q4_blocks_avx2(const pipe_q4_args *a, int64_t b0, int64_t b1) {
     float out[4][PIPE_Q4_BLOCK];
-    for (int64_t b = b0; b < b1; b++) {
+    int64_t b = b0;
+    if (a->M == 1)
+        for (; b + 4 <= b1; b += 4) {
+            pipe_q4_quad_avx2(b, a, out);
+            for (int j = 0; j < 4; j++) pipe_q4_store(a, out[j], 0, b + j);
+        }
+    for (; b < b1; b++) {
         int64_t m0 = 0;
         for (; m0 + 4 <= a->M; m0 += 4) {
             pipe_q4_group_avx2(4, m0, b, a, out);
