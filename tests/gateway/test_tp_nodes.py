@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_helpers import ENGINE_FLAGS, PIPELINE, ROOT, Daemon, env, free_port, make_tiny_model, run_pipe, shm_entries
+from e2e_helpers import ENGINE_FLAGS, PIPELINE, ROOT, Daemon, env, make_tiny_model, run_pipe, shm_entries
 
 from pipeline.client import Client
 from pipeline.ipc.sweep import sweep_stale
@@ -30,14 +31,20 @@ def model(tmp_path_factory) -> Path:
 
 
 def free_port_pair() -> int:
-    """A --master-port whose + 1 (node 0's step-plan port) is free too."""
+    """A --master-port whose + 1 (node 0's step-plan port) is free too, below the ephemeral
+    range: a peer that connects (and retries) before node 0 binds can otherwise be given that
+    very port as its source and connect to itself (TCP simultaneous open), taking the port
+    node 0 then fails to bind (CI: "Address already in use")."""
+    lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
     while True:
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
+        port = rng.randrange(10000, max(lo, 10002) - 2)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
         return port
 
 
