@@ -42,7 +42,7 @@ static void pipe_pack_q4_group(const float *v, int64_t gs, int rows, int sym, ui
             if (Z) Z[j] = 0;
             continue;
         }
-        float scale32, z = 8.f;
+        float scale32, z = 8.f, lo = 0.f;
         if (sym) { /* the largest magnitude, then its first holder (argmax's pick) */
             float amax = 0.f, m = x[0];
             int64_t k = 0;
@@ -59,20 +59,20 @@ static void pipe_pack_q4_group(const float *v, int64_t gs, int rows, int sym, ui
                 if (fabsf(x[k]) == amax) { m = x[k]; break; }
             scale32 = m / -8.f;
         } else {
-            float lo = 0.f, hi = 0.f;
+            float hi = 0.f;
             for (int64_t k = 0; k < gs; k++) {
                 lo = x[k] < lo ? x[k] : lo;
                 hi = x[k] > hi ? x[k] : hi;
             }
             scale32 = (hi - lo) / 15.f;
-            const uint16_t h = pipe_f32_to_f16(scale32);
-            const float s = pipe_f16_to_f32(h) == 0.f ? 1.f : pipe_f16_to_f32(h);
+        }
+        S[j] = pipe_f32_to_f16(scale32);
+        const float s = pipe_f16_to_f32(S[j]) == 0.f ? 1.f : pipe_f16_to_f32(S[j]);
+        if (!sym) {
             z = rintf(-lo / s);
             z = z < 0.f ? 0.f : z > 15.f ? 15.f : z;
             Z[j] = (uint8_t)z;
         }
-        S[j] = pipe_f32_to_f16(scale32);
-        const float s = pipe_f16_to_f32(S[j]) == 0.f ? 1.f : pipe_f16_to_f32(S[j]);
         int64_t k = 0;
 #ifdef __AVX2__ /* the same IEEE division and rounding, 8 at a time (gs is a multiple of 8) */
         const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z), hi15 = _mm256_set1_ps(15.f);
