@@ -85,6 +85,31 @@ def test_gemv_kernels_match_references_on_every_isa(m, n, k_mult, k_tail, bias, 
         assert torch.equal(yq, first), isa
 
 
+@pytest.mark.parametrize("k", [7, 40, 96, 131])
+def test_int8_rows_with_nan_inf_or_zeros_on_every_isa(k):
+    """x is quantised per row by one function per ISA: a row with NaN or inf poisons its
+    outputs (as float32 would), a zero row gives the bias, the rest are untouched, alike."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(6, k, generator=g)
+    x[1, k // 2] = float("nan")
+    x[2, k - 1] = float("inf")  # in the scalar tail where k is not a multiple of 8
+    x[3] = 0.0
+    x[4] = -0.0
+    x[5, 0] = -float("inf")
+    w = LowpWeight(torch.randn(20, k, generator=g) * 0.1, "int8", torch.float32)
+    b = torch.randn(20, generator=g)
+    results = []
+    for isa in ISAS:
+        cpu_ops.set_isa(isa)
+        y = _gemv("int8", x, w, b)
+        assert y[[1, 2, 5]].isnan().all(), isa
+        assert torch.equal(y[3], b) and torch.equal(y[4], b), isa
+        assert y[0].isfinite().all(), isa
+        results.append(y)
+    for y in results[1:]:
+        assert torch.equal(y.nan_to_num(), results[0].nan_to_num())
+
+
 def test_isa_cap_is_reported_and_checked():
     cpu_ops.set_isa("portable")
     assert cpu_ops.lp_isa("bf16", 384) == "portable" and cpu_ops.lp_isa("int8", 384) == "portable"
