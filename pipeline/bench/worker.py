@@ -15,6 +15,7 @@ the figures are the worker's alone. transformers is imported here only (a bench 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import tempfile
 import time
@@ -110,6 +111,7 @@ def bench_formats(model_dir: str, formats: list[str], batches: list[int], steps:
                                1024 // 16 * 4) + 8,
                 max_num_batched_tokens=max(prefill_tokens, 256)))
             runners[fmt].load()
+        gc.freeze()  # as the worker stage does once loaded (runtime/process.py)
         rng = np.random.default_rng(0)
         decode: dict[str, dict[int, float]] = {f: {} for f in formats}
         s = {f: Steps(r) for f, r in runners.items()}
@@ -151,6 +153,7 @@ def bench_formats(model_dir: str, formats: list[str], batches: list[int], steps:
                       step_weight_bytes(r.model, r.model_config.tie_word_embeddings))
         return out
     finally:
+        gc.unfreeze()
         for r in runners.values():
             r.close()
 
