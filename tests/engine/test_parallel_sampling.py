@@ -266,7 +266,7 @@ def test_daemon_client_abort_ends_every_completion_with_the_abort_shape(tmp_path
 
     def stream_and_abort(c: Client, rid: str, **fields) -> RequestResult:
         n, final = fields.get("n", 1), None
-        for item in c.stream("hello there", id=rid, max_tokens=200, ignore_eos=True,
+        for item in c.stream("hello there", id=rid, max_tokens=LONG, ignore_eos=True,
                              temperature=1.0, seed=5, **fields):
             if isinstance(item, RequestResult):
                 final = item
@@ -275,7 +275,12 @@ def test_daemon_client_abort_ends_every_completion_with_the_abort_shape(tmp_path
         assert final is not None
         return final
 
-    daemon = Daemon(make_tiny_model(tmp_path / "m"))
+    # Far more tokens than an abort takes to land, even beside a CPU hog (200 in a 256-token
+    # context could all be out before the client had read the first delta of the last
+    # completion).
+    LONG = 7000
+    daemon = Daemon(make_tiny_model(tmp_path / "m", max_positions=8192),
+                    "--max-model-len", "8192", "--num-blocks", "1100")
     try:
         daemon.wait_ready()
         with Client(daemon.address, timeout=120) as c:
@@ -283,9 +288,9 @@ def test_daemon_client_abort_ends_every_completion_with_the_abort_shape(tmp_path
                 final = stream_and_abort(c, f"r{len(fields)}", **fields)
                 assert final.finish_reason == "abort", final
                 assert final.error is not None and final.error.code == "aborted", final
-                assert "client" in final.error.message and len(final.token_ids) < 200
+                assert "client" in final.error.message and len(final.token_ids) < LONG
             assert [o.index for o in final.outputs] == [0, 1]
-            assert all(o.finish_reason == "abort" and len(o.token_ids) < 200 for o in final.outputs)
+            assert all(o.finish_reason == "abort" and len(o.token_ids) < LONG for o in final.outputs)
     finally:
         assert daemon.stop() == 0
     assert shm_entries(daemon.instance_id) == []
