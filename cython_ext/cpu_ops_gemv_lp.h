@@ -202,24 +202,41 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
 void pipe_bf16_group_avx2(const int R, int64_t m0, const uint16_t *pb, const float *x, int64_t ldx,
                           int64_t K, __m256 (*acc)[2]) {
     /* A line's 32-bit lane j holds outputs j's inputs k (low half) and k + 1 (high half):
-     * a shift and a mask make two float32 vectors of 8 outputs each. */
+     * masking the low half off makes 8 float32 of the odd inputs; the even ones come from
+     * the same mask over a load 2 bytes earlier, which puts each lane's low half on top
+     * (a shift would take a slot of the FMA ports: 1 thread, 32 x 2048 x 896 from L1, 0.84
+     * -> 0.88 of the FMA peak). The first pair of a block, with nothing before it, shifts. */
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 2) {
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(pb + k * 16));
-        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(pb + k * 16 + 16));
-        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
-        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi));
-        const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
-        const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi));
-        for (int r = 0; r < R; r++) {
-            const float *xr = x + (m0 + r) * ldx;
-            const __m256 xe = _mm256_set1_ps(xr[k]);
-            const __m256 xo = _mm256_set1_ps(k + 1 < K ? xr[k + 1] : 0.0f);
-            acc[r][0] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, acc[r][0]));
-            acc[r][1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, acc[r][1]));
+    __m256 a[4][2]; /* locals: a loop over acc itself kept it in memory */
+    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+#define PIPE_BF16_GROUP_STEP(E0, E1)                                                        \
+        for (int r = 0; r < R; r++) {                                                       \
+            const float *xr = x + (m0 + r) * ldx;                                           \
+            const __m256 xe = _mm256_broadcast_ss(xr + k);                                  \
+            const __m256 xo = k + 1 < K ? _mm256_broadcast_ss(xr + k + 1) : _mm256_setzero_ps(); \
+            a[r][0] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(E0, xe, a[r][0]));            \
+            a[r][1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(E1, xe, a[r][1]));            \
         }
+    {
+        const int64_t k = 0;
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)pb);
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(pb + 16));
+        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi));
+        const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi));
+        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+        const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+        PIPE_BF16_GROUP_STEP(e0, e1)
     }
+    for (int64_t k = 2; k < K; k += 2) {
+        const uint16_t *p = pb + k * 16;
+        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)p), hi));
+        const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + 16)), hi));
+        const __m256 e0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p - 1)), hi));
+        const __m256 e1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + 15)), hi));
+        PIPE_BF16_GROUP_STEP(e0, e1)
+    }
+#undef PIPE_BF16_GROUP_STEP
+    for (int r = 0; r < R; r++) acc[r][0] = a[r][0], acc[r][1] = a[r][1];
 }
 
 /* One row (decode at batch 1) over four blocks at once: 8 accumulators, so the two FMAs per
