@@ -1,13 +1,15 @@
 """Shared fixtures. Every transport test runs under its own shared-memory instance and checks
 that nothing of it is left in /dev/shm afterwards. Every `pipeline` command a test starts gets
 SIGTERM when this pytest process dies, even by SIGKILL (PIPELINE_DIE_WITH, set here for
-the commands started without ``e2e_helpers.env()``, which sets it too)."""
+the commands started without ``e2e_helpers.env()``, which sets it too). A test that hangs
+exits the run with every thread's traceback (tests/hang_guard.py)."""
 from __future__ import annotations
 
 import os
 
 import pytest
 import torch
+from hang_guard import pytest_configure, pytest_runtest_protocol  # noqa: F401 (hooks)
 
 from pipeline.ipc.instance import Instance, list_entries
 from pipeline.runtime.process import DIE_WITH_ENV
