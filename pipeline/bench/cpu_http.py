@@ -7,7 +7,8 @@ max_model_len and max_num_seqs (= the concurrency). Every round sends --http-req
 streamed /v1/completions (token-id prompts, greedy, ignore_eos, usage in the stream) at most
 --http-concurrency at a time, with prompts of its own (no prefix-cache hit across rounds),
 read by ``bench serve --http``'s client; one short warm-up round per server first.
-Figures per engine, pooled over its rounds: output tok/s, TTFT p50/p99, inter-token p50/p99.
+Figures per engine, pooled over its rounds: output tok/s, TTFT p50/p99, inter-token p50/p99 and
+the share of inter-token gaps held by prefills.
 Owns the servers it starts, for the length of the run.
 """
 from __future__ import annotations
@@ -122,13 +123,20 @@ async def _round(args, url: str, prompts: list[list[int]], out_len: int,
 
 
 def figures(samples: list[Sample], dur: float) -> dict[str, Any]:
+    """``itl_held_pct``: the share of inter-token gaps over 4x the median, in percent: the gaps
+    in which a stream waited for other requests' prefill. ITL p99 is one of those once this
+    passes 1, a decode step's gap below it, so the two read together say how near the edge a
+    run was (docs/benchmarks.md, 12-04)."""
     ok = [s for s in samples if s.ok]
     gaps = [b - a for s in ok for a, b in zip(s.token_times, s.token_times[1:])]
+    p50 = pct(gaps, 50)
+    held = 100 * sum(g > 4 * p50 for g in gaps) / len(gaps) if gaps else float("nan")
     return {"requests": len(samples), "completed": len(ok), "duration_s": round(dur, 3),
             "output_tok_per_s": round(sum(s.tokens for s in ok) / dur, 1),
             "ttft_p50_ms": round(1e3 * pct([s.ttft for s in ok], 50), 1),
             "ttft_p99_ms": round(1e3 * pct([s.ttft for s in ok], 99), 1),
-            "itl_p50_ms": round(1e3 * pct(gaps, 50), 2), "itl_p99_ms": round(1e3 * pct(gaps, 99), 2)}
+            "itl_p50_ms": round(1e3 * p50, 2), "itl_p99_ms": round(1e3 * pct(gaps, 99), 2),
+            "itl_held_pct": round(held, 2)}
 
 
 def run_http(args, rep: Report, shape: str, model: str) -> None:

@@ -15,8 +15,9 @@ from e2e_helpers import PIPELINE, ROOT, env
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from pipeline.bench import cpu, cpu_limits
+from pipeline.bench import cpu, cpu_http, cpu_limits
 from pipeline.bench.cpu_limits import step_params
+from pipeline.bench.serve import Sample
 
 
 def test_tiny_run_offline_and_http(tmp_path):
@@ -49,6 +50,7 @@ def test_tiny_run_offline_and_http(tmp_path):
     assert http["first_errors"] == []
     # (a tiny model's tokens may come several to one read of the stream: gaps of 0)
     assert 0 < http["ttft_p50_ms"] <= http["ttft_p99_ms"] and 0 <= http["itl_p50_ms"] <= http["itl_p99_ms"]
+    assert 0 <= http["itl_held_pct"] <= 100
     targets = {t["name"]: t for t in out["targets"]}
     assert targets["tiny http pipeline: all requests completed"]["met"]
     assert "tiny int8 batch-4 vs bf16 batch-4" in targets
@@ -91,3 +93,23 @@ def test_peak_flops_names_its_kinds():
     if not cpu_ops.amx_ok():
         with pytest.raises(ValueError, match="this CPU has no amx_bf16"):
             cpu_ops.peak_flops("amx_bf16", 1, tries=1)
+
+
+def test_http_figures_count_the_gaps_held_by_prefills():
+    """Two streams of 101 tokens 0.1 s apart, but for gaps of 2 s in one (held by a prefill):
+    p99 lands on a hold once holds pass 1 % of the gaps, and itl_held_pct counts them."""
+    def stream(held: int) -> Sample:
+        times, t = [], 1.0
+        for i in range(101):
+            times.append(t)
+            t += 2.0 if i < held else 0.1
+        return Sample(prompt_tokens=8, sent=0.5, token_times=times, tokens=101, done=t, ok=True)
+
+    few = cpu_http.figures([stream(1), stream(0)], 10.0)  # 1 of 200 gaps held
+    assert few["itl_held_pct"] == 0.5
+    assert few["itl_p50_ms"] == pytest.approx(100) and few["itl_p99_ms"] == pytest.approx(100)
+    many = cpu_http.figures([stream(3), stream(0)], 10.0)  # 3 of 200
+    assert many["itl_held_pct"] == 1.5 and many["itl_p99_ms"] == pytest.approx(2000)
+    assert many["ttft_p50_ms"] == pytest.approx(500) and many["output_tok_per_s"] == 20.2
+    lost = cpu_http.figures([Sample(prompt_tokens=8)], 1.0)  # no stream completed: no gaps
+    assert lost["completed"] == 0 and math.isnan(lost["itl_held_pct"])
