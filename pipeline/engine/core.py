@@ -12,7 +12,8 @@ step's layers as they are written) and submit the step; then, when ``depth`` ste
 or nothing new could be sent, take the oldest step's result, update the scheduler, emit
 the outputs and send what the connector owes the messager. ``depth`` 1 is the synchronous
 engine; 2 (async scheduling, mixed instances only) sends step N+1 while the worker runs N,
-so the engine's time, and a slow consumer's, hide behind the worker's.
+so the engine's time, and a slow consumer's, hide behind the worker's (not behind a step with
+a long prefill: ``EngineSteps.behind_long``).
 """
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ class EngineCore:
         self._emit_to = emit
         self.send_kv = send_kv
         self.step_log = step_log
-        self.inflight = EngineSteps(MAX_STEPS_IN_FLIGHT if sched.async_scheduling else 1)
+        self.inflight = EngineSteps(MAX_STEPS_IN_FLIGHT if sched.async_scheduling else 1,
+                                    sched.long_prefill_token_threshold)
         self.times = self.inflight.times
 
     def emit(self, outs: list[EngineOutput]) -> None:
@@ -119,7 +121,9 @@ class EngineCore:
         a deadline, can change that: blocks held by reservations or leases)."""
         sched, q = self.sched, self.inflight
         sent = progressed = False
-        if not q.full and sched.has_unfinished_requests():
+        # Not ahead of a long prefill (EngineSteps.behind_long): this call returns after sending
+        # it, so the stage takes in the requests queued meanwhile, and the next call waits.
+        if not q.full and not q.behind_long and sched.has_unfinished_requests():
             t0 = time.perf_counter()
             so = sched.schedule()
             progressed = bool(so.total_num_scheduled_tokens or so.preempted_req_ids)

@@ -116,12 +116,21 @@ class StepTimes(msgspec.Struct):
 
 class EngineSteps:
     """The steps sent to the workers and not answered yet, oldest first, with when each
-    started (``StepTimes.add``)."""
+    started (``StepTimes.add``).
 
-    def __init__(self, depth: int) -> None:
+    ``behind_long``: the newest step out computes more than ``long_prefill`` prompt tokens (the
+    scheduler's long-prefill threshold). Such a step lasts many decode steps, so scheduling
+    ahead of it hides the engine's milliseconds behind seconds (CPU) for nothing, while the
+    step scheduled ahead is fixed before the requests that arrive during the long one: a burst
+    of 32 prompts went 16 | 6 | 10 into three steps instead of 16 | 16 into two, and each step
+    beyond the first held every running stream for seconds (docs/benchmarks.md, 12-04)."""
+
+    def __init__(self, depth: int, long_prefill: int | None = None) -> None:
         self.depth = depth
+        self.long_prefill = long_prefill
         self.sent: deque[tuple[SchedulerOutput, float]] = deque()
         self.times = StepTimes()
+        self._newest_long = False
 
     def __len__(self) -> int:
         return len(self.sent)
@@ -130,8 +139,14 @@ class EngineSteps:
     def full(self) -> bool:
         return len(self.sent) >= self.depth
 
+    @property
+    def behind_long(self) -> bool:
+        return bool(self.sent) and self._newest_long
+
     def push(self, sched: SchedulerOutput, t_begin: float) -> None:
         self.sent.append((sched, t_begin))
+        self._newest_long = self.long_prefill is not None and sum(
+            n for n in sched.num_scheduled_tokens.values() if n > 1) > self.long_prefill
 
     def pop(self) -> tuple[SchedulerOutput, float]:
         return self.sent.popleft()
