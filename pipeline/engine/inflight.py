@@ -125,12 +125,11 @@ class EngineSteps:
     of 32 prompts went 16 | 6 | 10 into three steps instead of 16 | 16 into two, and each step
     beyond the first held every running stream for seconds (docs/benchmarks.md, 12-04)."""
 
-    def __init__(self, depth: int, long_prefill: int | None = None) -> None:
+    def __init__(self, depth: int, long_prefill: int) -> None:
         self.depth = depth
         self.long_prefill = long_prefill
         self.sent: deque[tuple[SchedulerOutput, float]] = deque()
         self.times = StepTimes()
-        self._newest_long = False
 
     def __len__(self) -> int:
         return len(self.sent)
@@ -141,12 +140,10 @@ class EngineSteps:
 
     @property
     def behind_long(self) -> bool:
-        return bool(self.sent) and self._newest_long
+        return bool(self.sent) and self.sent[-1][0].num_prefill_tokens > self.long_prefill
 
     def push(self, sched: SchedulerOutput, t_begin: float) -> None:
         self.sent.append((sched, t_begin))
-        self._newest_long = self.long_prefill is not None and sum(
-            n for n in sched.num_scheduled_tokens.values() if n > 1) > self.long_prefill
 
     def pop(self) -> tuple[SchedulerOutput, float]:
         return self.sent.popleft()

@@ -37,7 +37,7 @@ class StepLog:
 
     def finished(self, sched: SchedulerOutput, result: ModelRunnerOutput, wait_s: float, update_s: float,
                  outputs: int, running: int, waiting: int) -> None:
-        prefill = sum(n for n in sched.num_scheduled_tokens.values() if n > 1)
+        prefill = sched.num_prefill_tokens
         decode = sum(1 for n in sched.num_scheduled_tokens.values() if n == 1)
         rec = {"step": sched.step_id, "t": round(time.time(), 6), "tokens": sched.total_num_scheduled_tokens,
                "prefill_tokens": prefill, "decode_reqs": decode, "new_reqs": len(sched.new_reqs),

@@ -73,6 +73,12 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # proposes no more; a draft model runs a forward per draft).
     spec_fewer: dict[str, int] = {}
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of the requests that run more than one this step (prompt chunks; a
+        speculative verify counts too)."""
+        return sum(n for n in self.num_scheduled_tokens.values() if n > 1)
+
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
     token_id: int

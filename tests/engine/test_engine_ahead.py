@@ -24,10 +24,12 @@ class Recording(LocalExecutor):
     def __init__(self, worker: Any) -> None:
         super().__init__(worker)
         self.events: list[tuple[str, int]] = []
+        self.steps: list[SchedulerOutput] = []
         self.during: list[Any] = []
 
     def submit(self, sched: SchedulerOutput) -> None:
         self.events.append(("submit", sched.step_id))
+        self.steps.append(sched)
         super().submit(sched)
 
     def result(self) -> ModelRunnerOutput:
@@ -41,11 +43,8 @@ def _rig(budget: int = 64):
     cfg = EngineConfig.of(max_num_seqs=8, max_num_batched_tokens=budget, enable_prefix_caching=False)
     sched = Scheduler(cfg, 64, BLOCK, MAX_LEN, async_scheduling=True)
     ex = Recording(FakeWorker(64, BLOCK, MAX_LEN, VOCAB, [EOS], check_kv=True))
-    steps: list[SchedulerOutput] = []
-    submit = ex.submit
-    ex.submit = lambda so: (steps.append(so), submit(so))  # type: ignore[method-assign]
     outs: list = []
-    return sched, ex, EngineCore(sched, ex, outs.extend), steps
+    return sched, ex, EngineCore(sched, ex, outs.extend)
 
 
 def _add(sched: Scheduler, rid: str, n: int, max_tokens: int = 6) -> None:
@@ -55,7 +54,7 @@ def _add(sched: Scheduler, rid: str, n: int, max_tokens: int = 6) -> None:
 
 
 def test_requests_arriving_during_a_long_prefill_join_the_next_step():
-    sched, ex, core, steps = _rig()
+    sched, ex, core = _rig()
     assert sched.long_prefill_token_threshold == 16  # a quarter of the budget
     _add(sched, "a", 40)  # alone: the whole prompt in one step, 40 > 16 tokens
     ex.during.append(lambda: _add(sched, "b", 12))  # arrives while step 1 runs
@@ -64,14 +63,14 @@ def test_requests_arriving_during_a_long_prefill_join_the_next_step():
     core.step()  # schedules nothing ahead of step 1: waits for it
     assert ex.events == [("submit", 1), ("result", 1)]
     core.step()
-    assert steps[1].num_scheduled_tokens == {"a": 1, "b": 12}  # b in the very next step
+    assert ex.steps[1].num_scheduled_tokens == {"a": 1, "b": 12}  # b in the very next step
     while core.has_work():
         core.step()
     assert sched.stats().running == sched.stats().waiting == 0
 
 
 def test_decode_steps_still_run_ahead():
-    sched, ex, core, steps = _rig()
+    sched, ex, core = _rig()
     _add(sched, "a", 8, max_tokens=8)  # 8 <= 16: not a long prefill
     while core.has_work():
         core.step()
