@@ -72,9 +72,9 @@ cdef extern from "cpu_ops_gemv_q4.h":
                              const uint8_t *P, const uint16_t *S, const uint8_t *Z,
                              const int32_t *perm, const float *bias, int64_t M, int64_t K,
                              int64_t N, int64_t gs) nogil
-    void pipeline_cpu_dequant_q4(void *D, int dtype, const uint8_t *P, const uint16_t *S,
-                                 const uint8_t *Z, const int32_t *perm, int64_t N, int64_t K,
-                                 int64_t gs) nogil
+    int64_t pipeline_cpu_dequant_q4(void *D, int dtype, const uint8_t *P, const uint16_t *S,
+                                    const uint8_t *Z, const int32_t *perm, int64_t N, int64_t K,
+                                    int64_t gs, const int64_t *rows, int64_t R) nogil
 
 cdef extern from "cpu_ops_amx_gemm.h":
     int pipe_amx_ok() nogil
@@ -493,14 +493,27 @@ def gemv_q4(uintptr_t y, int64_t ldy, uintptr_t x, int64_t ldx, uintptr_t q, uin
 
 
 def dequant_q4(uintptr_t out, int dtype, uintptr_t q, uintptr_t scale, uintptr_t zero,
-               uintptr_t perm, int64_t n, int64_t k, int64_t group_size) -> None:
+               uintptr_t perm, int64_t n, int64_t k, int64_t group_size, uintptr_t rows=0,
+               int64_t num_rows=-1) -> None:
     """out [n, k] = scale * (q - zero) (packed as for gemv_q4, columns in perm's order) as
-    float32 (dtype 0) or bfloat16 (dtype 1)."""
+    float32 (dtype 0) or bfloat16 (dtype 1); with num_rows >= 0, out [num_rows, k] holds the
+    output channels rows (int64 [num_rows]) names (an embedding lookup)."""
+    cdef int64_t bad
     if group_size <= 0 or group_size % 8:
         raise ValueError(f"group_size must be a positive multiple of 8, got {group_size}")
+    if num_rows == 0:
+        return
+    if num_rows < 0:
+        rows = 0
+    elif rows == 0:
+        raise ValueError("rows must point at num_rows int64 row indices")
     with nogil:
-        pipeline_cpu_dequant_q4(<void *>out, dtype, <const uint8_t *>q, <const uint16_t *>scale,
-                                <const uint8_t *>zero, <const int32_t *>perm, n, k, group_size)
+        bad = pipeline_cpu_dequant_q4(<void *>out, dtype, <const uint8_t *>q,
+                                      <const uint16_t *>scale, <const uint8_t *>zero,
+                                      <const int32_t *>perm, n, k, group_size,
+                                      <const int64_t *>rows, num_rows)
+    if bad >= 0:
+        raise IndexError(f"row {(<const int64_t *>rows)[bad]} is out of range for {n} rows")
 
 
 cdef class DecoderLayers:

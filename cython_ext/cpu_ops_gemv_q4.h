@@ -2,7 +2,7 @@
  *
  *   pipeline_cpu_gemv_q4:    y [M, N] = x [M, K] @ W^T (+ bias),
  *                            W[n, k] = s[n, g] * (q[n, k] - z[n, g]), g = k / group size
- *   pipeline_cpu_dequant_q4: D [N, K] = W as bfloat16 or float32
+ *   pipeline_cpu_dequant_q4: D [N, K] = W (or some of its rows) as bfloat16 or float32
  *
  * q (0..15) is packed in blocks of 16 output channels, 8 inputs deep: P[N/16][K8][64] bytes,
  * byte j*4 + t of a 64-byte row holding q[16b + j, 8i + t] in its low nibble and
@@ -28,7 +28,8 @@
 #define PIPE_Q4_BLOCK 16
 /* Batch 1: bytes ahead of the loads that each 64-byte line is prefetched into L2 (0: none). The
  * hardware prefetcher alone kept one core at ~9 GB/s on this kernel, where the int8 one (half
- * the instructions per byte) reached ~12; 1-2 KB ahead closes most of that (docs/cpu.md). */
+ * the instructions per byte) reached ~12; 1-2 KB ahead closes most of that (docs/cpu.md). On
+ * Zen 3 (AVX2) a whole 0.5B int4 token of GEMVs took 8.2 -> 6.8 ms (docs/benchmarks.md). */
 #ifndef PIPE_Q4_NEXT_BLOCK
 #define PIPE_Q4_NEXT_BLOCK 1
 #endif
@@ -228,6 +229,16 @@ void pipe_q4_quad_avx2(int64_t b, const pipe_q4_args *a, float (*out)[PIPE_Q4_BL
         for (int64_t i = 0; i < steps; i++) {
             const int8_t *xr = a->xq + g * a->gs + i * 8; /* row 0 */
             const __m256i xl = _mm256_set1_epi32(pipe_q4_x4(xr)), xh = _mm256_set1_epi32(pipe_q4_x4(xr + 4));
+#if PIPE_Q4_PREFETCH
+            /* Each block is a few KB: the hardware prefetcher retrains at every block and
+             * page, so each stream's line PIPE_Q4_PREFETCH ahead is asked for by hand (past
+             * a block's end: the same place in the next quad's block). */
+            const int64_t ahead = (g * steps + i) * 64 + PIPE_Q4_PREFETCH;
+            for (int j = 0; j < 4; j++)
+                _mm_prefetch((const char *)(a->P + (ahead < bs ? (b + j) * bs + ahead
+                                                                : (b + j + 4) * bs + ahead - bs)),
+                             _MM_HINT_T1);
+#endif
             for (int j = 0; j < 4; j++) {
                 const uint8_t *pg = a->P + (b + j) * bs + (g * steps + i) * 64;
                 const __m256i w0 = _mm256_loadu_si256((const __m256i *)pg);
@@ -374,39 +385,53 @@ static int pipeline_cpu_gemv_q4(float *y, int64_t ldy, const float *x, int64_t l
     return 0;
 }
 
-/* D [N, K] = s * (q - z) from P, S, Z as above, as bf16 (PIPE_BF16) or float32 (PIPE_F32);
- * with perm, packed input k goes to column perm[k] (the checkpoint's order). */
-static void pipeline_cpu_dequant_q4(void *D, int dtype, const uint8_t *P, const uint16_t *S,
-                                    const uint8_t *Z, const int32_t *perm, int64_t N, int64_t K,
-                                    int64_t gs) {
-    const int64_t G = (K + gs - 1) / gs, steps = gs / 8, NB = (N + PIPE_Q4_BLOCK - 1) / PIPE_Q4_BLOCK;
-    #pragma omp parallel for if (N * K / 2 >= PIPE_GEMV_PAR_MIN_BYTES) schedule(static)
-    for (int64_t b = 0; b < NB; b++) {
-        const uint8_t *pb = P + b * G * steps * 64;
-        float row[G * gs]; /* one output channel, widened, in packed order */
-        for (int j = 0; j < PIPE_Q4_BLOCK && b * PIPE_Q4_BLOCK + j < N; j++) {
-            const int64_t n = b * PIPE_Q4_BLOCK + j;
-            for (int64_t g = 0; g < G; g++) {
-                const float s = pipe_f16_to_f32(S[(b * G + g) * 16 + j]);
-                const float z = Z ? (float)Z[(b * G + g) * 16 + j] : 8.0f;
-                for (int64_t i = 0; i < steps; i++)
-                    for (int t = 0; t < 4; t++) {
-                        const uint8_t v = pb[(g * steps + i) * 64 + j * 4 + t];
-                        row[g * gs + i * 8 + t] = ((float)(v & 15) - z) * s;
-                        row[g * gs + i * 8 + 4 + t] = ((float)(v >> 4) - z) * s;
-                    }
+/* Output channel n of P, S, Z as float32 in packed input order (row [G * gs]). */
+static void pipe_q4_channel(float *row, const uint8_t *P, const uint16_t *S, const uint8_t *Z,
+                            int64_t n, int64_t G, int64_t gs) {
+    const int64_t steps = gs / 8, b = n / PIPE_Q4_BLOCK, j = n % PIPE_Q4_BLOCK;
+    const uint8_t *pb = P + b * G * steps * 64;
+    for (int64_t g = 0; g < G; g++) {
+        const float s = pipe_f16_to_f32(S[(b * G + g) * 16 + j]);
+        const float z = Z ? (float)Z[(b * G + g) * 16 + j] : 8.0f;
+        for (int64_t i = 0; i < steps; i++)
+            for (int t = 0; t < 4; t++) {
+                const uint8_t v = pb[(g * steps + i) * 64 + j * 4 + t];
+                row[g * gs + i * 8 + t] = ((float)(v & 15) - z) * s;
+                row[g * gs + i * 8 + 4 + t] = ((float)(v >> 4) - z) * s;
             }
+    }
+}
+
+/* D [R, K] = channels rows[0..R) of W = s * (q - z) (P, S, Z as above, N output channels),
+ * as bf16 (PIPE_BF16) or float32 (PIPE_F32); rows NULL: all N in order (R = N). With perm,
+ * packed input k goes to column perm[k] (the checkpoint's order). The embedding lookup of
+ * an int4 table takes the rows of its token ids. Returns the index of a row outside
+ * [0, N), or -1. */
+static int64_t pipeline_cpu_dequant_q4(void *D, int dtype, const uint8_t *P, const uint16_t *S,
+                                       const uint8_t *Z, const int32_t *perm, int64_t N,
+                                       int64_t K, int64_t gs, const int64_t *rows, int64_t R) {
+    if (rows == NULL) R = N;
+    for (int64_t r = 0; rows != NULL && r < R; r++)
+        if (rows[r] < 0 || rows[r] >= N) return r;
+    const int64_t G = (K + gs - 1) / gs;
+    #pragma omp parallel if (R * K / 2 >= PIPE_GEMV_PAR_MIN_BYTES)
+    {
+        float row[G * gs]; /* one output channel, widened, in packed order */
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++) {
+            pipe_q4_channel(row, P, S, Z, rows ? rows[r] : r, G, gs);
             if (dtype == PIPE_F32) {
-                float *d = (float *)D + n * K;
+                float *d = (float *)D + r * K;
                 if (perm) for (int64_t k = 0; k < K; k++) d[perm[k]] = row[k];
                 else memcpy(d, row, (size_t)K * 4);
             } else {
-                uint16_t *d = (uint16_t *)D + n * K;
+                uint16_t *d = (uint16_t *)D + r * K;
                 if (perm) for (int64_t k = 0; k < K; k++) d[perm[k]] = pipe_f32_to_bf16(row[k]);
                 else for (int64_t k = 0; k < K; k++) d[k] = pipe_f32_to_bf16(row[k]);
             }
         }
     }
+    return -1;
 }
 
 #endif

@@ -188,8 +188,17 @@ class Int4Weight(nn.Module):
         return out
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` as float32 (the embedding lookup of a tied or untied int4 table)."""
-        return self.dequantize(ids.reshape(-1)).view(*ids.shape, self.in_features)
+        """Rows ``ids`` as float32 (the embedding lookup of a tied or untied int4 table): in
+        one C call where built (a dozen torch ops took ~0.35 ms of a 10-ms batch-1 token)."""
+        flat = ids.reshape(-1)
+        ext = backend(self.weight.device)
+        if ext is None:
+            return self.dequantize(flat).view(*ids.shape, self.in_features)
+        flat = flat.to(torch.int64).contiguous()
+        out = torch.empty((flat.shape[0], self.in_features), dtype=torch.float32)
+        ext.dequant_q4(out.data_ptr(), _DEQUANT_CODE[torch.float32], *self._ptrs(), self.out_features,
+                       self.in_features, self.group_size, flat.data_ptr(), flat.shape[0])
+        return out.view(*ids.shape, self.in_features)
 
     def _ptrs(self) -> tuple[int, int, int, int]:
         return (self.weight.data_ptr(), self.scale.data_ptr(),

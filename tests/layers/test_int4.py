@@ -131,6 +131,10 @@ def test_dense_and_embed_match_the_reference(act_order):
     assert torch.equal(w.dense(torch.bfloat16), ref.to(torch.bfloat16))
     ids = torch.tensor([[3, 49], [0, 3]])
     assert torch.equal(w.embed(ids), ref[ids])
+    assert w.embed(torch.tensor([], dtype=torch.int64)).shape == (0, 100)
+    for bad in (50, -1):  # the C lookup checks every id (a stray read otherwise)
+        with pytest.raises(IndexError, match=f"row {bad} is out of range for 50 rows"):
+            w.embed(torch.tensor([1, bad]))
 
 
 @pytest.mark.parametrize("act_order", [False, True])
