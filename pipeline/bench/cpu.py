@@ -212,7 +212,7 @@ def main(args: argparse.Namespace) -> int:
         if not args.skip_offline:
             _section(rep, f"{shape} offline", _offline_section, args, rep, shape, model, batches, lim)
         if not args.skip_http:
-            _section(rep, f"{shape} http", run_http, args, rep, shape, model)
+            _section(rep, f"{shape} http", run_http, args, rep, shape, model, lim)
     if args.vllm_env:
         _reap_kmp_files()
     return rep.emit(args.json)

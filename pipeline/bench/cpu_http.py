@@ -26,6 +26,7 @@ import time
 import urllib.request
 from typing import Any
 
+from pipeline.bench.cpu_limits import peak_for, served_flops
 from pipeline.bench.report import Report
 from pipeline.bench.serve import Sample, pct, run_arrivals
 from pipeline.bench.serve_http import _one_http
@@ -122,12 +123,23 @@ async def _round(args, url: str, prompts: list[list[int]], out_len: int,
     return samples, dur, errors
 
 
-def figures(samples: list[Sample], dur: float) -> dict[str, Any]:
+def figures(samples: list[Sample], dur: float, model: str | None = None,
+            peak: float | None = None) -> dict[str, Any]:
     """``itl_held_pct``: the share of inter-token gaps over 4x the median, in percent: the gaps
     in which a stream waited for other requests' prefill. ITL p99 is one of those once this
     passes 1, a decode step's gap below it, so the two read together say how near the edge a
-    run was (docs/benchmarks.md, 12-04)."""
+    run was (docs/benchmarks.md, 12-04). With the model: ``served_gflop_s``, the products of
+    the completed requests (``cpu_limits.served_flops``) over the duration, and with the
+    peak FLOP/s of the engine's instructions, ``served_peak_fraction``: how far both engines
+    are from the compute limit of the whole serving path (HTTP, tokenizer, scheduler and
+    client share the cores)."""
     ok = [s for s in samples if s.ok]
+    phys: dict[str, Any] = {}
+    if model is not None and dur > 0:
+        flop_s = sum(served_flops(model, s.prompt_tokens, s.tokens) for s in ok) / dur
+        phys["served_gflop_s"] = round(flop_s / 1e9, 1)
+        if peak:
+            phys["served_peak_fraction"] = round(flop_s / peak, 3)
     gaps = [b - a for s in ok for a, b in zip(s.token_times, s.token_times[1:])]
     p50 = pct(gaps, 50)
     held = 100 * sum(g > 4 * p50 for g in gaps) / len(gaps) if gaps else float("nan")
@@ -136,10 +148,10 @@ def figures(samples: list[Sample], dur: float) -> dict[str, Any]:
             "ttft_p50_ms": round(1e3 * pct([s.ttft for s in ok], 50), 1),
             "ttft_p99_ms": round(1e3 * pct([s.ttft for s in ok], 99), 1),
             "itl_p50_ms": round(1e3 * p50, 2), "itl_p99_ms": round(1e3 * pct(gaps, 99), 2),
-            "itl_held_pct": round(held, 2)}
+            "itl_held_pct": round(held, 2)} | phys
 
 
-def run_http(args, rep: Report, shape: str, model: str) -> None:
+def run_http(args, rep: Report, shape: str, model: str, lim: dict[str, Any]) -> None:
     from pipeline.bench.cpu import prompts as make_prompts
     from pipeline.models.config import load_model_config
     vocab = load_model_config(model).vocab_size
@@ -161,7 +173,9 @@ def run_http(args, rep: Report, shape: str, model: str) -> None:
         pooled[eng][2] += errs
     rows = {}
     for eng, (samples, dur, errs) in pooled.items():
-        rows[eng] = rep.add(f"{shape} http {eng}", **figures(samples, dur), first_errors=errs[:3])
+        fmt = "bf16" if eng == "pipeline" else args.vllm_formats.split(",")[0]
+        rows[eng] = rep.add(f"{shape} http {eng}", **figures(samples, dur, model, peak_for(fmt, lim)),
+                            first_errors=errs[:3])
         n = rows[eng]["requests"]
         rep.target(f"{shape} http {eng}: all requests completed", rows[eng]["completed"], f"== {n}",
                    rows[eng]["completed"] == n)

@@ -44,6 +44,13 @@ def prefill_flops(model: str, seqs: int, tokens: int) -> float:
     return 2.0 * layers * seqs * tokens + 2.0 * head * seqs
 
 
+def served_flops(model: str, prompt_tokens: int, output_tokens: int) -> float:
+    """Multiply-adds x 2 of serving one request: its prompt's prefill (whose LM head gives the
+    first token) and a decode step per later token, LM head included (attention left out)."""
+    layers, head = _params(model)
+    return prefill_flops(model, 1, prompt_tokens) + 2.0 * (layers + head) * max(output_tokens - 1, 0)
+
+
 def peak_for(fmt: str, lim: dict[str, Any]) -> float | None:
     """The peak of the instructions a format's products at batch run on here: AMX tiles for
     bf16/int8 where the CPU has them; float32 FMAs for bf16 and float32 on a core with AVX2

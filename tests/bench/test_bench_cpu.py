@@ -51,6 +51,15 @@ def test_tiny_run_offline_and_http(tmp_path):
     # (a tiny model's tokens may come several to one read of the stream: gaps of 0)
     assert 0 < http["ttft_p50_ms"] <= http["ttft_p99_ms"] and 0 <= http["itl_p50_ms"] <= http["itl_p99_ms"]
     assert 0 <= http["itl_held_pct"] <= 100
+    # The work served: each request's prefill (its first token) and a step per later token.
+    head = cpu.SHAPES["tiny"]["vocab_size"] * cpu.SHAPES["tiny"]["hidden_size"]
+    layers = step_params(str(tmp_path / "tiny")) - head
+    assert cpu_limits.served_flops(str(tmp_path / "tiny"), 16, 6) == 2 * (layers * 16 + head) + 2 * 5 * (layers + head)
+    assert http["served_gflop_s"] > 0
+    peak = cpu_limits.peak_for("bf16", rows["limits"])
+    assert (peak is None) == ("served_peak_fraction" not in http)
+    if peak:
+        assert http["served_peak_fraction"] == pytest.approx(http["served_gflop_s"] * 1e9 / peak, abs=2e-3)
     targets = {t["name"]: t for t in out["targets"]}
     assert targets["tiny http pipeline: all requests completed"]["met"]
     assert "tiny int8 batch-4 vs bf16 batch-4" in targets
