@@ -12,6 +12,7 @@ Owns nothing.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 # Bytes per weight, scales included (int8: one float32 per output row of ~1k inputs; int4:
@@ -19,8 +20,10 @@ from typing import Any
 _BYTES = {"float32": 4.0, "bf16": 2.0, "int8": 1.0 + 4 / 896, "int4": 0.5 + 4 / 64}
 
 
+@functools.lru_cache(maxsize=8)
 def _params(model: str) -> tuple[int, int]:
-    """(the layers' projection weights, the LM head's) of the checkpoint's config."""
+    """(the layers' projection weights, the LM head's) of the checkpoint's config (read once:
+    the HTTP figures ask per request)."""
     from pipeline.models.config import load_model_config
     c = load_model_config(model)
     per_layer = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
