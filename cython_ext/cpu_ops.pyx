@@ -620,6 +620,8 @@ cdef extern from "cpu_ops_pack.h":
                                int64_t ld) nogil
     int pipeline_cpu_pack_i8(int8_t *out, float *scale, const void *w, int dtype, int64_t N,
                              int64_t K, int64_t ld) nogil
+    int64_t pipeline_cpu_unpack_rows(float *out, const void *P, const float *scale, int64_t N,
+                                     int64_t K, int64_t Kc, const int64_t *rows, int64_t R) nogil
 
 
 cdef extern from "cpu_ops_pack_q4.h":
@@ -658,6 +660,21 @@ def pack_bf16(uintptr_t out, uintptr_t w, int dtype, int64_t n, int64_t k, int64
     with nogil:
         rc = pipeline_cpu_pack_bf16(<uint16_t *>out, <const void *>w, dtype, n, k, ld)
     _pack_rc(rc, "pack_bf16", dtype, n, k, ld)
+
+
+def unpack_rows(uintptr_t out, uintptr_t packed, uintptr_t scale, int64_t n, int64_t k,
+                int64_t units, uintptr_t rows, int64_t num_rows) -> None:
+    """out [num_rows, k] float32 = the rows (int64 [num_rows]) of a [n, k] weight packed by
+    pack_bf16 (scale 0) or pack_i8 (times its scale), ``units`` 32-bit units a packed row (an
+    embedding lookup). IndexError for a row outside [0, n)."""
+    cdef int64_t bad
+    if num_rows <= 0:
+        return
+    with nogil:
+        bad = pipeline_cpu_unpack_rows(<float *>out, <const void *>packed, <const float *>scale,
+                                       n, k, units, <const int64_t *>rows, num_rows)
+    if bad >= 0:
+        raise IndexError(f"row {(<const int64_t *>rows)[bad]} is out of range for {n} rows")
 
 
 def pack_i8(uintptr_t out, uintptr_t scale, uintptr_t w, int dtype, int64_t n, int64_t k,

@@ -266,5 +266,29 @@ static inline int pipeline_cpu_pack_i8(int8_t *out, float *scale, const void *w,
     return pipe_pack((uint32_t *)out, scale, w, dtype, N, K, ld, 1);
 }
 
+/* The embedding lookup of a packed table: out [R, K] float32 = rows[0..R) of the [N, K]
+ * weight packed as above with Kc units a row (bf16: Kp / 2, int8: ceil(K / 4)), bf16 widened
+ * (scale NULL) or int8 times its row's scale: the floats of lowp.py's unpack in torch.
+ * Returns the index of a row outside [0, N), or -1 (nothing written). */
+static int64_t pipeline_cpu_unpack_rows(float *out, const void *P, const float *scale,
+                                        int64_t N, int64_t K, int64_t Kc, const int64_t *rows,
+                                        int64_t R) {
+    for (int64_t r = 0; r < R; r++)
+        if (rows[r] < 0 || rows[r] >= N) return r;
+    #pragma omp parallel for schedule(static) if (R * K >= (1 << 20))
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t n = rows[r], b = n / 16, j = n % 16;
+        float *o = out + r * K;
+        if (scale) {
+            const int8_t *p = (const int8_t *)P + (b * Kc * 16 + j) * 4;
+            for (int64_t k = 0; k < K; k++) o[k] = (float)p[(k / 4) * 64 + k % 4] * scale[n];
+        } else {
+            const uint16_t *p = (const uint16_t *)P + (b * Kc * 16 + j) * 2;
+            for (int64_t k = 0; k < K; k++) o[k] = pipe_bf16_to_f32(p[(k / 2) * 32 + k % 2]);
+        }
+    }
+    return -1;
+}
+
 #pragma GCC pop_options
 #endif

@@ -215,9 +215,17 @@ class LowpWeight(nn.Module):
         return self.nbytes
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` as float32 (the embedding lookup of a tied or packed table)."""
-        rows = self.weight[ids] if self.table_only else unpack_rows(self.weight, ids, self.in_features)
-        return rows.float() if self.scale is None else rows.float().mul_(self.scale[ids, None])
+        """Rows ``ids`` as float32 (the embedding lookup of a tied or packed table); a packed
+        table's in one C call where built (the torch ops took 0.1-0.2 ms of a batch-1 token)."""
+        ext = backend(self.weight.device)
+        if ext is None or self.table_only:
+            rows = self.weight[ids] if self.table_only else unpack_rows(self.weight, ids, self.in_features)
+            return rows.float() if self.scale is None else rows.float().mul_(self.scale[ids, None])
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty((flat.shape[0], self.in_features), dtype=torch.float32)
+        ext.unpack_rows(out.data_ptr(), self.weight.data_ptr(), 0 if self.scale is None else self.scale.data_ptr(),
+                        self.out_features, self.in_features, self.weight.shape[1], flat.data_ptr(), flat.shape[0])
+        return out.view(*ids.shape, self.in_features)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole weight ``[out, in]`` in ``dtype`` (float32 or bfloat16) in the shared

@@ -154,11 +154,16 @@ def test_linear_small_and_batched_paths(fmt, gemm_dtype, m):
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
 def test_embed_rows_match_the_dequantised_table(fmt):
-    w = torch.randn(50, 64)
+    w = torch.randn(50, 70)  # K past the packing's units: bf16 pads to 96, int8 to 72
     lw = LowpWeight(w, fmt, torch.float32)
     ids = torch.tensor([0, 7, 7, 49])
     dense = lw.dense(torch.float32)
     assert torch.equal(lw.embed(ids), dense[ids])
+    assert torch.equal(lw.embed(ids.view(2, 2)), dense[ids].view(2, 2, 70))
+    assert lw.embed(torch.tensor([], dtype=torch.int64)).shape == (0, 70)
+    for bad in (50, -1):  # the C lookup checks every id (a stray read otherwise)
+        with pytest.raises(IndexError, match=f"row {bad} is out of range for 50 rows"):
+            lw.embed(torch.tensor([1, bad]))
     if fmt == "int8":
         q, scale = quantize_int8(w)
         assert torch.equal(dense, q.float() * scale[:, None])
