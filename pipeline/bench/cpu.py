@@ -12,7 +12,8 @@ batch size (--batches) a 1-token generate and a full one; total time, output tok
 tok/s from their difference, load time and peak RSS. HTTP: each engine's OpenAI server
 (`pipeline serve --http`, `vllm serve`) under --http-requests streamed /v1/completions at
 --http-concurrency, ``bench serve --http``'s client, rounds alternating ABBA between engines:
-output tok/s, TTFT p50/p99, inter-token p50/p99.
+output tok/s, TTFT p50/p99, inter-token p50/p99, the share of gaps held by prefills, and the
+products served per second against the engine's instruction peak (``served_peak_fraction``).
 
 With ``--llamacpp DIR`` (a llama.cpp tree built with cmake) llama.cpp's F16, Q8_0 and Q4_0 run
 beside bf16, int8 and int4 (``cpu_llamacpp``). With ``--vllm-env DIR`` (made by
