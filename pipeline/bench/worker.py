@@ -3,7 +3,8 @@ worker against transformers' `generate` on the same checkpoint, in the same run,
 decode as a fraction of the memory-bandwidth limit: the machine's read bandwidth (a parallel
 read of a buffer far larger than the caches, every core) over the weight bytes one decode
 step reads. With ``--formats`` (default float32,bf16,int8,int4) the worker runs once per weight
-format in the same run (bf16: ``--dtype bfloat16``, int8/int4: ``--quantization int8|int4``,
+format in the same run (bf16: ``--dtype bfloat16``, int8/int4: ``--quantization int8|int4``
+with the checkpoint's dtype as a user's run gets it, so a bf16 checkpoint's KV cache is bf16;
 all under float32 activations on CPU), and the issue-12 targets compare them with float32
 (issue 23's: int4 batch 1 with int8).
 ``--device cuda`` runs both sides on the GPU (float32 and bf16 only; transformers in each
@@ -77,9 +78,11 @@ def bench_model(model: str, tmp: str) -> tuple[str, int]:
     return model, min(load_model_config(model).vocab_size, 512)
 
 
-# format -> (--dtype, --quantization)
+# format -> (--dtype, --quantization). The quantized formats keep --dtype auto, as a user's
+# `--quantization int4` does: the KV cache in the checkpoint's dtype (bf16 for a bf16 one,
+# whose attention then reads half the bytes of a float32 cache).
 FORMAT_FLAGS = {"float32": ("float32", "none"), "bf16": ("bfloat16", "none"),
-                "int8": ("float32", "int8"), "int4": ("float32", "int4")}
+                "int8": ("auto", "int8"), "int4": ("auto", "int4")}
 
 
 def step_weight_bytes(model: torch.nn.Module, tied: bool) -> int:
