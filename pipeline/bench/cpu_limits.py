@@ -69,11 +69,15 @@ def peak_for(fmt: str, lim: dict[str, Any]) -> float | None:
 def limits(threads: int) -> dict[str, Any]:
     import torch
 
-    from pipeline._ext import cpu_ops
     from pipeline.bench.bandwidth import read_bandwidth
     torch.set_num_threads(threads)
-    out: dict[str, Any] = {"threads": threads, "read_bytes_per_s": read_bandwidth()}
-    out["isa"] = cpu_ops.lp_isa("bf16", 896)  # the bf16 kernels' vector body here
+    return {"threads": threads, "read_bytes_per_s": read_bandwidth()} | instruction_limits(threads)
+
+
+def instruction_limits(threads: int) -> dict[str, Any]:
+    """The bf16 kernels' vector body here ("isa") and the peaks ``peak_for`` chooses from."""
+    from pipeline._ext import cpu_ops
+    out: dict[str, Any] = {"isa": cpu_ops.lp_isa("bf16", 896)}
     return out | {f"peak_{kind}_flops": v for kind, v in measure_peaks(threads).items()}
 
 

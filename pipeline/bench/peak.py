@@ -1,11 +1,13 @@
 """`pipeline bench worker --peak`: prefill and batched decode against the machine's compute limit.
 
-The limit is the peak of the instructions the bf16 and int8 products run on, measured in the
-same run: AMX tile products (TDPBF16PS, TDPBSSD) issued back to back on tiles loaded once, with
-no memory traffic (``cpu_ops.amx_peak``), by as many threads as the worker uses, best of a few
-tries (the cores are shared). A step's useful work is its projections' multiply-adds: 2 x the
-parameters of every projection per token, plus lm_head per sequence that samples (attention is
-left out: at these context lengths it is a few percent). Each row also gives the bound that
+The limit is the peak of the instructions a format's products run on, measured in the same
+run by as many threads as the worker uses, best of a few tries (the cores are shared), with no
+memory traffic (``cpu_ops.peak_flops``): AMX tile products (TDPBF16PS, TDPBSSD) where the CPU
+has them, else float32 FMAs for bf16 and float32 on a core with AVX2 alone (bf16 is widened to
+float32 there); the choice is ``cpu_limits.peak_for``, as ``bench cpu`` makes it. A step's
+useful work is its projections' multiply-adds: 2 x the parameters of every projection per
+token, plus lm_head per sequence that samples (attention is left out: at these context lengths
+it is a few percent). Each row also gives the bound that
 reading the weights once per step sets (read bandwidth / weight bytes x batch): a batched decode
 step is limited by the lower of the two. Owns nothing.
 """
@@ -13,16 +15,13 @@ from __future__ import annotations
 
 from pipeline.bench.report import Report
 
-PEAK_ITERS = 200_000  # 4 tile products each: ~0.1 s at 1 TFLOP/s per thread
 
-
-def instruction_peaks(threads: int, tries: int = 5) -> dict[str, float]:
-    """FLOP/s (int8: ops/s) of the AMX tile products per format; empty without AMX."""
-    from pipeline._ext import cpu_ops
-    if not cpu_ops.amx_ok():
-        return {}
-    return {fmt: max(cpu_ops.amx_peak(kind, PEAK_ITERS, threads) for _ in range(tries))
-            for fmt, kind in (("bf16", 0), ("int8", 1))}
+def instruction_peaks(threads: int) -> dict[str, float]:
+    """FLOP/s (int8: ops/s) of the instructions each format's products run on here, for the
+    formats that have one measured (``cpu_limits.peak_for``)."""
+    from pipeline.bench.cpu_limits import instruction_limits, peak_for
+    lim = instruction_limits(threads)
+    return {fmt: p for fmt in ("float32", "bf16", "int8") if (p := peak_for(fmt, lim)) is not None}
 
 
 def projection_params(model_dir: str) -> tuple[int, int]:
@@ -41,9 +40,9 @@ def add_peak_rows(rep: Report, runs: dict, batches: list[int], prefill_tokens: i
     a fraction of the instruction peak and of the weight-read bound (params: from
     ``projection_params``)."""
     peaks = instruction_peaks(threads)
-    rep.machine["amx_threads"] = threads
+    rep.machine["peak_threads"] = threads
     for fmt, peak in peaks.items():
-        rep.machine[f"amx_peak_gflop_s_{fmt}"] = round(peak / 1e9, 1)
+        rep.machine[f"peak_gflop_s_{fmt}"] = round(peak / 1e9, 1)
     layer_p, head_p = params
     for fmt, (decode, prefill, weight_bytes) in runs.items():
         if fmt not in peaks:

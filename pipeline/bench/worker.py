@@ -52,8 +52,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="weight formats to run, comma-separated: float32, bf16, int8, int4 (CPU only; "
                         "int4 in groups of 128)")
     p.add_argument("--peak", action="store_true",
-                   help="bf16/int8 prefill and batched decode as a fraction of the AMX tile "
-                        "products' peak, measured in the same run (bench/peak.py)")
+                   help="prefill and batched decode as a fraction of the peak of the instructions "
+                        "each format runs on (AMX tiles, or float32 FMAs for bf16/float32 with "
+                        "AVX2 alone), measured in the same run (bench/peak.py)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: both sides on the GPU, transformers in each format's dtype")
 

@@ -53,19 +53,26 @@ def test_worker_peak_rows_are_the_step_flops_over_the_measured_peak(model):
     out = bench("worker", "--model", model, "--skip-hf", "--formats", "bf16,int8", "--peak", *SMALL)
     rows = {r["case"]: r for r in out["results"]}
     m = out["machine"]
-    if not cpu_ops.amx_ok():
-        assert not any(c.endswith("vs peak") for c in rows)
-        pytest.skip("no AMX: no peak to measure")
+    # The formats with an instruction peak here: both on AMX tiles; bf16 alone (float32 FMAs)
+    # on a core with AVX2 alone; none on AVX-512 without AMX.
+    isa = cpu_ops.lp_isa("bf16", 896)
+    with_peak = ["bf16", "int8"] if cpu_ops.amx_ok() else ["bf16"] if isa == "avx2" else []
+    assert all(f"peak_gflop_s_{fmt}" in m for fmt in with_peak)
+    # ("decode batch 2 bf16 vs peak", "prefill 32 tokens bf16 vs peak")
+    assert {c.split()[3] for c in rows if c.endswith("vs peak")} == set(with_peak)
+    if not with_peak:
+        pytest.skip("no instruction peak measured on this CPU")
     layer_p, head_p = projection_params(model)
-    for fmt in ("bf16", "int8"):
-        peak = m[f"amx_peak_gflop_s_{fmt}"]
+    for fmt in with_peak:
+        peak = m[f"peak_gflop_s_{fmt}"]
+        assert peak > 0
         row = rows[f"decode batch 2 {fmt} vs peak"]
         tok_s = rows[f"decode batch 2 {fmt}"]["pipeline_tok_s"]
         assert row["gflop_s"] == pytest.approx(tok_s * 2 * (layer_p + head_p) / 1e9)
-        assert row["peak_fraction"] == pytest.approx(row["gflop_s"] / peak, rel=1e-3)
+        # (the machine's peak is rounded to 0.1 GFLOP/s)
+        assert row["peak_fraction"] == pytest.approx(row["gflop_s"] / peak, rel=0.06 / peak)
         assert row["bound_fraction"] == pytest.approx(tok_s / row["bound_tok_s"])
         assert f"prefill 32 tokens {fmt} vs peak" in rows
-    assert m["amx_peak_gflop_s_int8"] > 0 and m["amx_peak_gflop_s_bf16"] > 0
 
 
 def test_threads_default_against_explicit_counts(model):
