@@ -7,9 +7,9 @@ has them, else float32 FMAs for bf16 and float32 on a core with AVX2 alone (bf16
 float32 there); the choice is ``cpu_limits.peak_for``, as ``bench cpu`` makes it. A step's
 useful work is its projections' multiply-adds: 2 x the parameters of every projection per
 token, plus lm_head per sequence that samples (attention is left out: at these context lengths
-it is a few percent). Each row also gives the bound that
-reading the weights once per step sets (read bandwidth / weight bytes x batch): a batched decode
-step is limited by the lower of the two. Owns nothing.
+it is a few percent). Each row also gives the bound that reading the weights once per step sets
+(read bandwidth / weight bytes x batch): a batched decode step is limited by the lower of the
+two. Owns nothing.
 """
 from __future__ import annotations
 
