@@ -77,7 +77,8 @@ fi
 TOTAL=${GPU_CHECK_BUDGET:-460}
 PARITY_FILE=tests/models/test_models_parity.py
 GPU_TEST_FILES=(tests/layers/test_cuda_build.py tests/layers/test_cuda_gpu_review.py tests/cache/test_cuda_ipc_gpu.py
-                tests/ipc/test_ipc_signal.py tests/worker/test_cuda_graphs.py tests/worker/test_spec_gpu.py)
+                tests/ipc/test_ipc_signal.py tests/worker/test_cuda_graphs.py tests/worker/test_spec_gpu.py
+                tests/layers/test_flash_prefill.py)
 BENCH_WORKER=(bench worker --device cuda --json --formats float32,bf16 --batch-sizes 1,8,32,256)
 BENCH_OFFLINE=(bench offline --device cuda --dtype bfloat16 --json)
 

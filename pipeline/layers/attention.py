@@ -6,8 +6,12 @@ every attention call of the step. Owns no state.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pipeline.layers.flash_prefill import FlashPrefill
 
 
 @dataclass(slots=True)
@@ -17,3 +21,4 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, M] int32
+    prefill: FlashPrefill | None = None  # CUDA: the sequences whose attention runs on tensor cores

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.layers import ops, ops_fused
+from pipeline.layers import flash_prefill, ops, ops_fused
 from pipeline.layers.attention import AttentionMetadata
 from pipeline.layers.fused_decoder import forward_fused
 from pipeline.layers.int4 import PACKED
@@ -90,8 +90,11 @@ class DecoderLayer(nn.Module):
         ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if on_kv_written is not None:
             on_kv_written()
-        o = ops.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                meta.block_tables, self.scale)
+        if meta.prefill is not None:
+            o = flash_prefill.attention(q, k_cache, v_cache, meta.prefill, self.scale)
+        else:
+            o = ops.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
+                                    meta.block_tables, self.scale)
         return _linear(o.view(t, self.q_size), self.o_weight, self.o_bias, self.kn)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pipeline.config import EngineConfig
-from pipeline.layers import ops
+from pipeline.layers import flash_prefill, ops
 from pipeline.layers.ops_fused import argmax
 from pipeline.messages import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from pipeline.worker.cuda_graphs import DecodeGraphs
@@ -63,6 +63,7 @@ class ModelRunner(RankModel):
         self._signal_ranks = 1  # ranks sharing the KV segment (and the signal's layers)
         self._signal_stream = None
         self._step_id = 0
+        self.flash = False  # set by load(): long query runs on tensor cores (CUDA, fp16/bf16)
 
     def load(self) -> None:
         super().load()
@@ -71,6 +72,7 @@ class ModelRunner(RankModel):
             assert self.kv_cache is not None  # loaded just now
             self.spec.attach_draft(DraftModel(self.config, spec.model, self.device, self.num_blocks,
                                               self.block_size, self.max_model_len, self.vocab_size))
+        self.flash = flash_prefill.supported(self.device, self.dtype, self.model_config.head_dim)
         # A prefill instance keeps its layer signal attached, which rules the graphs out;
         # --enforce-eager rules them out too.
         if (self.device.type == "cuda" and self.tp is None and self.config.kv_transfer_config.role != "prefill"
@@ -134,7 +136,7 @@ class ModelRunner(RankModel):
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         # A decode step replays a CUDA graph unless a layer signal must fire per layer.
         graphs = self.graphs if self._signal is None else None
-        return prepare_inputs(self.batch, sched, self.device, graphs)
+        return prepare_inputs(self.batch, sched, self.device, graphs, self.flash)
 
     def _on_kv_written(self, layer: int) -> None:
         assert self._signal is not None  # only installed while a signal is attached

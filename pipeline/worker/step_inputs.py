@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pipeline.layers.attention import AttentionMetadata
+from pipeline.layers.flash_prefill import plan
 from pipeline.messages import SchedulerOutput
 from pipeline.worker.cuda_graphs import DecodeGraphs
 from pipeline.worker.input_batch import InputBatch
@@ -32,9 +33,10 @@ class StepInputs:
 
 
 def prepare_inputs(b: InputBatch, sched: SchedulerOutput, device: torch.device,
-                   graphs: DecodeGraphs | None = None) -> StepInputs:
+                   graphs: DecodeGraphs | None = None, flash: bool = False) -> StepInputs:
     """The step's flattened inputs. A decode step (one token per request) of at most
-    ``graphs.max_batch`` requests without prompt logprobs is staged into those CUDA graphs."""
+    ``graphs.max_batch`` requests without prompt logprobs is staged into those CUDA graphs.
+    ``flash``: the step's long query runs go to the tensor-core prefill (layers/flash_prefill)."""
     bs = b.block_size
     index = b.index
     rows = np.fromiter((index[r] for r in sched.num_scheduled_tokens), dtype=np.int64,
@@ -90,7 +92,8 @@ def prepare_inputs(b: InputBatch, sched: SchedulerOutput, device: torch.device,
             return torch.from_numpy(a).to(device=dev, non_blocking=True)
 
     meta = AttentionMetadata(slot_mapping=t(slots), cu_seqlens_q=t(cu),
-                             seq_lens=t(seq_lens.astype(np.int32)), block_tables=t(block_tables))
+                             seq_lens=t(seq_lens.astype(np.int32)), block_tables=t(block_tables),
+                             prefill=plan(n, seq_lens, block_tables, bs, t) if flash and not decode else None)
     return StepInputs(input_ids=t(input_ids), positions=t(positions), meta=meta, rows=rows,
                       num_scheduled=n, logits_indices=t(cu[1:][sample_idx].astype(np.int64) - 1),
                       sample_batch_idx=sample_idx)
