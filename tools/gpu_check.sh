@@ -7,10 +7,11 @@
 # tests on cuda (float32 and bf16), `pipeline run` and `pipeline serve` on cuda, and
 # `pipeline bench worker` / `bench offline` on cuda against transformers on the same GPU.
 #
-# Owns: $OUT (default ./gpu_out), which gets at most 4 files (the device tool brings back 8):
+# Owns: $OUT (default ./gpu_out), which gets at most 7 files (the device tool brings back 8):
 #   summary.txt         one line per step: status, seconds used, budget
 #   logs.tar.gz         every step's log, remade after each step (a run cut short still has them)
-#   bench_worker.json   bench_offline.json   the benches' `--json` reports
+#   bench_worker.json   bench_offline.json   the benches' `--json` reports (the 25M model)
+#   bench_1b.json   offline_1b.json   profile_1b.json   the same on the 1B shape, and its step's profile
 # Exit: 0 every step passed; 1 a test step failed (the run went on); 2 a setup step failed (env,
 # wheels, build, probe: the run stopped there, saying so); 3 bad usage.
 #
@@ -40,6 +41,10 @@ STEPS=(
   "parity        test  120"   # ~70 s   transformers parity on cuda, float32 and bfloat16 at once
   "run           test   75"   # ~30 s   pipeline run on cuda (float32, default dtype) vs the CPU
   "serve         test   60"   # ~20 s   pipeline serve on cuda: HTTP completions, SIGTERM, /dev/shm
+  "make_1b       test   60"   # ~15 s   make-model: the Llama-3.2-1B shape in bf16, random weights (issue 29)
+  "bench_1b      test  120"   # ~60 s   bench worker on it: batch 1/32/256, an 8k-token prefill, --peak, vs transformers
+  "profile_1b    test   60"   # ~20 s   tools/gpu_profile.py: the batch-1 decode step's host phases and kernels
+  "offline_1b    test  150"   # ~80 s   bench offline on it: 1024 requests, vs transformers
   "bench_worker  test   75"   # ~40 s   bench worker --device cuda vs transformers on the GPU
   "bench_offline test   90"   # ~50 s   bench offline --device cuda --dtype bfloat16 vs transformers
 )
@@ -81,6 +86,13 @@ GPU_TEST_FILES=(tests/layers/test_cuda_build.py tests/layers/test_cuda_gpu_revie
                 tests/layers/test_flash_prefill.py)
 BENCH_WORKER=(bench worker --device cuda --json --formats float32,bf16 --batch-sizes 1,8,32,256)
 BENCH_OFFLINE=(bench offline --device cuda --dtype bfloat16 --json)
+M1B=${GPU_1B_DIR:-/tmp/pipeline-gpu-1b}  # issue 29: the Llama-3.2-1B shape (1.24B params, tied embeddings)
+MAKE_1B=(make-model --arch llama --out "$M1B" --hidden-size 2048 --intermediate-size 8192 --num-layers 16
+         --num-heads 32 --num-kv-heads 8 --vocab-size 128256 --tie-word-embeddings --dtype bfloat16
+         --max-position-embeddings 16384 --rope-theta 500000)
+BENCH_1B=(bench worker --device cuda --json --model "$M1B" --formats bf16 --batch-sizes 1,32,256
+          --prefill-tokens 8192 --prefill-seqs 1 --peak)
+OFFLINE_1B=(bench offline --device cuda --dtype bfloat16 --json --model "$M1B" --num-prompts 1024 --repeats 1)
 
 x() { echo "+ $*" >&2; "$@"; }                      # print, then run: the log holds every command
 show() { echo "+ $*  [GPU machine only: not run in dry mode]" >&2; }
@@ -198,6 +210,20 @@ print(format_table(r['results'])); print(format_table(r['targets']) if r['target
 step_bench_worker() { bench bench_worker "${BENCH_WORKER[@]}"; }
 step_bench_offline() { bench bench_offline "${BENCH_OFFLINE[@]}"; }
 
+step_make_1b() {  # kept between calls on a warm machine
+  if [[ $DRY == 1 ]]; then x "$PY" tools/gpu_smoke.py argv "${MAKE_1B[@]}"; return; fi
+  if [[ -s $M1B/config.json && -s $M1B/model.safetensors ]]; then echo "$M1B: already made"; return; fi
+  rm -rf "$M1B"
+  x "$PY" -m pipeline "${MAKE_1B[@]}"
+}
+step_bench_1b() { bench bench_1b "${BENCH_1B[@]}"; }
+step_offline_1b() { bench offline_1b "${OFFLINE_1B[@]}"; }
+step_profile_1b() {
+  if [[ $DRY == 1 ]]; then x "$PY" tools/gpu_profile.py --model "$M1B" --dry; return; fi
+  mkdir -p "$OUT"
+  x "$PY" tools/gpu_profile.py --model "$M1B" --device cuda --dtype bfloat16 --batch 1 --json "$OUT/profile_1b.json"
+}
+
 # ---- the driver ---------------------------------------------------------------------------
 
 if [[ -n $ONLY ]]; then
@@ -226,7 +252,7 @@ finish() {  # finish EXIT: the end of every failed step's log, the benches' tabl
   for s in "${FAILED[@]}"; do
     echo; echo "---- last lines of $s.log ----"; tail -n 25 "$LOGS/$s.log"
   done
-  for s in bench_worker bench_offline; do  # the tables of those that passed (a failed one's log is above)
+  for s in bench_worker bench_offline bench_1b offline_1b; do  # the tables of those that passed (a failed one's log is above)
     if [[ -s $OUT/$s.json && $DRY != 1 ]]; then
       echo; echo "---- $s ----"; sed -n '/^+ /!p' "$LOGS/$s.log" | tail -n 30
     fi

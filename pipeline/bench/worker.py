@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from pipeline.bench.bandwidth import cuda_read_bandwidth, read_bandwidth
-from pipeline.bench.peak import add_peak_rows, projection_params
+from pipeline.bench.peak import add_peak_rows, cuda_peaks, instruction_peaks, projection_params
 from pipeline.bench.report import Report
 from pipeline.bench.steps import Steps
 from pipeline.config import EngineConfig
@@ -42,6 +42,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="timed windows per figure; the best counts (robust to a busy machine)")
     p.add_argument("--prefill-tokens", type=int, default=512, help="tokens in the prefill step")
+    p.add_argument("--prefill-seqs", type=int, default=4, help="prompts sharing them, of equal length")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads for both sides; 0: the worker's default (a team that adapts, from every core)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -54,7 +55,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak", action="store_true",
                    help="prefill and batched decode as a fraction of the peak of the instructions "
                         "each format runs on (AMX tiles, or float32 FMAs for bf16/float32 with "
-                        "AVX2 alone), measured in the same run (bench/peak.py)")
+                        "AVX2 alone; on a GPU its matrix products), measured in the same run "
+                        "(bench/peak.py)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: both sides on the GPU, transformers in each format's dtype")
 
@@ -97,22 +99,23 @@ def step_weight_bytes(model: torch.nn.Module, tied: bool) -> int:
 
 
 def bench_formats(model_dir: str, formats: list[str], batches: list[int], steps: int,
-                  prefill_tokens: int, vocab: int, repeats: int, device: str = "cpu"
-                  ) -> dict[str, tuple[dict[int, float], float, int]]:
+                  prefill_tokens: int, vocab: int, repeats: int, device: str = "cpu",
+                  n_seq: int = 4) -> dict[str, tuple[dict[int, float], float, int]]:
     """Per format: (decode tok/s per batch size, prefill tok/s, weight bytes per step). One
     ModelRunner per format, all loaded at once; every timed window alternates the formats,
     so a machine whose speed drifts (a shared VM) weighs on all of them alike."""
     from pipeline.worker.model_runner import ModelRunner
     max_b = max(batches)
+    plen = prefill_tokens // n_seq
     runners: dict[str, ModelRunner] = {}
     try:
         for fmt in formats:
             dtype, quantization = FORMAT_FLAGS[fmt]
             runners[fmt] = ModelRunner(EngineConfig.of(
                 model=model_dir, device=device, dtype=dtype, quantization=quantization,
-                block_size=16, max_num_seqs=max(max_b, 4),  # the prefill step admits 4
+                block_size=16, max_num_seqs=max(max_b, n_seq),  # the prefill step admits n_seq
                 num_blocks=max(max_b * -(-(PROMPT_LEN + repeats * steps + 4) // 16),
-                               1024 // 16 * 4) + 8,
+                               n_seq * -(-(plen + 1) // 16), 1024 // 16 * 4) + 8,
                 max_num_batched_tokens=max(prefill_tokens, 256)))
             runners[fmt].load()
         gc.freeze()  # as the worker stage does once loaded (runtime/process.py)
@@ -140,8 +143,6 @@ def bench_formats(model_dir: str, formats: list[str], batches: list[int], steps:
             for f in formats:
                 decode[f][b] = b * steps / best[f]
                 s[f].finish(ids[f])
-        n_seq = 4
-        plen = prefill_tokens // n_seq
         prefill = dict.fromkeys(formats, float("inf"))
         for rep in range(repeats):
             prompts = rng.integers(3, vocab, (n_seq, plen)).tolist()
@@ -168,8 +169,8 @@ def bench_ours(model_dir: str, batches: list[int], steps: int, prefill_tokens: i
 
 
 def bench_hf(model_dir: str, batches: list[int], steps: int, prefill_tokens: int,
-             vocab: int, repeats: int, device: str = "cpu", dtype: torch.dtype = torch.float32
-             ) -> tuple[dict[int, float], float]:
+             vocab: int, repeats: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
+             n_seq: int = 4) -> tuple[dict[int, float], float]:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     rng = np.random.default_rng(0)
@@ -192,7 +193,6 @@ def bench_hf(model_dir: str, batches: list[int], steps: int, prefill_tokens: int
             one = min(gen(ids, 1) for _ in range(repeats))
             full = min(gen(ids, steps + 1) for _ in range(repeats))
             decode[b] = b * steps / max(full - one, 1e-9)
-        n_seq = 4
         ids = torch.from_numpy(rng.integers(3, vocab, (n_seq, prefill_tokens // n_seq))).to(device)
         model(ids)
         best = float("inf")
@@ -211,6 +211,9 @@ def main(args: argparse.Namespace) -> int:
     if args.threads:
         os.environ["PIPELINE_WORKER_THREADS"] = str(args.threads)
     batches = [int(x) for x in args.batch_sizes.split(",") if x]
+    if not 1 <= args.prefill_seqs <= args.prefill_tokens:
+        raise SystemExit(f"--prefill-seqs: {args.prefill_seqs} must be between 1 and --prefill-tokens "
+                         f"({args.prefill_tokens})")
     if args.device == "cuda" and args.clock == "cpu":
         raise SystemExit("--clock cpu: this process's CPU time does not time GPU work; use --clock wall")
     from pipeline.worker.device import worker_threads
@@ -228,16 +231,17 @@ def main(args: argparse.Namespace) -> int:
                 raise SystemExit(f"--formats: {f!r} is not one of {', '.join(FORMAT_FLAGS)}")
             if cuda and FORMAT_FLAGS[f][1] != "none":
                 raise SystemExit(f"--formats: {f} runs on the CPU only, not with --device cuda")
-        params = projection_params(model_dir) if args.peak else (0, 0)
+        params = projection_params(model_dir) if args.peak else (0, 0, 0)
         runs = bench_formats(model_dir, formats, batches, args.decode_steps,
-                             args.prefill_tokens, vocab, args.repeats, args.device)
+                             args.prefill_tokens, vocab, args.repeats, args.device, args.prefill_seqs)
         # transformers per format: in float32 for all on CPU (its own bf16 there is no baseline),
         # in each format's dtype on the GPU
         hf_runs: dict[str, tuple[dict[int, float], float]] = {}
         if not args.skip_hf:
             for f in formats if cuda else ["float32"]:
                 hf_runs[f] = bench_hf(model_dir, batches, args.decode_steps, args.prefill_tokens, vocab,
-                                      args.repeats, args.device, getattr(torch, FORMAT_FLAGS[f][0]))
+                                      args.repeats, args.device, getattr(torch, FORMAT_FLAGS[f][0]),
+                                      args.prefill_seqs)
     bw = max(bw, read_bw())  # best of two, apart in time: the cores are shared
     rep = Report("worker")
     rep.machine["device"] = torch.cuda.get_device_name() if cuda else "cpu"
@@ -258,7 +262,7 @@ def main(args: argparse.Namespace) -> int:
         row = {"pipeline_tok_s": ours_prefill}
         if hf:
             row.update(hf_tok_s=hf_prefill, speedup=ours_prefill / hf_prefill)
-        rep.add(f"prefill {args.prefill_tokens} tokens (4 seqs){tag}", **row)
+        rep.add(f"prefill {args.prefill_tokens} tokens ({args.prefill_seqs} seqs){tag}", **row)
         if 1 in ours:
             limit = bw / weight_bytes
             frac = ours[1] / limit
@@ -272,8 +276,11 @@ def main(args: argparse.Namespace) -> int:
         rep.target("int4 batch-1 decode vs int8", round(r, 2), ">= 1.7x", r >= 1.7)
         # what reading fewer bytes allows: the ratio of the two steps' weight bytes
         rep.machine["int8_over_int4_weight_bytes"] = round(runs["int8"][2] / runs["int4"][2], 3)
-    if args.peak and not cuda:
-        add_peak_rows(rep, runs, batches, args.prefill_tokens, params, torch.get_num_threads(), bw)
+    if args.peak:
+        if not cuda:
+            rep.machine["peak_threads"] = torch.get_num_threads()
+        peaks = cuda_peaks() if cuda else instruction_peaks(torch.get_num_threads())
+        add_peak_rows(rep, runs, batches, args.prefill_tokens, args.prefill_seqs, params, peaks, bw)
     if "float32" in runs:
         base, base_prefill, _ = runs["float32"]
         goals = (("bf16", 1, 1.8), ("int8", 1, 2.5), ("bf16", 32, 1.4), ("int8", 32, 1.0))

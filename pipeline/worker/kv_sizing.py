@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from pipeline.config import EngineConfig
+from pipeline.layers import flash_prefill
 from pipeline.layers.attention import AttentionMetadata
 from pipeline.models.llama import CausalLM
 from pipeline.worker.kv_cache import KVCache
@@ -94,6 +95,11 @@ def profile_gpu_blocks(model: CausalLM | None, config: EngineConfig, block_size:
     model.compute_logits(hidden[:n_logits]).softmax(-1)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
+    k0 = tmp.layers[0][0]
+    if flash_prefill.supported(device, k0.dtype, k0.shape[3]):
+        # A chunk's flash prefill gathers its whole context's K and V for one layer at a time
+        # (layers/flash_prefill.py): up to max_model_len tokens of both, beside the activations.
+        peak += 2 * max_model_len * k0[0, 0].numel() * k0.element_size()
     del hidden
     tmp.close()
     free, total = torch.cuda.mem_get_info(device)

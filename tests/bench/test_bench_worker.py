@@ -62,7 +62,7 @@ def test_worker_peak_rows_are_the_step_flops_over_the_measured_peak(model):
     assert {c.split()[3] for c in rows if c.endswith("vs peak")} == set(with_peak)
     if not with_peak:
         pytest.skip("no instruction peak measured on this CPU")
-    layer_p, head_p = projection_params(model)
+    layer_p, head_p, _ = projection_params(model)
     for fmt in with_peak:
         peak = m[f"peak_gflop_s_{fmt}"]
         assert peak > 0

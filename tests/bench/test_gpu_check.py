@@ -9,6 +9,7 @@ recorded while the later steps still run, and a step past the total budget is ki
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -21,8 +22,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
-STEPS = ["env", "wheels", "build", "probe", "gpu_tests", "parity", "run", "serve", "bench_worker",
-         "bench_offline"]
+STEPS = ["env", "wheels", "build", "probe", "gpu_tests", "parity", "run", "serve", "make_1b", "bench_1b",
+         "profile_1b", "offline_1b", "bench_worker", "bench_offline"]
 
 _spec = importlib.util.spec_from_file_location("gpu_wheels", ROOT / "tools" / "gpu_wheels.py")
 assert _spec and _spec.loader
@@ -149,6 +150,28 @@ def test_the_dry_run_passes_every_step_and_prints_its_command(tmp_path):
     assert "pipeline serve --device cuda" in log["serve"]
     assert "would run: pipeline bench worker --device cuda" in log["bench_worker"]
     assert "would run: pipeline bench offline --device cuda" in log["bench_offline"]
+    assert "would run: pipeline make-model --arch llama" in log["make_1b"]
+    assert "--prefill-tokens 8192 --prefill-seqs 1 --peak" in log["bench_1b"]
+    assert "would run: tools/gpu_profile.py --model" in log["profile_1b"]
+    assert "--num-prompts 1024" in log["offline_1b"]
+
+
+def test_the_step_profile_runs_and_its_phases_fit_in_the_step(tmp_path):
+    """tools/gpu_profile.py on the CPU with the default model: the host phases it reports are
+    parts of the step it times (the GPU machine runs the same code on the 1B shape)."""
+    from pipeline.config import DEFAULT_MODEL
+    out = tmp_path / "p.json"
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_profile.py"), "--model", DEFAULT_MODEL,
+                        "--device", "cpu", "--dtype", "float32", "--steps", "8", "--profile-steps", "2",
+                        "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    assert r["batch"] == 1 and r["weight_mib"] > 0 and r["step_ms"] > 0
+    ph = r["phases_ms"]
+    assert ph["_sample"] <= ph["_forward_and_sample"]
+    assert ph["_apply_diff"] + ph["prepare_inputs"] + ph["_forward_and_sample"] <= r["step_ms"]
+    assert r["tok_s"] == pytest.approx(1e3 / r["step_ms"], rel=1e-3)
+    assert "Self CPU" in p.stdout  # the profiler's table
 
 
 def test_the_dry_run_refuses_a_flag_the_cli_lacks():
