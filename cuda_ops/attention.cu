@@ -29,9 +29,9 @@ constexpr int kMinSplitKeys = 256;
 constexpr float kNegBig = -1e30f;  // finite, so exp(a - b) is 0 or 1 and never NaN
 
 // DPL: head_dim elements per lane, head_dim <= 32 * DPL. Block (token, head, split) covers
-// keys [split * keys_per_split, ...) of the token's causal range; with one split it writes
-// `out`, otherwise its unnormalised state (max, sum, acc[head_dim]) goes to `partial` for
-// combine_splits_kernel.
+// the split-th of num_splits equal runs of the token's causal range (whole warp steps each);
+// with one split it writes `out`, otherwise its unnormalised state (max, sum, acc[head_dim])
+// goes to `partial` for combine_splits_kernel.
 template <typename T, int DPL>
 __global__ void __launch_bounds__(kThreads) paged_attention_kernel(
     T* __restrict__ out, float* __restrict__ partial, const T* __restrict__ q,
@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(
     const int32_t* __restrict__ cu_seqlens_q, const int32_t* __restrict__ seq_lens,
     const int32_t* __restrict__ block_tables, int num_seqs, int64_t q_stride, int num_heads,
     int num_kv_heads, int head_dim, int64_t num_blocks, int block_size, int max_blocks,
-    int keys_per_split, float scale) {
+    float scale) {
   __shared__ float sm_m[kWarps], sm_l[kWarps];
   __shared__ float sm_acc[kWarps][DPL * 32];
   const int tok = blockIdx.x, head = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
@@ -62,8 +62,14 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(
   // Causal range, clamped to the table row so a too-long seq_len never reads the next row.
   const int num_keys =
       min(seq_lens[b] - q_len + (tok - cu_seqlens_q[b]) + 1, max_blocks * block_size);
-  const int k_begin = split * keys_per_split;
-  const int k_end = min(num_keys, k_begin + keys_per_split);
+  // The splits share the token's own range, not the table's width: a CUDA graph is captured
+  // for the widest context, and a short one would leave all its keys to split 0 (a batch-1
+  // decode of a 1B model spent 14 us a layer here so).
+  constexpr int kStep = kWarps * kUnroll;
+  const int per_split =
+      num_splits == 1 ? num_keys : ((num_keys + num_splits - 1) / num_splits + kStep - 1) / kStep * kStep;
+  const int k_begin = split * per_split;
+  const int k_end = min(num_keys, k_begin + per_split);
   const int kvh = head / (num_heads / num_kv_heads);
   const int64_t kv_row = (int64_t)num_kv_heads * head_dim;
   const int32_t* table = block_tables + (int64_t)b * max_blocks;
@@ -191,7 +197,7 @@ struct AttnArgs {
   const int32_t *cu, *lens, *tables;
   int num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   int64_t num_blocks;
-  int keys_per_split, num_splits;
+  int num_splits;
   int64_t q_stride;
   float scale;
 };
@@ -203,7 +209,7 @@ int launch_attention_dpl(const AttnArgs& a, cudaStream_t stream) {
       static_cast<T*>(a.out), a.partial, static_cast<const T*>(a.q),
       static_cast<const T*>(a.k_cache), static_cast<const T*>(a.v_cache), a.cu, a.lens,
       a.tables, a.num_seqs, a.q_stride, a.num_heads, a.num_kv_heads, a.head_dim, a.num_blocks,
-      a.block_size, a.max_blocks, a.keys_per_split, a.scale);
+      a.block_size, a.max_blocks, a.scale);
   if (a.num_splits > 1) {
     const int threads = a.head_dim >= 128 ? 128 : ((a.head_dim + 31) / 32) * 32;
     combine_splits_kernel<T><<<dim3((unsigned)a.num_tokens, (unsigned)a.num_heads), threads, 0,
@@ -259,7 +265,6 @@ extern "C" int pipeline_cuda_paged_attention(
   if (num_tokens <= 0 || num_heads <= 0 || head_dim <= 0) return PIPELINE_CUDA_OK;
   // GQA maps q head h to kv head h / (num_heads / num_kv_heads): it needs an exact multiple.
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return PIPELINE_CUDA_EHEADS;
-  const int64_t max_context = max_blocks * block_size;
   AttnArgs a;
   a.out = out;
   a.partial = workspace;
@@ -278,8 +283,6 @@ extern "C" int pipeline_cuda_paged_attention(
   a.max_blocks = (int)max_blocks;
   a.num_blocks = num_blocks;
   a.num_splits = num_splits;
-  a.keys_per_split = (int)((max_context + num_splits - 1) / num_splits);
-  if (a.keys_per_split < 1) a.keys_per_split = 1;
   a.q_stride = q_stride;
   a.scale = scale;
   cudaStream_t s = static_cast<cudaStream_t>(stream);

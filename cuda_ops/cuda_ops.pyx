@@ -32,6 +32,14 @@ cdef extern from "pipeline_cuda.h":
         int64_t num_blocks, int64_t block_bytes, void *stream) nogil
     int pipeline_cuda_enqueue_layer_signal(void *stream, void *shm_base, int64_t step,
                                            int layer) nogil
+    int pipeline_cuda_add_rms_norm(void *x, const void *add, void *h, const void *weight,
+                                   int64_t rows, int64_t dim, float eps, int dtype,
+                                   void *stream) nogil
+    int pipeline_cuda_silu_mul(void *out, const void *gate_up, int64_t rows, int64_t inter,
+                               int dtype, void *stream) nogil
+    int pipeline_cuda_rotary(void *x, const void *cos, const void *sin, int64_t tokens,
+                             int64_t heads, int64_t head_dim, int64_t row_stride, int dtype,
+                             void *stream) nogil
     const char *pipeline_cuda_error_string(int code)
     int PIPELINE_CUDA_MAX_HEAD_DIM
 
@@ -116,3 +124,34 @@ def enqueue_layer_signal(uintptr_t stream, uintptr_t shm_base, int64_t step, int
     with nogil:
         code = pipeline_cuda_enqueue_layer_signal(<void *>stream, <void *>shm_base, step, layer)
     _check(code, "enqueue_layer_signal")
+
+
+def add_rms_norm(uintptr_t x, uintptr_t add, uintptr_t h, uintptr_t weight, int64_t rows,
+                 int64_t dim, float eps, int dtype, uintptr_t stream=0) -> None:
+    """Enqueue x += add (add 0: none), h = weight * rmsnorm(x) (half types; fused.cu)."""
+    cdef int code
+    with nogil:
+        code = pipeline_cuda_add_rms_norm(<void *>x, <const void *>add, <void *>h,
+                                          <const void *>weight, rows, dim, eps, dtype,
+                                          <void *>stream)
+    _check(code, "add_rms_norm")
+
+
+def silu_mul(uintptr_t out, uintptr_t gate_up, int64_t rows, int64_t inter, int dtype,
+             uintptr_t stream=0) -> None:
+    """Enqueue out = silu(gate) * up over gate_up [rows, 2 * inter] (half types; fused.cu)."""
+    cdef int code
+    with nogil:
+        code = pipeline_cuda_silu_mul(<void *>out, <const void *>gate_up, rows, inter, dtype,
+                                      <void *>stream)
+    _check(code, "silu_mul")
+
+
+def rotary(uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t tokens, int64_t heads,
+           int64_t head_dim, int64_t row_stride, int dtype, uintptr_t stream=0) -> None:
+    """Enqueue rotate-half RoPE in place on x [tokens, heads, head_dim] (half types; fused.cu)."""
+    cdef int code
+    with nogil:
+        code = pipeline_cuda_rotary(<void *>x, <const void *>cos, <const void *>sin, tokens,
+                                    heads, head_dim, row_stride, dtype, <void *>stream)
+    _check(code, "rotary")

@@ -1,4 +1,5 @@
-/* Worker stage, CUDA ops: the C API of libpipeline_cuda.so (kernels.cu, layer_signal.cu).
+/* Worker stage, CUDA ops: the C API of libpipeline_cuda.so (kernels.cu, attention.cu, fused.cu,
+ * layer_signal.cu).
  *
  * Same layouts as the CPU ops (cython_ext/cpu_ops_*.h): caches are
  * [num_blocks, block_size, num_kv_heads, head_dim] in device memory; index tensors are
@@ -64,6 +65,22 @@ int pipeline_cuda_copy_blocks(
  * layer) (cython_ext/shm_atomic.h) once all work before it on the stream is done. The
  * caller makes `stream` (a side stream) wait for the layer's KV write first. */
 int pipeline_cuda_enqueue_layer_signal(void *stream, void *shm_base, int64_t step, int layer);
+
+/* fused.cu, half types only (dtype 1 or 2; float32 keeps torch's ops). x and h are
+ * contiguous [rows, dim]: x += add (skipped when add is NULL), then
+ * h = weight * T(rmsnorm(x)) with the norm in float32. */
+int pipeline_cuda_add_rms_norm(void *x, const void *add, void *h, const void *weight,
+                               int64_t rows, int64_t dim, float eps, int dtype, void *stream);
+
+/* out [rows, inter] = silu(gate_up[:, :inter]) * gate_up[:, inter:] (gate_up contiguous). */
+int pipeline_cuda_silu_mul(void *out, const void *gate_up, int64_t rows, int64_t inter,
+                           int dtype, void *stream);
+
+/* Rotate-half RoPE in place on x [tokens, heads, head_dim], rows row_stride elements apart,
+ * with contiguous [tokens, head_dim] tables cos = [c, c] and sin = [-s, s] in x's dtype. */
+int pipeline_cuda_rotary(void *x, const void *cos, const void *sin, int64_t tokens,
+                         int64_t heads, int64_t head_dim, int64_t row_stride, int dtype,
+                         void *stream);
 
 /* Human-readable text for a return code of the functions above. */
 const char *pipeline_cuda_error_string(int code);

@@ -7,11 +7,12 @@
 # tests on cuda (float32 and bf16), `pipeline run` and `pipeline serve` on cuda, and
 # `pipeline bench worker` / `bench offline` on cuda against transformers on the same GPU.
 #
-# Owns: $OUT (default ./gpu_out), which gets at most 7 files (the device tool brings back 8):
+# Owns: $OUT (default ./gpu_out), which gets at most 8 files (the device tool brings back 8):
 #   summary.txt         one line per step: status, seconds used, budget
 #   logs.tar.gz         every step's log, remade after each step (a run cut short still has them)
 #   bench_worker.json   bench_offline.json   the benches' `--json` reports (the 25M model)
-#   bench_1b.json   offline_1b.json   profile_1b.json   the same on the 1B shape, and its step's profile
+#   bench_1b.json   offline_1b.json   the same on the 1B shape
+#   profile_1b.json   profile_1b_256.json   its decode step's profile at batch 1 and 256
 # Exit: 0 every step passed; 1 a test step failed (the run went on); 2 a setup step failed (env,
 # wheels, build, probe: the run stopped there, saying so); 3 bad usage.
 #
@@ -43,7 +44,7 @@ STEPS=(
   "serve         test   60"   # ~20 s   pipeline serve on cuda: HTTP completions, SIGTERM, /dev/shm
   "make_1b       test   60"   # ~15 s   make-model: the Llama-3.2-1B shape in bf16, random weights (issue 29)
   "bench_1b      test  120"   # ~60 s   bench worker on it: batch 1/32/256, an 8k-token prefill, --peak, vs transformers
-  "profile_1b    test   60"   # ~20 s   tools/gpu_profile.py: the batch-1 decode step's host phases and kernels
+  "profile_1b    test   60"   # ~25 s   tools/gpu_profile.py: the decode step's host phases and kernels, batch 1, 256
   "offline_1b    test  150"   # ~80 s   bench offline on it: 1024 requests, vs transformers
   "bench_worker  test   75"   # ~40 s   bench worker --device cuda vs transformers on the GPU
   "bench_offline test   90"   # ~50 s   bench offline --device cuda --dtype bfloat16 vs transformers
@@ -83,7 +84,7 @@ TOTAL=${GPU_CHECK_BUDGET:-460}
 PARITY_FILE=tests/models/test_models_parity.py
 GPU_TEST_FILES=(tests/layers/test_cuda_build.py tests/layers/test_cuda_gpu_review.py tests/cache/test_cuda_ipc_gpu.py
                 tests/ipc/test_ipc_signal.py tests/worker/test_cuda_graphs.py tests/worker/test_spec_gpu.py
-                tests/layers/test_flash_prefill.py)
+                tests/layers/test_flash_prefill.py tests/layers/test_cuda_fused.py)
 BENCH_WORKER=(bench worker --device cuda --json --formats float32,bf16 --batch-sizes 1,8,32,256)
 BENCH_OFFLINE=(bench offline --device cuda --dtype bfloat16 --json)
 M1B=${GPU_1B_DIR:-/tmp/pipeline-gpu-1b}  # issue 29: the Llama-3.2-1B shape (1.24B params, tied embeddings)
@@ -221,7 +222,9 @@ step_offline_1b() { bench offline_1b "${OFFLINE_1B[@]}"; }
 step_profile_1b() {
   if [[ $DRY == 1 ]]; then x "$PY" tools/gpu_profile.py --model "$M1B" --dry; return; fi
   mkdir -p "$OUT"
-  x "$PY" tools/gpu_profile.py --model "$M1B" --device cuda --dtype bfloat16 --batch 1 --json "$OUT/profile_1b.json"
+  x "$PY" tools/gpu_profile.py --model "$M1B" --device cuda --dtype bfloat16 --batch 1 --json "$OUT/profile_1b.json" \
+    && x "$PY" tools/gpu_profile.py --model "$M1B" --device cuda --dtype bfloat16 --batch 256 --steps 20 \
+         --json "$OUT/profile_1b_256.json"
 }
 
 # ---- the driver ---------------------------------------------------------------------------

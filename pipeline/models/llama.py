@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.layers import flash_prefill, ops, ops_fused
+from pipeline.layers import flash_prefill, ops, ops_cuda, ops_fused
 from pipeline.layers.attention import AttentionMetadata
 from pipeline.layers.fused_decoder import forward_fused
 from pipeline.layers.int4 import PACKED
@@ -85,7 +85,7 @@ class DecoderLayer(nn.Module):
         else:
             qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         # One rotation for q and k together; q and k are views of its result.
-        qk = RotaryEmbedding.apply(qk, cos, sin)
+        qk = ops_cuda.rotary_(qk, cos, sin) if ops_cuda.enabled(qk) else RotaryEmbedding.apply(qk, cos, sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if on_kv_written is not None:
@@ -99,6 +99,8 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         gate_up = _linear(h, self.gate_up_weight, self.gate_up_bias, self.kn)
+        if ops_cuda.enabled(gate_up):
+            return _linear(ops_cuda.silu_mul(gate_up), self.down_weight, self.down_bias, self.kn)
         act = F.silu(gate_up[:, :self.intermediate_size]).mul_(gate_up[:, self.intermediate_size:])
         return _linear(act, self.down_weight, self.down_bias, self.kn)
 
@@ -142,14 +144,27 @@ class CausalLM(nn.Module):
         if x.dtype == torch.float32 and x.device.type == "cpu" and ops.backend(x.device) is not None:
             return forward_fused(self, x, positions, meta, kv_caches, on_kv_written)
         cos, sin = self.rotary.table(positions, x.dtype)
+        # CUDA half types: each residual add rides in the next norm's kernel (x in place).
+        fused = ops_cuda.enabled(x)
+        pending: torch.Tensor | None = None  # the last MLP's output, not yet added to x
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_caches[i]
             signal = (lambda i=i: on_kv_written(i)) if on_kv_written is not None else None
-            a = layer.attention(layer.input_layernorm(x), cos, sin, k_cache, v_cache, meta, signal)
-            x = x + (a if self.tp is None else self.tp.all_reduce(a))
-            m = layer.mlp(layer.post_attention_layernorm(x))
-            x = x + (m if self.tp is None else self.tp.all_reduce(m))
-        return x
+            if fused:
+                h = ops_cuda.add_rms_norm(x, pending, layer.input_layernorm)
+            else:
+                x = x if pending is None else x + pending
+                h = layer.input_layernorm(x)
+            a = layer.attention(h, cos, sin, k_cache, v_cache, meta, signal)
+            a = a if self.tp is None else self.tp.all_reduce(a)
+            if fused:
+                h = ops_cuda.add_rms_norm(x, a, layer.post_attention_layernorm)
+            else:
+                x = x + a
+                h = layer.post_attention_layernorm(x)
+            m = layer.mlp(h)
+            pending = m if self.tp is None else self.tp.all_reduce(m)
+        return x if pending is None else x + pending
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's final norm of ``forward``'s hidden states (what lm_head and pooling take)."""
