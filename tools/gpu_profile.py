@@ -30,6 +30,7 @@ from pipeline.bench.bandwidth import cuda_read_bandwidth, read_bandwidth
 from pipeline.bench.steps import Steps
 from pipeline.bench.worker import PROMPT_LEN, step_weight_bytes
 from pipeline.config import EngineConfig
+from pipeline.models.config import load_model_config
 from pipeline.worker.model_runner import ModelRunner
 
 PHASES = ("_apply_diff", "prepare_inputs", "_forward_and_sample", "_sample")
@@ -67,10 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     total = args.steps + args.profile_steps + 12
+    # The checkpoint's max_model_len, as a user's run has it: a CUDA graph's block table (and
+    # with it how paged attention splits a context) is as wide as that.
+    max_len = load_model_config(args.model).max_position_embeddings
     runner = ModelRunner(EngineConfig.of(
         model=args.model, device=args.device, dtype=args.dtype, block_size=16,
-        max_num_seqs=max(args.batch, 4), num_blocks=args.batch * -(-(PROMPT_LEN + total) // 16) + 8,
-        max_num_batched_tokens=max(256, args.batch * PROMPT_LEN), max_model_len=PROMPT_LEN + total + 16))
+        max_num_seqs=max(args.batch, 4),
+        num_blocks=max(args.batch * -(-(PROMPT_LEN + total) // 16), -(-max_len // 16)) + 8,
+        max_num_batched_tokens=max(256, args.batch * PROMPT_LEN)))
     runner.load()
     try:
         assert runner.model is not None

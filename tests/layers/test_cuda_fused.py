@@ -26,7 +26,7 @@ def same(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("rows,dim", [(1, 2048), (7, 896), (300, 4096), (3, 100)])
+@pytest.mark.parametrize("rows,dim", [(1, 2048), (7, 896), (300, 4096), (2, 8192), (3, 100), (2, 10240)])
 def test_add_rms_norm_matches_add_then_norm(dtype, rows, dim):
     g = torch.Generator(device=DEV).manual_seed(rows)
     norm = RMSNorm(dim, 1e-5).to(DEV)
