@@ -12,7 +12,8 @@
 #   logs.tar.gz         every step's log, remade after each step (a run cut short still has them)
 #   bench_worker.json   bench_offline.json   the benches' `--json` reports (the 25M model)
 #   bench_1b.json   offline_1b.json   the same on the 1B shape
-#   profile_1b.json   profile_1b_256.json   its decode step's profile at batch 1 and 256
+#   profile_1b.json     its batch-1 decode step's profile (batch 256's is in profile_1b.log)
+#   bench_spec.json     speculative decoding on against off on the GPU (issue 27)
 # Exit: 0 every step passed; 1 a test step failed (the run went on); 2 a setup step failed (env,
 # wheels, build, probe: the run stopped there, saying so); 3 bad usage.
 #
@@ -45,7 +46,8 @@ STEPS=(
   "make_1b       test   60"   # ~15 s   make-model: the Llama-3.2-1B shape in bf16, random weights (issue 29)
   "bench_1b      test  120"   # ~60 s   bench worker on it: batch 1/32/256, an 8k-token prefill, --peak, vs transformers
   "profile_1b    test   60"   # ~25 s   tools/gpu_profile.py: the decode step's host phases and kernels, batch 1, 256
-  "offline_1b    test  150"   # ~80 s   bench offline on it: 1024 requests, vs transformers
+  "offline_1b    test  150"   # ~40 s   bench offline on it: 1024 requests, vs transformers
+  "bench_spec    test  120"   # ~60 s   bench spec on cuda: n-gram/suffix on against off, batch 1 and 8 (issue 27)
   "bench_worker  test   75"   # ~40 s   bench worker --device cuda vs transformers on the GPU
   "bench_offline test   90"   # ~50 s   bench offline --device cuda --dtype bfloat16 vs transformers
 )
@@ -93,6 +95,7 @@ MAKE_1B=(make-model --arch llama --out "$M1B" --hidden-size 2048 --intermediate-
          --max-position-embeddings 16384 --rope-theta 500000)
 BENCH_1B=(bench worker --device cuda --json --model "$M1B" --formats bf16 --batch-sizes 1,32,256
           --prefill-tokens 8192 --prefill-seqs 1 --peak)
+BENCH_SPEC=(bench spec --device cuda --json --workloads continue,agent --rounds 1 --interleave)
 OFFLINE_1B=(bench offline --device cuda --dtype bfloat16 --json --model "$M1B" --num-prompts 1024 --repeats 1)
 
 x() { echo "+ $*" >&2; "$@"; }                      # print, then run: the log holds every command
@@ -219,12 +222,12 @@ step_make_1b() {  # kept between calls on a warm machine
 }
 step_bench_1b() { bench bench_1b "${BENCH_1B[@]}"; }
 step_offline_1b() { bench offline_1b "${OFFLINE_1B[@]}"; }
+step_bench_spec() { bench bench_spec "${BENCH_SPEC[@]}"; }
 step_profile_1b() {
   if [[ $DRY == 1 ]]; then x "$PY" tools/gpu_profile.py --model "$M1B" --dry; return; fi
   mkdir -p "$OUT"
   x "$PY" tools/gpu_profile.py --model "$M1B" --device cuda --dtype bfloat16 --batch 1 --json "$OUT/profile_1b.json" \
-    && x "$PY" tools/gpu_profile.py --model "$M1B" --device cuda --dtype bfloat16 --batch 256 --steps 20 \
-         --json "$OUT/profile_1b_256.json"
+    && x "$PY" tools/gpu_profile.py --model "$M1B" --device cuda --dtype bfloat16 --batch 256 --steps 20
 }
 
 # ---- the driver ---------------------------------------------------------------------------
@@ -255,7 +258,7 @@ finish() {  # finish EXIT: the end of every failed step's log, the benches' tabl
   for s in "${FAILED[@]}"; do
     echo; echo "---- last lines of $s.log ----"; tail -n 25 "$LOGS/$s.log"
   done
-  for s in bench_worker bench_offline bench_1b offline_1b; do  # the tables of those that passed (a failed one's log is above)
+  for s in bench_worker bench_offline bench_1b offline_1b bench_spec; do  # the tables of those that passed (a failed one's log is above)
     if [[ -s $OUT/$s.json && $DRY != 1 ]]; then
       echo; echo "---- $s ----"; sed -n '/^+ /!p' "$LOGS/$s.log" | tail -n 30
     fi

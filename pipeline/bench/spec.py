@@ -59,6 +59,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interleave", action="store_true",
                    help="off and on side by side, alternating each generate call (for a shared machine)")
     p.add_argument("--quick", action="store_true", help="tiny workloads (the bench's test)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: both engines on the GPU, each with a fixed KV of 1024 blocks (two "
+                        "at once must not each size theirs to the device)")
 
 
 def _llm(args: argparse.Namespace, spec: dict | None) -> Any:
@@ -66,6 +69,8 @@ def _llm(args: argparse.Namespace, spec: dict | None) -> Any:
     kw: dict[str, Any] = {"worker_threads": args.threads} if args.threads else {}
     if args.model:
         kw["model"] = args.model
+    if args.device == "cuda":  # a decode step there is bound by the host, not the weights
+        kw.update(device="cuda", num_blocks=1024)
     return LLM(speculative_config=spec, max_model_len=2048, dtype=args.dtype, **kw)
 
 

@@ -23,7 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
 STEPS = ["env", "wheels", "build", "probe", "gpu_tests", "parity", "run", "serve", "make_1b", "bench_1b",
-         "profile_1b", "offline_1b", "bench_worker", "bench_offline"]
+         "profile_1b", "offline_1b", "bench_spec", "bench_worker", "bench_offline"]
 
 _spec = importlib.util.spec_from_file_location("gpu_wheels", ROOT / "tools" / "gpu_wheels.py")
 assert _spec and _spec.loader
@@ -154,6 +154,7 @@ def test_the_dry_run_passes_every_step_and_prints_its_command(tmp_path):
     assert "--prefill-tokens 8192 --prefill-seqs 1 --peak" in log["bench_1b"]
     assert "would run: tools/gpu_profile.py --model" in log["profile_1b"]
     assert "--num-prompts 1024" in log["offline_1b"]
+    assert "would run: pipeline bench spec --device cuda" in log["bench_spec"]
 
 
 def test_the_step_profile_runs_and_its_phases_fit_in_the_step(tmp_path):
