@@ -25,11 +25,14 @@ from pipeline.ipc.curve import client_socket_setup
 PROBE_INTERVAL_S = 0.5
 # The circuit breaker: an instance that went down BREAKER_FAILURES times within
 # BREAKER_WINDOW_S is not sent requests for BREAKER_OUT_S, doubling each time it trips again
-# (up to BREAKER_MAX_OUT_S); its reason shows in health and stats ("out_until", "why_out").
+# (up to BREAKER_MAX_OUT_S) unless it served BREAKER_CALM_S since it was last back (then the
+# doubling starts over: one bad hour last week does not cost five minutes today); its reason
+# shows in health and stats ("out_until", "why_out").
 BREAKER_FAILURES = 3
 BREAKER_WINDOW_S = 60.0
 BREAKER_OUT_S = 5.0
 BREAKER_MAX_OUT_S = 300.0
+BREAKER_CALM_S = 3600.0
 PROBE_TIMEOUT_S = 3.0
 # Dropped connections, and CURVE handshakes the instance refused (its keys are not ours, or
 # it speaks no CURVE while we do, or the reverse): libzmq retries those forever in silence.
@@ -158,6 +161,8 @@ class Upstream:
         if len(self.failures) < BREAKER_FAILURES:
             return False
         self.failures.clear()
+        if self.out_until and now - self.out_until >= BREAKER_CALM_S:
+            self.out_for = BREAKER_OUT_S
         self.out_until = now + self.out_for
         self.why_out = (f"taken out for {self.out_for:g} s: down {BREAKER_FAILURES} times within "
                         f"{BREAKER_WINDOW_S:g} s, last: {why}")

@@ -1,6 +1,6 @@
 """Issue 25, item 9: the router's circuit breaker. An instance that went down BREAKER_FAILURES
 times within BREAKER_WINDOW_S is sent no request for BREAKER_OUT_S (doubling each trip, up to
-BREAKER_MAX_OUT_S); health and stats show it (``out``, ``why_out``: how often, the last
+BREAKER_MAX_OUT_S, starting over after BREAKER_CALM_S in service); health and stats show it (``out``, ``why_out``: how often, the last
 reason); after that time it is used again.
 
 The rule on explicit clocks (``Upstream.failed``/``tripped`` take ``now``), then the real
@@ -17,6 +17,7 @@ from router_fakes import PROMPT, Cli, FakeInstance, result, run_router, wait_for
 
 from pipeline.frontend import protocol as P
 from pipeline.router.upstream import (
+    BREAKER_CALM_S,
     BREAKER_FAILURES,
     BREAKER_MAX_OUT_S,
     BREAKER_OUT_S,
@@ -51,6 +52,31 @@ def test_failures_within_the_window_trip_it_for_a_doubling_while():
             outs.append(u.out_until - (now + BREAKER_FAILURES - 1))
         assert outs[0] == 2 * BREAKER_OUT_S and outs[1] == 4 * BREAKER_OUT_S
         assert max(outs) == BREAKER_MAX_OUT_S and outs[-1] == BREAKER_MAX_OUT_S
+    finally:
+        u.close()
+        ctx.term()
+
+
+def test_the_doubling_starts_over_after_a_calm_spell_in_service():
+    ctx = zmq.Context()
+    u = Upstream(ctx, "tcp://127.0.0.1:9")
+    try:
+        def trip(now: float) -> float:
+            for i in range(BREAKER_FAILURES):
+                tripped = u.failed(now + i, "its connection closed")
+            assert tripped
+            return u.out_until - (now + BREAKER_FAILURES - 1)  # how long it is out
+
+        now = 1000.0
+        assert [trip(now := now + 100.0 * k) for k in range(1, 4)] == \
+            [BREAKER_OUT_S, 2 * BREAKER_OUT_S, 4 * BREAKER_OUT_S]
+        back = u.out_until
+        # in service a moment less than the calm spell: still doubling
+        assert trip(back + BREAKER_CALM_S - BREAKER_FAILURES) == 8 * BREAKER_OUT_S
+        # a full calm spell since it was last back: out for the first length again, then doubling
+        back = u.out_until
+        assert trip(back + BREAKER_CALM_S) == BREAKER_OUT_S
+        assert trip(u.out_until + 10.0) == 2 * BREAKER_OUT_S
     finally:
         u.close()
         ctx.term()
