@@ -171,7 +171,7 @@ def test_the_step_profile_runs_and_its_phases_fit_in_the_step(tmp_path):
     ph = r["phases_ms"]
     assert ph["_sample"] <= ph["_forward_and_sample"]
     assert ph["_apply_diff"] + ph["prepare_inputs"] + ph["_forward_and_sample"] <= r["step_ms"]
-    assert r["tok_s"] == pytest.approx(1e3 / r["step_ms"], rel=1e-3)
+    assert r["tok_s"] == pytest.approx(1e3 / r["step_ms"], rel=1e-3, abs=0.06)  # both rounded
     assert "Self CPU" in p.stdout  # the profiler's table
 
 
