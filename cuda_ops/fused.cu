@@ -25,13 +25,27 @@ __device__ __forceinline__ float round_to(float v) {  // v as T holds it
   return to_f32(from_f32<T>(v));
 }
 
+// The sum of every thread's v over a block of kNormThreads, returned to all of them.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float part[kNormThreads / 32];
+  v = warp_sum(v);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float s = threadIdx.x < kNormThreads / 32 ? part[threadIdx.x] : 0.0f;
+    s = warp_sum(s);
+    if (threadIdx.x == 0) part[0] = s;
+  }
+  __syncthreads();
+  return part[0];
+}
+
 // One block per row: x += add (rounded to T, as torch's add), then
 // h = T(weight * T(x * rsqrt(mean(x^2) + eps))).
 template <typename T>
 __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(
     T* __restrict__ x, const T* __restrict__ add, T* __restrict__ h, const T* __restrict__ weight,
     int dim, float eps) {
-  __shared__ float part[kNormThreads / 32];
   const int64_t row = blockIdx.x;
   T* xr = x + row * dim;
   const T* ar = add != nullptr ? add + row * dim : nullptr;
@@ -44,16 +58,7 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(
     }
     ss += v * v;
   }
-  ss = warp_sum(ss);
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float s = threadIdx.x < blockDim.x / 32 ? part[threadIdx.x] : 0.0f;
-    s = warp_sum(s);
-    if (threadIdx.x == 0) part[0] = s;
-  }
-  __syncthreads();
-  const float inv = rsqrtf(part[0] / dim + eps);
+  const float inv = rsqrtf(block_sum(ss) / dim + eps);
   T* hr = h + row * dim;
   for (int i = threadIdx.x; i < dim; i += blockDim.x)
     hr[i] = from_f32<T>(to_f32(weight[i]) * round_to<T>(to_f32(xr[i]) * inv));
@@ -66,7 +71,6 @@ template <typename T, int kChunks>
 __global__ void __launch_bounds__(kNormThreads) add_rms_norm_vec_kernel(
     T* __restrict__ x, const T* __restrict__ add, T* __restrict__ h, const T* __restrict__ weight,
     int dim, float eps) {
-  __shared__ float part[kNormThreads / 32];
   const int64_t row = blockIdx.x;
   const int nv = dim / 8;
   uint4* xr = reinterpret_cast<uint4*>(x + row * dim);
@@ -93,16 +97,7 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_vec_kernel(
     }
     if (ar != nullptr) xr[j] = *reinterpret_cast<const uint4*>(xe);
   }
-  ss = warp_sum(ss);
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float s = threadIdx.x < blockDim.x / 32 ? part[threadIdx.x] : 0.0f;
-    s = warp_sum(s);
-    if (threadIdx.x == 0) part[0] = s;
-  }
-  __syncthreads();
-  const float inv = rsqrtf(part[0] / dim + eps);
+  const float inv = rsqrtf(block_sum(ss) / dim + eps);
   const uint4* wr = reinterpret_cast<const uint4*>(weight);
   uint4* hr = reinterpret_cast<uint4*>(h + row * dim);
 #pragma unroll
