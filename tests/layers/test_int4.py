@@ -75,7 +75,7 @@ def test_c_packer_is_the_torch_quantiser(n, k, gs, sym, dtype, pad, ties, seed):
 
 @settings(max_examples=40, deadline=None)
 @given(m=st.integers(1, 40), k=st.integers(1, 300), n=st.integers(1, 70),
-       gs=st.sampled_from([8, 32, 64, 128]), sym=st.booleans(), act_order=st.booleans(),
+       gs=st.sampled_from([8, 32, 40, 64, 128]), sym=st.booleans(), act_order=st.booleans(),
        bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_gemv_matches_the_reference_on_every_isa_path(m, k, n, gs, sym, act_order, bias, seed):
     w = _weight(n, k, gs, sym, seed, act_order)
@@ -94,6 +94,24 @@ def test_gemv_matches_the_reference_on_every_isa_path(m, k, n, gs, sym, act_orde
     one_step = x.abs().amax(dim=1, keepdim=True).double() / 127 * w.dequantize(torch.arange(n)).abs().max()
     scale = ref.abs().max().item() + 1.0
     assert ((outs[0].double() - ref).abs() <= 1e-5 * scale + 1.01 * one_step).all()
+
+
+@pytest.mark.parametrize("m", [1, 5])  # batch 1 (four blocks at once) and the row groups
+@pytest.mark.parametrize("gs", [8, 40, 128])  # 1, 5 (4 + 1) and 16 lines a group
+@pytest.mark.parametrize("q_val,x_sign", [(15, 1.0), (15, -1.0), (0, 1.0)])
+def test_gemv_exact_at_the_int16_bound(m, gs, q_val, x_sign):
+    """Every nibble at its extreme and every x at +-127: the AVX2 path's int16 pair sums are at
+    their largest (VPMADDUBSW saturates); a saturation or a lost line breaks the equality."""
+    n, k = 80, 2 * gs  # five blocks: one quad and one alone at batch 1
+    q = torch.full((n, k), q_val, dtype=torch.uint8)
+    scale = torch.full((n, k // gs), 0.5)
+    zero = torch.zeros((n, k // gs), dtype=torch.uint8)  # W = 0.5 * q: no offset to hide a loss
+    w = Int4Weight(q, scale, zero, gs, k, torch.float32)
+    x = torch.full((m, k), x_sign)
+    expect = torch.full((m, n), x_sign * 0.5 * q_val * k)
+    for isa in ISAS:
+        cpu_ops.set_isa(isa)
+        assert torch.equal(_gemv(x, w, None), expect), isa
 
 
 def test_isa_paths_exist():
