@@ -20,12 +20,16 @@ Loading against reading: the worker's own "loaded in" figure (meta model to pack
 against reading every tensor of the checkpoint with the loader's reader in this process, in
 the same alternation (so the page cache is as warm for both: the loader's floor), and the
 worker's peak resident memory during loading (VmHWM less its RSS when loading began) against
-the checkpoint's size. Owns nothing beyond the run.
+the checkpoint's size. Both also report their CPU seconds (the worker's: every thread of its
+process while loading), and ``floor_x_read`` is the load's CPU work spread over every core
+against the read's wall time: the least ``x_read`` the machine allows for the work the load
+does. Owns nothing beyond the run.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -42,7 +46,8 @@ from pipeline.models.safetensors_read import SafetensorsFile
 
 GOAL_RATIO = 1.5
 LOAD_GOAL_RATIO = 1.5  # weights loaded (packed) / the checkpoint read
-_LOADED = re.compile(r"model: .* loaded in ([\d.]+)s, peak RSS (\d+) MiB \((\d+) MiB before loading\)")
+_LOADED = re.compile(r"model: .* loaded in ([\d.]+)s \(cpu ([\d.]+)s\), "
+                     r"peak RSS (\d+) MiB \((\d+) MiB before loading\)")
 # (breakdown row, the stderr line that marks it): the worker's in the order it reaches them,
 # then the other stages', which start beside it. The lines are the stages' own start-up log;
 # a row whose line never came is reported unseen.
@@ -124,21 +129,23 @@ def one_line_run(args: argparse.Namespace) -> RunTimes:
     return RunTimes(out[0][0], exited, err, float(answers[0]["timings"]["ttft"]))
 
 
-def read_checkpoint(model: str) -> tuple[float, int]:
-    """Seconds to read every tensor of ``model``'s checkpoint as the loader does, and its bytes."""
-    t0 = time.perf_counter()
+def read_checkpoint(model: str) -> tuple[float, int, float]:
+    """Seconds to read every tensor of ``model``'s checkpoint as the loader does, its bytes,
+    and the CPU seconds (user + system) the read took."""
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     files = checkpoint_files(model)
     for path in files:
         with SafetensorsFile(path) as f:
             for key in f.keys():
                 f.get_tensor(key)
-    return time.perf_counter() - t0, sum(p.stat().st_size for p in files)
+    return time.perf_counter() - t0, sum(p.stat().st_size for p in files), time.thread_time() - cpu0
 
 
-def load_figures(run: RunTimes) -> tuple[float, float] | None:
-    """(seconds, MiB the resident memory peaked above its start) of the worker's load."""
+def load_figures(run: RunTimes) -> tuple[float, float, float] | None:
+    """(seconds, CPU seconds of every thread, MiB the resident memory peaked above its start)
+    of the worker's load."""
     m = next((m for _, line in run.stderr if (m := _LOADED.search(line))), None)
-    return (float(m[1]), float(int(m[2]) - int(m[3]))) if m else None
+    return (float(m[1]), float(m[2]), float(int(m[3]) - int(m[4]))) if m else None
 
 
 def milestone_at(run: RunTimes, pattern: re.Pattern[str]) -> float | None:
@@ -164,13 +171,15 @@ def measure(args: argparse.Namespace) -> Report:
     help_s: list[float] = []
     runs: list[RunTimes] = []
     read_s: list[float] = []
+    read_cpu: list[float] = []
     file_bytes = 0
     for _ in range(args.repeats):
         torch_s.append(time_to_exit(torch_cmd, args.timeout))
         runs.append(one_line_run(args))
         help_s.append(time_to_exit(help_cmd, args.timeout))
-        took, file_bytes = read_checkpoint(args.model)
+        took, file_bytes, cpu = read_checkpoint(args.model)
         read_s.append(took)
+        read_cpu.append(cpu)
     first = [r.first_line for r in runs]
     ratio = statistics.median(first) / statistics.median(torch_s)
     rep = Report("startup")
@@ -199,12 +208,20 @@ def measure(args: argparse.Namespace) -> Report:
                ratio <= GOAL_RATIO)
     loads = [f for f in map(load_figures, runs) if f is not None]
     rep.add("checkpoint read (the loader's reader, this process)", runs=len(read_s),
-            file_mib=round(file_bytes / 2**20, 1), **spread(read_s))
+            file_mib=round(file_bytes / 2**20, 1), **spread(read_s),
+            cpu_s=round(statistics.median(read_cpu), 3))
     if loads:
-        load_ratio = statistics.median(t for t, _ in loads) / statistics.median(read_s)
-        peak = statistics.median(m for _, m in loads)
+        load_ratio = statistics.median(t for t, _, _ in loads) / statistics.median(read_s)
+        load_cpu = statistics.median(c for _, c, _ in loads)
+        peak = statistics.median(m for _, _, m in loads)
+        # The least x_read the load's own CPU work allows, spread over every core the
+        # worker has: above the goal, only less work (fewer copies, faults, packing) meets it.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        floor = load_cpu / cores / statistics.median(read_s)
         rep.add("worker: weights loaded (its own figure)", runs=len(loads),
-                **spread([t for t, _ in loads]), x_read=round(load_ratio, 2))
+                **spread([t for t, _, _ in loads]), x_read=round(load_ratio, 2), cpu_s=round(load_cpu, 3),
+                cpu_x_read_cpu=round(load_cpu / max(statistics.median(read_cpu), 1e-9), 2),
+                cores=cores, floor_x_read=round(floor, 2))
         rep.add("worker: peak RSS during load above its start", runs=len(loads), median_mib=peak,
                 x_file=round(peak * 2**20 / file_bytes, 2))
         rep.target("weights loaded / checkpoint read (medians)", round(load_ratio, 2),

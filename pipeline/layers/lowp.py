@@ -104,7 +104,17 @@ def _c_packer(w: torch.Tensor) -> ModuleType | None:
     return backend(w.device)
 
 
-def quantize_pack_int8(w: torch.Tensor, reuse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_shape(fmt: str, n: int, k: int) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of an ``[n, k]`` weight packed as ``fmt`` ("bf16" / "int8"): what ``out``
+    of ``pack_bf16`` / ``quantize_pack_int8`` must be."""
+    nb = -(-n // 16)
+    if fmt == "bf16":
+        return (nb, -(-k // 32) * 16, 16, 2), torch.bfloat16
+    return (nb, -(-k // 4), 16, 4), torch.int8
+
+
+def quantize_pack_int8(w: torch.Tensor, reuse: bool = False,
+                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``pack_int8(quantize_int8(w)[0])`` and the scale padded with 1 to its rows, in one pass
     over ``w`` where the C ops are built (no int8 or float32 copy of the matrix). ``reuse``:
     ``w``'s memory may hold the result (``w`` is then overwritten, the bytes past the result
@@ -115,26 +125,30 @@ def quantize_pack_int8(w: torch.Tensor, reuse: bool = False) -> tuple[torch.Tens
     if ext is None:
         q, scale = quantize_int8(w)
         return pack_int8(q), _pad(scale, nb * 16, 1.0).contiguous()
-    inplace = reuse and (n, k) == (nb * 16, k4 * 4) and w.is_contiguous()
-    out = (w.view(-1).view(torch.int8)[:n * k] if inplace
-           else torch.empty(nb * k4 * 64, dtype=torch.int8))
+    inplace = out is None and reuse and (n, k) == (nb * 16, k4 * 4) and w.is_contiguous()
+    if out is None:
+        out = (w.view(-1).view(torch.int8)[:n * k] if inplace
+               else torch.empty(nb * k4 * 64, dtype=torch.int8))
     scale = torch.empty(nb * 16, dtype=torch.float32)
     ext.pack_i8(out.data_ptr(), scale.data_ptr(), w.data_ptr(), _PACK_CODE[w.dtype], n, k, w.stride(0))
     return out.view(nb, k4, 16, 4), scale
 
 
-def pack_bf16(w: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+def pack_bf16(w: torch.Tensor, reuse: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """float ``[out, in]`` rounded to bf16 (as ``w.to(torch.bfloat16)``) -> the kernels'
     blocks ``[ceil(out/16), kp/2, 16, 2]`` (kp: in rounded up to 32; cpu_ops_gemv_lp.h: 2
     inputs of 16 outputs per 64 bytes), zero-padded; one pass in C where it is built.
     ``reuse``: ``w``'s memory may become the result (``w`` is then overwritten), which a dense
-    bf16 ``w`` of 16-row blocks and 32-column rows allows: no new memory to fault in."""
+    bf16 ``w`` of 16-row blocks and 32-column rows allows: no new memory to fault in. ``out``:
+    memory for the result (``packed_shape``), given by a loader that faulted it in already."""
     n, k = w.shape
     nb, kp = -(-n // 16), -(-k // 32) * 32
     ext = _c_packer(w)
     if ext is not None:
-        inplace = reuse and w.dtype == torch.bfloat16 and (n, k) == (nb * 16, kp) and w.is_contiguous()
-        out = w if inplace else torch.empty((nb, kp // 2, 16, 2), dtype=torch.bfloat16)
+        inplace = out is None and reuse and w.dtype == torch.bfloat16 and (n, k) == (nb * 16, kp) \
+            and w.is_contiguous()
+        if out is None:
+            out = w if inplace else torch.empty((nb, kp // 2, 16, 2), dtype=torch.bfloat16)
         ext.pack_bf16(out.data_ptr(), w.data_ptr(), _PACK_CODE[w.dtype], n, k, w.stride(0))
         return out.view(nb, kp // 2, 16, 2)
     padded = torch.zeros((nb * 16, kp), dtype=torch.bfloat16)
@@ -174,9 +188,10 @@ class LowpWeight(nn.Module):
     """A projection weight ``[out, in]`` packed as bf16 or int8 (see the module docstring)."""
 
     def __init__(self, weight: torch.Tensor, fmt: str, gemm_dtype: torch.dtype,
-                 table_only: bool = False, reuse: bool = False) -> None:
+                 table_only: bool = False, reuse: bool = False, out: torch.Tensor | None = None) -> None:
         """``reuse``: ``weight``'s memory may hold the packed copy (``pack_bf16``): the
-        loader passes the buffer it read, which nothing else holds."""
+        loader passes the buffer it read, which nothing else holds. ``out``: memory for the
+        packed copy instead (``packed_shape``; not with ``table_only``)."""
         super().__init__()
         if fmt not in FORMATS:
             raise ValueError(f"weight format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -191,11 +206,11 @@ class LowpWeight(nn.Module):
         self.gemm_dtype = gemm_dtype
         scale: torch.Tensor | None = None
         if fmt == "bf16":  # rounded to bf16 by the packing itself (no bf16 copy first)
-            weight = weight.to(torch.bfloat16).contiguous() if table_only else pack_bf16(weight, reuse)
+            weight = weight.to(torch.bfloat16).contiguous() if table_only else pack_bf16(weight, reuse, out)
         elif table_only:
             weight, scale = quantize_int8(weight)
         else:  # packed in blocks of 16 channels; scale padded to match
-            weight, scale = quantize_pack_int8(weight, reuse)
+            weight, scale = quantize_pack_int8(weight, reuse, out)
         self.weight: torch.Tensor
         self.scale: torch.Tensor | None
         self.register_buffer("weight", weight)

@@ -170,7 +170,9 @@ def load_weights(model: CausalLM, model_dir: str | Path, plan: WeightPlan, quiet
     loaded: set[str] = set()
     total = 0
     t0 = last = time.perf_counter()
-    stream = WeightStream(files, slot, shapes, shard, read_shard)
+    tied = model.config.tie_word_embeddings
+    stream = WeightStream(files, slot, shapes, shard, read_shard,
+                          lambda param: plan.maps(param, tied and param == "embed_tokens"), plan.output_for)
     # The reader thread has a core of its own: packing takes the others. (On 2 cores, two
     # threads of small element-wise ops ran 20-30x slower whenever the reader or another
     # process held the second core: each op waits at its barrier for the descheduled one.)
@@ -184,11 +186,12 @@ def load_weights(model: CausalLM, model_dir: str | Path, plan: WeightPlan, quiet
             total += item.nbytes
             if item.param is not None:
                 assert item.value is not None
-                nbytes = item.value.numel() * item.value.element_size()
+                nbytes = item.value.numel() * item.value.element_size() + (
+                    0 if item.out is None else item.out.numel() * item.out.element_size())
                 _check(item.param, item.value, shapes, loaded)
-                plan.finalize(model, item.param, item.value)
+                plan.finalize(model, item.param, item.value, item.mapped, item.out)
                 loaded.add(item.param)
-                item.value = None
+                item.value = item.out = None  # a mapped view: unmapped here
                 stream.release(nbytes)
             now = time.perf_counter()
             if j == item.tensors or now - last >= PROGRESS_EVERY_S:

@@ -1,12 +1,14 @@
 """Models: read a safetensors file one tensor (or one tensor's rows) at a time, straight into
-memory this process owns.
+memory this process owns, or (``map``) as a view of the page cache for a tensor that is
+packed into new memory at once.
 
 The format is an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
 byte offsets), then the raw tensors. Each read is a ``pread`` into a fresh tensor: the bytes
 are copied once from the page cache, and none of the file stays mapped, so a load's resident
-memory is what it keeps, not what it has read (a ``mmap`` of the file holds every page it
-has touched in RSS until it is unmapped: a 1 GB single-file checkpoint would count twice at
-the peak). ``pread`` releases the GIL, so a thread can read ahead while another packs.
+memory is what it keeps, not what it has read (a ``mmap`` of the whole file holds every page
+it has touched in RSS until it is unmapped: a 1 GB single-file checkpoint would count twice
+at the peak). ``map`` maps one tensor alone, for as long as its view lives, so the same
+holds. ``pread`` releases the GIL, so a thread can read ahead while another packs.
 
 ``get_slice(name)[rows]`` / ``[:, cols]`` match ``safetensors.safe_open(...).get_slice``,
 which ``loader.read_shard`` (tensor parallelism) uses: a row range is read alone; a column
@@ -21,6 +23,7 @@ import json
 import mmap
 import os
 import struct
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -140,6 +143,23 @@ class SafetensorsFile:
         parameter), with no copy of its own."""
         e = self.entries[name]
         return self._read(e, 0, e.shape[0] if e.shape else 1, out)
+
+    def map(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as a read-only view of the file's pages (page cache, no copy), mapped
+        and faulted in by this call (``MAP_POPULATE``: one call, read ahead if cold) and
+        unmapped when the last view of it is dropped. For a tensor that is packed into new
+        memory at once (``WeightPlan.maps``): reading it costs no copy and no fresh pages.
+        Never write to it (the mapping is read-only: a write faults)."""
+        e = self.entries[name]
+        lo = e.start // _PAGE * _PAGE
+        if e.end == e.start:
+            return torch.empty(e.shape, dtype=e.dtype)
+        mm = mmap.mmap(self._fd, e.end - lo, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                       prot=mmap.PROT_READ, offset=lo)
+        with warnings.catch_warnings():  # torch warns that the buffer is not writable: it is not
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(mm, dtype=torch.uint8, count=e.end - e.start, offset=e.start - lo)
+        return flat.view(e.dtype).view(e.shape)
 
     def get_slice(self, name: str) -> TensorSlice:
         return TensorSlice(self, self.entries[name])

@@ -1,6 +1,10 @@
 """Models: the reading side of a streaming load: a thread that reads the checkpoint's tensors
 in file order and hands out complete parameters, the fused ones (q/k/v, gate/up) assembled
-by reading each part straight into its rows of one buffer (no concatenation copy).
+by reading each part straight into its rows of one buffer (no concatenation copy). A whole
+parameter that is packed into new memory is not read but mapped (a view of the page cache)
+and comes with that memory, faulted in here: the copy from the page cache and the faults of
+a buffer packed over and dropped are gone, and the page faults of the packed form are taken
+on this thread, beside the packing on the consumer's.
 
 It stays at most ``READ_AHEAD_BYTES`` of complete parameters ahead of the consumer (which
 packs each one and calls ``release``), but always reads the next tensor: the disk or the
@@ -36,6 +40,8 @@ class Item:
     nbytes: int  # read from the file
     param: str | None = None
     value: torch.Tensor | None = None
+    mapped: bool = False  # value is a read-only view of the file (SafetensorsFile.map)
+    out: torch.Tensor | None = None  # memory for its packed form (WeightPlan.output_for)
 
 
 class WeightStream:
@@ -44,8 +50,14 @@ class WeightStream:
 
     def __init__(self, files: list[Path], route: Callable[[str], tuple[str, int, int, int] | None],
                  shapes: dict[str, tuple[int, ...]], shard: TPShard | None,
-                 read_shard: Callable[[str, object, TPShard | None], torch.Tensor]) -> None:
+                 read_shard: Callable[[str, object, TPShard | None], torch.Tensor],
+                 maps: Callable[[str], bool] = lambda param: False,
+                 output_for: Callable[[str, tuple[int, ...]], torch.Tensor | None] = lambda p, s: None) -> None:
+        """``maps(param)``: a whole parameter the consumer packs into new memory, handed out
+        as a view of the file (``SafetensorsFile.map``: no copy, no fresh pages to fault) with
+        ``output_for(param, shape)``, memory for its packed form, faulted in on this thread."""
         self.files, self.route, self.shapes, self.shard, self.read_shard = files, route, shapes, shard, read_shard
+        self.maps, self.output_for = maps, output_for
         self.q: queue.Queue[Item | BaseException | None] = queue.Queue()
         self.held = 0
         self.cv = threading.Condition()
@@ -82,8 +94,14 @@ class WeightStream:
             return item
         param, lo, hi, parts = slot
         if parts == 1:
-            item.param, item.value = param, self.read_shard(key, f.get_slice(key), self.shard)
-            self._hold(item.value.numel() * item.value.element_size())
+            item.param = param
+            if (self.shard is None or self.shard.size == 1) and self.maps(param):
+                item.value, item.mapped = f.map(key), True
+                item.out = self.output_for(param, tuple(item.value.shape))
+            else:
+                item.value = self.read_shard(key, f.get_slice(key), self.shard)
+            self._hold(item.value.numel() * item.value.element_size()
+                       + (0 if item.out is None else item.out.numel() * item.out.element_size()))
             return item
         # A buffer in assembly is not held against the limit: only reading its other parts
         # completes it (a fused parameter larger than the limit would wait forever).

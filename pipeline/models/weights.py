@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from pipeline.layers.int4 import PACKED, Int4Weight
-from pipeline.layers.lowp import LowpWeight
+from pipeline.layers.lowp import LowpWeight, packed_shape
 from pipeline.models.llama import PROJECTIONS, CausalLM
+from pipeline.models.safetensors_read import empty
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +50,29 @@ class WeightPlan:
         model.rotary._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev))
         model.rotary.reset()
 
+    def maps(self, name: str, tied: bool) -> bool:
+        """Whether parameter ``name`` is packed into new memory whatever it is read into, so
+        the loader may hand ``finalize`` a read-only view of the file (``SafetensorsFile.map``)
+        rather than a copy (an untied bf16/int8 embedding is kept as read: not mapped)."""
+        projection = name.rpartition(".")[2] in PROJECTIONS or name in ("embed_tokens", "lm_head")
+        return self.fmt is not None and projection and (tied or name != "embed_tokens" or self.fmt == "int4")
+
+    def output_for(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """Memory, faulted in, for the packed form of mapped parameter ``name`` of ``shape``
+        (bf16/int8; int4 allocates its own), made by the loader's reading thread so that
+        the packing thread finds its pages in place."""
+        if self.fmt not in ("bf16", "int8") or len(shape) != 2:
+            return None
+        packed, dtype = packed_shape(self.fmt, *shape)
+        return empty(packed, dtype)
+
     @torch.no_grad()
-    def finalize(self, model: CausalLM, name: str, t: torch.Tensor | nn.Module) -> None:
+    def finalize(self, model: CausalLM, name: str, t: torch.Tensor | nn.Module,
+                 mapped: bool = False, out: torch.Tensor | None = None) -> None:
         """Put parameter ``name`` (``model.named_parameters`` spelling, lm_head / embed_tokens
-        without ``.weight``) into ``model``, from the complete tensor ``t`` (or a packed module)."""
+        without ``.weight``) into ``model``, from the complete tensor ``t`` (or a packed module).
+        ``mapped``: ``t`` is a read-only view of the file (never packed over); ``out``: memory
+        for its packed form (``output_for``)."""
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
         tied = model.config.tie_word_embeddings and name == "embed_tokens"
@@ -64,9 +84,10 @@ class WeightPlan:
             value = Int4Weight.from_float(t, self.group_size, self.gemm_dtype)  # widened per chunk
         elif self.fmt is not None and projection:
             w = t if t.dtype in (torch.float32, torch.bfloat16, torch.float16) else t.float()
-            # t is the buffer the reader filled for this parameter alone: packed in place.
+            # t is the buffer the reader filled for this parameter alone (packed in place), or
+            # a view of the file (packed into ``out``).
             value = LowpWeight(w, self.fmt, self.gemm_dtype,
-                               table_only=name == "embed_tokens" and not tied, reuse=True)
+                               table_only=name == "embed_tokens" and not tied, reuse=not mapped, out=out)
         elif self.kn and projection and not name == "embed_tokens" and not tied:
             w = torch.empty((t.shape[1], t.shape[0]), dtype=self.dtype, device=self.device)
             value = nn.Parameter(w.copy_(t.t()), requires_grad=False)

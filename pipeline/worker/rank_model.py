@@ -127,7 +127,7 @@ class RankModel:
 
     def load(self) -> None:
         mc = self.model_config
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         rss0 = proc_memory("VmRSS")
         if self.shard is not None:
             self._join_group()
@@ -148,7 +148,8 @@ class RankModel:
         weights = f"{fmt} weights, float32 activations" if fmt else str(self.dtype)
         part = f" (rank {self.rank} of {self.shard.size})" if self.shard else ""
         print(f"model: {mc.architecture} {nparams / 1e6:.1f}M params{part}, {weights}, {self.device}, "
-              f"{self.weight_bytes / 2**20:.1f} MiB, loaded in {time.perf_counter() - t0:.2f}s, "
+              f"{self.weight_bytes / 2**20:.1f} MiB, loaded in {time.perf_counter() - t0:.2f}s "
+              f"(cpu {time.process_time() - cpu0:.2f}s), "
               f"peak RSS {proc_memory() / 2**20:.0f} MiB ({rss0 / 2**20:.0f} MiB before loading)",
               file=sys.stderr, flush=True)
         self.num_blocks = self._decide_num_blocks()

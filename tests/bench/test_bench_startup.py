@@ -41,6 +41,14 @@ def test_one_repeat_json():
     assert read["runs"] == loaded["runs"] == 1 and read["median_s"] > 0 and read["file_mib"] > 1
     load_ratio = targets["weights loaded / checkpoint read (medians)"]
     assert load_ratio["measured"] == loaded["x_read"] == round(loaded["median_s"] / read["median_s"], 2)
+    # CPU seconds of both (the worker's over all its threads) and the floor they imply.
+    assert read["cpu_s"] > 0 and loaded["cpu_s"] > 0 and loaded["cores"] >= 1
+    # (both CPU figures are rounded to 1 ms, which for the embedded model's small read is a
+    # few percent of it: the ratio must lie between the ratios of the rounding's ends)
+    lo_cpu, hi_cpu = loaded["cpu_s"] - 0.0005, loaded["cpu_s"] + 0.0005
+    assert lo_cpu / (read["cpu_s"] + 0.0005) - 0.01 <= loaded["cpu_x_read_cpu"] \
+        <= hi_cpu / max(read["cpu_s"] - 0.0005, 1e-9) + 0.01
+    assert loaded["floor_x_read"] == pytest.approx(loaded["cpu_s"] / loaded["cores"] / read["median_s"], rel=0.02, abs=0.01)
     peak = rows["worker: peak RSS during load above its start"]
     assert peak["median_mib"] >= 0 and peak["x_file"] == pytest.approx(peak["median_mib"] / read["file_mib"], rel=0.02)
     # Every stage's start-up line was seen, each before the first token; all stages are up

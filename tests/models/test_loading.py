@@ -162,6 +162,37 @@ def test_streamed_load_is_bit_identical(tmp_path, arch, tied, file_dtype, form):
     assert torch.equal(logits(model), logits(reference_model(path, plan)))
 
 
+@needs_ops
+@pytest.mark.parametrize("form", ["float32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_parameters_are_mapped_and_leave_no_mapping(tmp_path, monkeypatch, form, tied):
+    """The whole parameters a packed form packs into new memory are read as views of the file
+    (no copy), and once loaded nothing of the file stays mapped: no weight aliases it."""
+    path = checkpoint(tmp_path / "m", "qwen2", tied, torch.bfloat16)
+    mapped: list[str] = []
+    real_map = SafetensorsFile.map
+
+    def spy(self, name):
+        mapped.append(name)
+        return real_map(self, name)
+    monkeypatch.setattr(SafetensorsFile, "map", spy)
+    plan = FORMS[form]
+    model = streamed(path, plan)
+    files = {str(f.resolve()) for f in checkpoint_files(path)}
+    with open("/proc/self/maps") as f:
+        left = [line for line in f if line.split()[-1] in files]
+    assert not left, left
+    names = {n.removeprefix("model.") for n in mapped}
+    if form == "float32":
+        assert not names  # kept as read: never a view of the file
+        return
+    # o_proj and down_proj are whole parameters; q/k/v and gate/up are read into one buffer.
+    assert {"layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"} <= names
+    assert not any("q_proj" in n or "gate_proj" in n or "norm" in n for n in names)
+    assert ("embed_tokens.weight" in names) == (tied or form == "int4")
+    assert_same(model, reference(path, plan), plan)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("form", ["float32", "int8"])
 def test_tensor_parallel_ranks_load_their_slices(tmp_path, arch, form):
