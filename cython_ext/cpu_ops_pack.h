@@ -206,7 +206,8 @@ static void pipe_pack_block(uint32_t *out, const char *w, int dtype, int64_t row
 /* In place (out == w: dense rows, N a multiple of 16, K of 32 for bf16 (over bf16) or of 4
  * for int8, so a block's output is no larger than its input): each block is packed to its
  * place over input already consumed (a block written over its own input, bf16's and int8's
- * block 0, from a per-thread scratch copy): no fresh output memory to fault in. The blocks go in waves [lo, hi) whose outputs all end before the input
+ * block 0, from a per-thread scratch copy): no fresh output memory to fault in. The blocks
+ * go in waves [lo, hi) whose outputs all end before the input
  * of block lo (bf16: each block over itself, one wave; int8 over bf16: waves of 1, 1, 2, 4..
  * blocks), so no thread writes over input another has yet to read; the input's bytes past
  * the int8 output go back to the kernel (MADV_DONTNEED: they read as zeros if touched). */
@@ -220,8 +221,8 @@ static int pipe_pack(uint32_t *out, float *scale, const void *w, int dtype, int6
     int failed = 0;
     #pragma omp parallel if (N * K >= (1 << 16)) reduction(| : failed)
     {
-        char *scratch = inplace ? (char *)malloc((size_t)sb) : NULL;
-        failed |= inplace && scratch == NULL;
+        char *scratch = (char *)malloc((size_t)sb);
+        failed |= scratch == NULL;
         for (int64_t lo = 0, hi; lo < nb; lo = hi) {
             hi = !inplace || ob == sb ? nb : lo * sb / ob > lo + 1 ? lo * sb / ob : lo + 1;
             hi = hi < nb ? hi : nb;
@@ -229,11 +230,14 @@ static int pipe_pack(uint32_t *out, float *scale, const void *w, int dtype, int6
             for (int64_t b = lo; b < hi; b++) {
                 const char *w0 = (const char *)w + b * sb;
                 int64_t rows = N - b * 16 < 16 ? N - b * 16 : 16;
-                if (inplace && !scratch) continue; /* no memory: reported */
-                /* Only a block written over its own input needs the copy (bf16; int8's
-                 * block 0): a later int8 wave writes below the input it reads. */
-                if (inplace && (ob == sb || b == 0))
-                    w0 = (const char *)memcpy(scratch, w0, (size_t)sb);
+                if (!scratch) continue; /* no memory: reported */
+                /* A block written over its own input needs the copy (bf16; int8's block 0);
+                 * a later int8 wave in place writes below the input it reads. Out of place
+                 * every block is copied too: read as 16 row streams straight from a mapped
+                 * file, the transpose ran at half the speed of one sequential copy and a
+                 * transpose from L1/L2 (the loader packs from the page cache). */
+                if (!inplace || ob == sb || b == 0)
+                    w0 = (const char *)memcpy(scratch, w0, (size_t)(((rows - 1) * ld + K) * esize));
                 if (i8)
                     for (int64_t i = 0; i < 16; i++)
                         scale[b * 16 + i] = i < rows ? pipe_pack_scale(w0 + i * ld * esize, dtype, K) : 1.f;

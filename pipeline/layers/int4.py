@@ -161,6 +161,31 @@ class Int4Weight(nn.Module):
         del parts
         return cls(q, scale, zero, group_size, weight.shape[1], gemm_dtype)
 
+    @classmethod
+    def from_parts(cls, parts: list[tuple[int, torch.Tensor]], n: int, group_size: int,
+                   gemm_dtype: torch.dtype, sym: bool = True) -> Int4Weight | None:
+        """``from_float`` of an ``[n, k]`` weight given as row parts ``(lo, rows)`` (each ``lo``
+        a multiple of 16, together every row once), each quantised straight to its blocks: no
+        copy of the whole. None where the C packer is not built (the caller concatenates)."""
+        k = parts[0][1].shape[1]
+        if any(_c_packer(t) is None or lo % BLOCK or t.shape[1] != k for lo, t in parts):
+            return None
+        group_size = min(group_size, -(-k // 8) * 8)  # as from_float
+        nb, g = -(-n // BLOCK), -(-k // group_size)
+        packed = torch.empty((nb, g * group_size // 8, 64), dtype=torch.uint8)
+        scale = torch.empty((nb, g, BLOCK), dtype=torch.float16)
+        zero = None if sym else torch.empty((nb, g, BLOCK), dtype=torch.uint8)
+        ext = backend(torch.device("cpu"))
+        assert ext is not None
+        for lo, t in parts:
+            b = lo // BLOCK
+            ext.pack_q4(packed[b].data_ptr(), scale[b].data_ptr(), 0 if zero is None else zero[b].data_ptr(),
+                        t.data_ptr(), _PACK_CODE[t.dtype], t.shape[0], k, t.stride(0), group_size)
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._hold(packed, scale, zero, None, n, k, group_size, gemm_dtype)
+        return self
+
     def extra_repr(self) -> str:
         return (f"int4, out={self.out_features}, in={self.in_features}, group={self.group_size}, "
                 f"{'sym' if self.zero is None else 'zero points'}{', act-order' if self.perm is not None else ''}")

@@ -198,12 +198,7 @@ class LowpWeight(nn.Module):
         if weight.dim() != 2 or weight.device.type != "cpu":
             raise ValueError(f"a low-precision weight must be a 2-D CPU tensor, got "
                              f"{tuple(weight.shape)} on {weight.device}")
-        self.fmt = fmt
-        # An untied embedding is only looked up: its rows stay [out, in], not in kernel blocks.
-        self.table_only = table_only
-        self.out_features, self.in_features = weight.shape
-        # The dtype x (and a dequantised int8 weight) takes in a GEMM of more than GEMV_MAX_M rows.
-        self.gemm_dtype = gemm_dtype
+        n, k = weight.shape
         scale: torch.Tensor | None = None
         if fmt == "bf16":  # rounded to bf16 by the packing itself (no bf16 copy first)
             weight = weight.to(torch.bfloat16).contiguous() if table_only else pack_bf16(weight, reuse, out)
@@ -211,10 +206,45 @@ class LowpWeight(nn.Module):
             weight, scale = quantize_int8(weight)
         else:  # packed in blocks of 16 channels; scale padded to match
             weight, scale = quantize_pack_int8(weight, reuse, out)
+        self._hold(weight, scale, fmt, n, k, gemm_dtype, table_only)
+
+    def _hold(self, weight: torch.Tensor, scale: torch.Tensor | None, fmt: str, n: int, k: int,
+              gemm_dtype: torch.dtype, table_only: bool) -> None:
+        self.fmt = fmt
+        # An untied embedding is only looked up: its rows stay [out, in], not in kernel blocks.
+        self.table_only = table_only
+        self.out_features, self.in_features = n, k
+        # The dtype x (and a dequantised int8 weight) takes in a GEMM of more than GEMV_MAX_M rows.
+        self.gemm_dtype = gemm_dtype
         self.weight: torch.Tensor
         self.scale: torch.Tensor | None
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)  # None: not a buffer (bf16)
+
+    @classmethod
+    def from_parts(cls, parts: list[tuple[int, torch.Tensor]], n: int, fmt: str, gemm_dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> LowpWeight | None:
+        """An ``[n, k]`` weight given as row parts ``(lo, rows)`` (each ``lo`` a multiple of 16,
+        together every row once: a fused q/k/v or gate/up read as its checkpoint tensors), each
+        packed straight to its blocks of ``out`` (``packed_shape``, or new memory): no copy of
+        the whole. None where the C packer is not built (the caller concatenates)."""
+        k = parts[0][1].shape[1]
+        if fmt not in FORMATS or any(_c_packer(t) is None or lo % 16 or t.shape[1] != k for lo, t in parts):
+            return None
+        shape, dtype = packed_shape(fmt, n, k)
+        out = torch.empty(shape, dtype=dtype) if out is None else out
+        scale = torch.empty(shape[0] * 16, dtype=torch.float32) if fmt == "int8" else None
+        for lo, t in parts:
+            blocks = out[lo // 16:lo // 16 + -(-t.shape[0] // 16)]
+            if scale is None:
+                pack_bf16(t, out=blocks)
+            else:
+                _, s = quantize_pack_int8(t, out=blocks)
+                scale[lo:lo + s.shape[0]] = s
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._hold(out, scale, fmt, n, k, gemm_dtype, False)
+        return self
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, out={self.out_features}, in={self.in_features}"

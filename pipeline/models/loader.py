@@ -32,7 +32,7 @@ from pipeline.models.parallel import TPShard
 from pipeline.models.quantized import QUANT_SUFFIXES, Int4Loader, checkpoint_quantization
 from pipeline.models.safetensors_read import SafetensorsFile
 from pipeline.models.weight_stream import WeightStream
-from pipeline.models.weights import WeightPlan
+from pipeline.models.weights import RowParts, WeightPlan
 
 # Checkpoint tensors that carry no weights we need (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -172,7 +172,8 @@ def load_weights(model: CausalLM, model_dir: str | Path, plan: WeightPlan, quiet
     t0 = last = time.perf_counter()
     tied = model.config.tie_word_embeddings
     stream = WeightStream(files, slot, shapes, shard, read_shard,
-                          lambda param: plan.maps(param, tied and param == "embed_tokens"), plan.output_for)
+                          lambda param, dtype: plan.maps(param, tied and param == "embed_tokens", dtype),
+                          plan.output_for)
     # The reader thread has a core of its own: packing takes the others. (On 2 cores, two
     # threads of small element-wise ops ran 20-30x slower whenever the reader or another
     # process held the second core: each op waits at its barrier for the descheduled one.)
@@ -186,13 +187,11 @@ def load_weights(model: CausalLM, model_dir: str | Path, plan: WeightPlan, quiet
             total += item.nbytes
             if item.param is not None:
                 assert item.value is not None
-                nbytes = item.value.numel() * item.value.element_size() + (
-                    0 if item.out is None else item.out.numel() * item.out.element_size())
                 _check(item.param, item.value, shapes, loaded)
                 plan.finalize(model, item.param, item.value, item.mapped, item.out)
                 loaded.add(item.param)
                 item.value = item.out = None  # a mapped view: unmapped here
-                stream.release(nbytes)
+                stream.release(item.held)
             now = time.perf_counter()
             if j == item.tensors or now - last >= PROGRESS_EVERY_S:
                 last = now
@@ -224,7 +223,7 @@ def _load_int4(model: CausalLM, files: list[Path], qc: dict, plan: WeightPlan) -
     return int4.finish()
 
 
-def _check(name: str, t: torch.Tensor, shapes: dict[str, tuple[int, ...]], loaded: set[str]) -> None:
+def _check(name: str, t: torch.Tensor | RowParts, shapes: dict[str, tuple[int, ...]], loaded: set[str]) -> None:
     shape = shapes.get(name)
     if shape is None:
         raise ValueError(f"checkpoint tensor maps to unknown parameter {name!r} "

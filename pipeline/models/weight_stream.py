@@ -27,6 +27,7 @@ import torch
 
 from pipeline.models.parallel import TPShard
 from pipeline.models.safetensors_read import SafetensorsFile, empty
+from pipeline.models.weights import RowParts
 
 # Enough to keep the disk busy while a parameter packs; small beside any model worth streaming.
 READ_AHEAD_BYTES = 32 << 20
@@ -39,9 +40,10 @@ class Item:
     tensors: int
     nbytes: int  # read from the file
     param: str | None = None
-    value: torch.Tensor | None = None
-    mapped: bool = False  # value is a read-only view of the file (SafetensorsFile.map)
+    value: torch.Tensor | RowParts | None = None
+    mapped: bool = False  # value is a read-only view of the file (SafetensorsFile.map), or its parts
     out: torch.Tensor | None = None  # memory for its packed form (WeightPlan.output_for)
+    held: int = 0  # bytes counted against the read-ahead until ``release``
 
 
 class WeightStream:
@@ -51,9 +53,9 @@ class WeightStream:
     def __init__(self, files: list[Path], route: Callable[[str], tuple[str, int, int, int] | None],
                  shapes: dict[str, tuple[int, ...]], shard: TPShard | None,
                  read_shard: Callable[[str, object, TPShard | None], torch.Tensor],
-                 maps: Callable[[str], bool] = lambda param: False,
+                 maps: Callable[[str, torch.dtype], bool] = lambda param, dtype: False,
                  output_for: Callable[[str, tuple[int, ...]], torch.Tensor | None] = lambda p, s: None) -> None:
-        """``maps(param)``: a whole parameter the consumer packs into new memory, handed out
+        """``maps(param, dtype)``: a parameter the consumer packs into new memory, handed out
         as a view of the file (``SafetensorsFile.map``: no copy, no fresh pages to fault) with
         ``output_for(param, shape)``, memory for its packed form, faulted in on this thread."""
         self.files, self.route, self.shapes, self.shard, self.read_shard = files, route, shapes, shard, read_shard
@@ -62,13 +64,18 @@ class WeightStream:
         self.held = 0
         self.cv = threading.Condition()
         self.stop = False
-        self.pending: dict[str, tuple[torch.Tensor, set[int]]] = {}
+        # A fused parameter in assembly: its buffer, or None while its parts are mapped (listed).
+        self.pending: dict[str, tuple[torch.Tensor | None, set[int], list[tuple[int, torch.Tensor]]]] = {}
         self.thread = threading.Thread(target=self._run, name="weights-reader", daemon=True)
         self.thread.start()
 
-    def _hold(self, nbytes: int) -> None:
+    def _hold(self, item: Item) -> None:
+        v = item.value
+        assert v is not None
+        item.held = (v.nbytes if isinstance(v, RowParts) else v.numel() * v.element_size()) + (
+            0 if item.out is None else item.out.numel() * item.out.element_size())
         with self.cv:
-            self.held += nbytes
+            self.held += item.held
 
     def _run(self) -> None:
         try:
@@ -95,39 +102,56 @@ class WeightStream:
         param, lo, hi, parts = slot
         if parts == 1:
             item.param = param
-            if (self.shard is None or self.shard.size == 1) and self.maps(param):
+            if (self.shard is None or self.shard.size == 1) and self.maps(param, e.dtype):
                 item.value, item.mapped = f.map(key), True
                 item.out = self.output_for(param, tuple(item.value.shape))
             else:
                 item.value = self.read_shard(key, f.get_slice(key), self.shard)
-            self._hold(item.value.numel() * item.value.element_size()
-                       + (0 if item.out is None else item.out.numel() * item.out.element_size()))
+            self._hold(item)
             return item
         # A buffer in assembly is not held against the limit: only reading its other parts
         # completes it (a fused parameter larger than the limit would wait forever).
         if param not in self.shapes:
             raise ValueError(f"checkpoint tensor {key!r} maps to unknown parameter {param!r} "
                              f"(does config.json match the weights?)")
+        shape = self.shapes[param]
         if param not in self.pending:
-            self.pending[param] = (empty(self.shapes[param], e.dtype), set())
-        buf, seen = self.pending[param]
-        dest = buf[lo:hi]
+            whole = self.shard is None or self.shard.size == 1
+            self.pending[param] = (None if whole and self.maps(param, e.dtype) else empty(shape, e.dtype), set(), [])
+        buf, seen, mapped = self.pending[param]
         if lo in seen:
             raise ValueError(f"checkpoint has {key!r} twice (in two shards?)")
-        direct = (self.shard is None or self.shard.size == 1) and e.dtype == buf.dtype
-        if direct and e.shape == tuple(dest.shape):
-            f.read_into(key, dest)
-        else:
-            t = self.read_shard(key, f.get_slice(key), self.shard)
-            if tuple(t.shape) != tuple(dest.shape):
-                raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(t.shape)}, "
-                                 f"config.json implies {tuple(dest.shape)}")
-            dest.copy_(t)
+        if buf is None:
+            # Parts are packed one by one into their blocks of 16 rows (lowp, int4): each must
+            # start at a block and have the rows the route gives it, in one dtype.
+            if lo % 16 == 0 and e.shape == (hi - lo, *shape[1:]) and all(t.dtype == e.dtype for _, t in mapped):
+                mapped.append((lo, f.map(key)))
+            else:  # not packable part by part: one buffer after all
+                buf = empty(shape, mapped[0][1].dtype if mapped else e.dtype)
+                for plo, t in mapped:
+                    buf[plo:plo + t.shape[0]].copy_(t)
+                mapped.clear()
+                self.pending[param] = (buf, seen, mapped)
+        if buf is not None:
+            dest = buf[lo:hi]
+            direct = (self.shard is None or self.shard.size == 1) and e.dtype == buf.dtype
+            if direct and e.shape == tuple(dest.shape):
+                f.read_into(key, dest)
+            else:
+                t = self.read_shard(key, f.get_slice(key), self.shard)
+                if tuple(t.shape) != tuple(dest.shape):
+                    raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(t.shape)}, "
+                                     f"config.json implies {tuple(dest.shape)}")
+                dest.copy_(t)
         seen.add(lo)
         if len(seen) == parts:
             del self.pending[param]
-            item.param, item.value = param, buf
-            self._hold(buf.numel() * buf.element_size())
+            item.param = param
+            if buf is None:
+                item.value, item.mapped, item.out = RowParts(mapped, shape), True, self.output_for(param, shape)
+            else:
+                item.value = buf
+            self._hold(item)
         return item
 
     def __iter__(self) -> Iterator[Item]:

@@ -33,6 +33,22 @@ from pipeline.models.llama import PROJECTIONS, CausalLM
 from pipeline.models.safetensors_read import empty
 
 
+@dataclass(slots=True)
+class RowParts:
+    """A fused parameter (q/k/v, gate/up) of ``shape`` as its checkpoint tensors, each a
+    read-only view of the file (``SafetensorsFile.map``) holding rows [lo, lo + len) of it;
+    ``WeightPlan.finalize`` packs each straight to its blocks."""
+    parts: list[tuple[int, torch.Tensor]]
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.parts)
+
+    def cat(self) -> torch.Tensor:
+        return torch.cat([t for _, t in sorted(self.parts, key=lambda p: p[0])])
+
+
 @dataclass(frozen=True, slots=True)
 class WeightPlan:
     dtype: torch.dtype  # float parameters: norms, biases, unpacked projections
@@ -50,12 +66,17 @@ class WeightPlan:
         model.rotary._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev))
         model.rotary.reset()
 
-    def maps(self, name: str, tied: bool) -> bool:
-        """Whether parameter ``name`` is packed into new memory whatever it is read into, so
-        the loader may hand ``finalize`` a read-only view of the file (``SafetensorsFile.map``)
-        rather than a copy (an untied bf16/int8 embedding is kept as read: not mapped)."""
+    def maps(self, name: str, tied: bool, dtype: torch.dtype) -> bool:
+        """Whether parameter ``name``, stored as ``dtype``, is better handed to ``finalize`` as
+        a read-only view of the file (``SafetensorsFile.map``) than as a copy: where it is
+        packed into new memory smaller than what is read (int8, int4; bf16 from a wider
+        dtype), the copy and the faults of a buffer dropped after packing are saved. A bf16
+        file packed as bf16 is read and packed in place (its own memory kept: mapped, the
+        packed copy's faults cost what the read's copy does, measured); an untied bf16/int8
+        embedding is kept as read."""
         projection = name.rpartition(".")[2] in PROJECTIONS or name in ("embed_tokens", "lm_head")
-        return self.fmt is not None and projection and (tied or name != "embed_tokens" or self.fmt == "int4")
+        return (self.fmt is not None and projection and (self.fmt != "bf16" or dtype != torch.bfloat16)
+                and (tied or name != "embed_tokens" or self.fmt == "int4"))
 
     def output_for(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         """Memory, faulted in, for the packed form of mapped parameter ``name`` of ``shape``
@@ -66,8 +87,31 @@ class WeightPlan:
         packed, dtype = packed_shape(self.fmt, *shape)
         return empty(packed, dtype)
 
+    def _value(self, model: CausalLM, owner: nn.Module, name: str, attr: str, t: torch.Tensor | nn.Module,
+               tied: bool, mapped: bool, out: torch.Tensor | None) -> nn.Module:
+        """Parameter ``name``'s final form from the complete tensor ``t`` (see ``finalize``)."""
+        projection = attr in PROJECTIONS or name in ("embed_tokens", "lm_head")
+        if isinstance(t, nn.Module):
+            return t
+        if self.fmt == "int4" and projection:
+            return Int4Weight.from_float(t, self.group_size, self.gemm_dtype)  # widened per chunk
+        if self.fmt is not None and projection:
+            w = t if t.dtype in (torch.float32, torch.bfloat16, torch.float16) else t.float()
+            # t is the buffer the reader filled for this parameter alone (packed in place), or
+            # a view of the file (packed into ``out``).
+            return LowpWeight(w, self.fmt, self.gemm_dtype,
+                              table_only=name == "embed_tokens" and not tied, reuse=not mapped, out=out)
+        if self.kn and projection and not name == "embed_tokens" and not tied:
+            w = torch.empty((t.shape[1], t.shape[0]), dtype=self.dtype, device=self.device)
+            if name == "lm_head":
+                model.lm_head_kn = True
+            else:
+                owner.kn = True
+            return nn.Parameter(w.copy_(t.t()), requires_grad=False)
+        return nn.Parameter(t.to(device=self.device, dtype=self.dtype), requires_grad=False)
+
     @torch.no_grad()
-    def finalize(self, model: CausalLM, name: str, t: torch.Tensor | nn.Module,
+    def finalize(self, model: CausalLM, name: str, t: torch.Tensor | nn.Module | RowParts,
                  mapped: bool = False, out: torch.Tensor | None = None) -> None:
         """Put parameter ``name`` (``model.named_parameters`` spelling, lm_head / embed_tokens
         without ``.weight``) into ``model``, from the complete tensor ``t`` (or a packed module).
@@ -76,27 +120,16 @@ class WeightPlan:
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
         tied = model.config.tie_word_embeddings and name == "embed_tokens"
-        projection = attr in PROJECTIONS or name in ("embed_tokens", "lm_head")
-        value: nn.Module | nn.Parameter
-        if isinstance(t, nn.Module):
-            value = t
-        elif self.fmt == "int4" and projection:
-            value = Int4Weight.from_float(t, self.group_size, self.gemm_dtype)  # widened per chunk
-        elif self.fmt is not None and projection:
-            w = t if t.dtype in (torch.float32, torch.bfloat16, torch.float16) else t.float()
-            # t is the buffer the reader filled for this parameter alone (packed in place), or
-            # a view of the file (packed into ``out``).
-            value = LowpWeight(w, self.fmt, self.gemm_dtype,
-                               table_only=name == "embed_tokens" and not tied, reuse=not mapped, out=out)
-        elif self.kn and projection and not name == "embed_tokens" and not tied:
-            w = torch.empty((t.shape[1], t.shape[0]), dtype=self.dtype, device=self.device)
-            value = nn.Parameter(w.copy_(t.t()), requires_grad=False)
-            if name == "lm_head":
-                model.lm_head_kn = True
-            else:
-                owner.kn = True
-        else:
-            value = nn.Parameter(t.to(device=self.device, dtype=self.dtype), requires_grad=False)
+        value: nn.Module | None = None
+        if isinstance(t, RowParts):  # mapped parts of a fused parameter (maps() said packed)
+            value = (Int4Weight.from_parts(t.parts, t.shape[0], self.group_size, self.gemm_dtype)
+                     if self.fmt == "int4" else LowpWeight.from_parts(t.parts, t.shape[0], self.fmt or "",
+                                                                      self.gemm_dtype, out))
+            if value is None:  # no C packer: one tensor after all
+                t = t.cat()
+        if value is None:
+            assert not isinstance(t, RowParts)
+            value = self._value(model, owner, name, attr, t, tied, mapped, out)
         # A parameter cannot be reassigned as a module: drop the placeholder first.
         delattr(owner, attr)
         setattr(owner, attr, value)

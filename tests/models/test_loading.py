@@ -165,10 +165,17 @@ def test_streamed_load_is_bit_identical(tmp_path, arch, tied, file_dtype, form):
 @needs_ops
 @pytest.mark.parametrize("form", ["float32", "bf16", "int8", "int4"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_packed_parameters_are_mapped_and_leave_no_mapping(tmp_path, monkeypatch, form, tied):
-    """The whole parameters a packed form packs into new memory are read as views of the file
-    (no copy), and once loaded nothing of the file stays mapped: no weight aliases it."""
-    path = checkpoint(tmp_path / "m", "qwen2", tied, torch.bfloat16)
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("file_dtype", [torch.bfloat16, torch.float32])
+def test_packed_parameters_are_mapped_and_leave_no_mapping(tmp_path, monkeypatch, form, tied, aligned,
+                                                           file_dtype):
+    """What a packed form packs into new memory smaller than the file's (int8, int4, bf16 from
+    float32) is read as views of the file (no copy): whole parameters, and the parts of a
+    fused one where each starts at a 16-row block (else that one is read into a buffer after
+    all); a bf16 file is packed as bf16 in place. Once loaded nothing of the file is mapped."""
+    # Not aligned: k/v of 8 rows each (v starts at row 72), up at row 88.
+    dims = {} if aligned else dict(num_kv_heads=1, head_dim=8, intermediate_size=88)
+    path = checkpoint(tmp_path / "m", "qwen2", tied, file_dtype, **dims)
     mapped: list[str] = []
     real_map = SafetensorsFile.map
 
@@ -183,14 +190,18 @@ def test_packed_parameters_are_mapped_and_leave_no_mapping(tmp_path, monkeypatch
         left = [line for line in f if line.split()[-1] in files]
     assert not left, left
     names = {n.removeprefix("model.") for n in mapped}
-    if form == "float32":
-        assert not names  # kept as read: never a view of the file
+    if form == "float32" or (form == "bf16" and file_dtype == torch.bfloat16):
+        assert not names  # kept as read, or packed over its own read: never a view of the file
+        assert_same(model, reference(path, plan), plan)
         return
-    # o_proj and down_proj are whole parameters; q/k/v and gate/up are read into one buffer.
     assert {"layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"} <= names
-    assert not any("q_proj" in n or "gate_proj" in n or "norm" in n for n in names)
+    assert ("layers.0.self_attn.v_proj.weight" in names) == aligned
+    assert ("layers.0.mlp.up_proj.weight" in names) == aligned
+    assert "layers.0.mlp.gate_proj.weight" in names  # row 0: mapped until a part is not aligned
+    assert not any("norm" in n or "bias" in n for n in names)
     assert ("embed_tokens.weight" in names) == (tied or form == "int4")
     assert_same(model, reference(path, plan), plan)
+    assert torch.equal(logits(model), logits(reference_model(path, plan)))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
