@@ -1,10 +1,12 @@
 """Models: the reading side of a streaming load: a thread that reads the checkpoint's tensors
 in file order and hands out complete parameters, the fused ones (q/k/v, gate/up) assembled
-by reading each part straight into its rows of one buffer (no concatenation copy). A whole
-parameter that is packed into new memory is not read but mapped (a view of the page cache)
-and comes with that memory, faulted in here: the copy from the page cache and the faults of
-a buffer packed over and dropped are gone, and the page faults of the packed form are taken
-on this thread, beside the packing on the consumer's.
+by reading each part straight into its rows of one buffer (no concatenation copy). A
+parameter the consumer packs into new memory smaller than what is read (``maps``: int8,
+int4) is not read but mapped, a view of the page cache (a fused one part by part,
+``RowParts``, while each part starts at a 16-row block), and comes with that memory,
+faulted in here: the copy from the page cache and the faults of a buffer packed over and
+dropped are gone, and the page faults of the packed form are taken on this thread, beside
+the packing on the consumer's.
 
 It stays at most ``READ_AHEAD_BYTES`` of complete parameters ahead of the consumer (which
 packs each one and calls ``release``), but always reads the next tensor: the disk or the
