@@ -206,6 +206,28 @@ def test_two_instances_model_lru(ops, cap: int) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def test_a_scan_right_after_a_reservation_still_counts_the_file(tmp_path: str, monkeypatch) -> None:
+    """Another instance's eviction scan that lands between a save's reservation and its write
+    (its budget reset to the files it finds) must find the file being saved: the shared count
+    is never below the bytes on disk, or the directory could outgrow its budget."""
+    from pipeline.cache.kv_tier.budget import Budget
+    root = str(tmp_path)
+    size = 50 * LAY.bytes_per_block
+    tier = DiskTier(root, size, LAY)
+    other = Budget(root, size)  # another instance's view of the directory
+    real = Budget.reserve
+
+    def reserve_then_scan(self, nbytes, *args, **kwargs):
+        real(self, nbytes, *args, **kwargs)
+        with other._locked() as fd:  # what the other instance's scan does to the count
+            other._write(fd, other._scan_and_evict(size))
+    monkeypatch.setattr(Budget, "reserve", reserve_then_scan)
+    src = _pool(1)
+    for i in range(LAY.num_blocks):
+        assert tier.save(bytes([i]) * 16, src[:, :, i, :])
+        assert tier.budget.usage() >= _dir_bytes(root) > 0
+
+
 def _worker(root: str, budget: int, seed: int, q) -> None:
     lay = KVLayout(**{**{f: getattr(LAY, f) for f in LAY.__struct_fields__}, "num_blocks": 16})
     src = _pool(100, lay)  # both processes: the same bytes for a key, as a real chain hash

@@ -4,7 +4,8 @@ Owns ``Budget``: the lock file ``DIR/.lock`` (``fcntl.flock``) whose first 8 byt
 directory's byte count, and the eviction scan. State: the lock file's fd (reopened after a
 fork: flock locks belong to the open file, which a forked child would share).
 
-Rule (docs/kv_tier.md): a save reserves its file's bytes under the lock before it writes.
+Rule (docs/kv_tier.md): a save creates its temp file at its final size, then reserves its
+bytes under the lock, then writes (so any scan after the reservation sees the file whole).
 When the count would pass the budget, the holder scans every namespace directory (one stat
 per file), sets the count to the scanned truth, and removes the least recently used files
 (oldest mtime: a load stamps it) until the count is at most 90% of the budget, so a scan is
@@ -73,12 +74,14 @@ class Budget:
     def _write(fd: int, count: int) -> None:
         os.pwrite(fd, _COUNT.pack(max(count, 0)), 0)
 
-    def reserve(self, nbytes: int) -> None:
-        """Count ``nbytes`` about to be written, evicting first if they would not fit."""
+    def reserve(self, nbytes: int, own: str | None = None) -> None:
+        """Count ``nbytes`` about to be written (into the temp file ``own``, already at its
+        final size: this reservation's own scan leaves it out, the others' count it), evicting
+        first if they would not fit."""
         with self._locked() as fd:
             count = self._read(fd) + nbytes
             if count > self.size_bytes:
-                count = self._scan_and_evict(int(self.size_bytes * LOW_WATER) - nbytes) + nbytes
+                count = self._scan_and_evict(int(self.size_bytes * LOW_WATER) - nbytes, own) + nbytes
             self._write(fd, count)
 
     def release(self, nbytes: int) -> None:
@@ -91,9 +94,9 @@ class Budget:
         with self._locked() as fd:
             return self._read(fd)
 
-    def _scan_and_evict(self, target: int) -> int:
+    def _scan_and_evict(self, target: int, own: str | None = None) -> int:
         """With the lock held: remove LRU files until at most ``target`` bytes remain (and
-        stale temp files); returns the bytes left."""
+        stale temp files); returns the bytes left (not counting the temp file ``own``)."""
         self.num_scans += 1
         now = time.time()
         files: list[tuple[int, int, str]] = []
@@ -108,6 +111,8 @@ class Budget:
                     except FileNotFoundError:  # removed by a reader that found it corrupt
                         continue
                     if e.name.startswith(TMP_PREFIX):
+                        if e.path == own:
+                            continue
                         if now - st.st_mtime > STALE_TMP_S:
                             _unlink(e.path)
                         else:  # being written: its writer reserved it

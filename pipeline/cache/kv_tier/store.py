@@ -103,13 +103,18 @@ class DiskTier:
         crcs = np.empty(2 * self.layout.num_layers, dtype=np.uint32)
         row_checksums(src, crcs)
         header = fmt.pack_header(self.layout, self.ns, k, crcs.tobytes())
-        self.budget.reserve(self.file_bytes)
         tmp = os.path.join(self.dir, f"{TMP_PREFIX}{os.getpid()}.{os.urandom(6).hex()}")
+        reserved = False
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                # Final size first: a concurrent eviction scan counts it whole.
+                # Final size first, then the reservation: an eviction scan in another process
+                # that runs after the reservation counts the file whole. (Reserved first, a
+                # scan before the file existed set the count to the truth without it, and
+                # the count stayed a file below the disk: seen in CI with two instances.)
                 os.ftruncate(fd, self.file_bytes)
+                self.budget.reserve(self.file_bytes, own=tmp)
+                reserved = True
                 ok = (os.pwrite(fd, header, 0) == len(header)
                       and pwrite_rows(fd, self._hlen, src) == src.nbytes)
                 _stamp(fd)
@@ -121,17 +126,18 @@ class DiskTier:
                 return True
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
-                self._abandon(tmp)
+                self._abandon(tmp, reserved)
                 raise
-        self._abandon(tmp)
+        self._abandon(tmp, reserved)
         return False
 
-    def _abandon(self, tmp: str) -> None:
+    def _abandon(self, tmp: str, reserved: bool) -> None:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        self.budget.release(self.file_bytes)
+        if reserved:
+            self.budget.release(self.file_bytes)
 
     # -- load ------------------------------------------------------------------------------
     def load(self, key: Key, dst: np.ndarray, layers: tuple[int, int] | None = None) -> bool:
