@@ -105,8 +105,9 @@ class WeightStream:
         if parts == 1:
             item.param = param
             if (self.shard is None or self.shard.size == 1) and self.maps(param, e.dtype):
-                item.value, item.mapped = f.map(key), True
-                item.out = self.output_for(param, tuple(item.value.shape))
+                item.value = _map(f, key)
+            if item.value is not None:
+                item.mapped, item.out = True, self.output_for(param, tuple(item.value.shape))
             else:
                 item.value = self.read_shard(key, f.get_slice(key), self.shard)
             self._hold(item)
@@ -126,9 +127,11 @@ class WeightStream:
         if buf is None:
             # Parts are packed one by one into their blocks of 16 rows (lowp, int4): each must
             # start at a block and have the rows the route gives it, in one dtype.
-            if lo % 16 == 0 and e.shape == (hi - lo, *shape[1:]) and all(t.dtype == e.dtype for _, t in mapped):
-                mapped.append((lo, f.map(key)))
-            else:  # not packable part by part: one buffer after all
+            view = (_map(f, key) if lo % 16 == 0 and e.shape == (hi - lo, *shape[1:])
+                    and all(t.dtype == e.dtype for _, t in mapped) else None)
+            if view is not None:
+                mapped.append((lo, view))
+            else:  # not packable part by part (or not mappable): one buffer after all
                 buf = empty(shape, mapped[0][1].dtype if mapped else e.dtype)
                 for plo, t in mapped:
                     buf[plo:plo + t.shape[0]].copy_(t)
@@ -174,3 +177,12 @@ class WeightStream:
             self.cv.notify()
         self.thread.join()
         self.pending.clear()
+
+
+def _map(f: SafetensorsFile, key: str) -> torch.Tensor | None:
+    """``f.map(key)``, or None where the file cannot be mapped (a file system without
+    ``mmap``): the tensor is then read as any other."""
+    try:
+        return f.map(key)
+    except OSError:
+        return None

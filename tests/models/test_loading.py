@@ -204,6 +204,19 @@ def test_packed_parameters_are_mapped_and_leave_no_mapping(tmp_path, monkeypatch
     assert torch.equal(logits(model), logits(reference_model(path, plan)))
 
 
+@needs_ops
+@pytest.mark.parametrize("form", ["int8", "int4"])
+def test_a_file_that_cannot_be_mapped_is_read(tmp_path, monkeypatch, form):
+    """A file system without mmap: every tensor is read instead, with the same weights."""
+    path = checkpoint(tmp_path / "m", "qwen2", True, torch.bfloat16)
+
+    def no_mmap(self, name):
+        raise OSError(19, "No such device")
+    monkeypatch.setattr(SafetensorsFile, "map", no_mmap)
+    plan = FORMS[form]
+    assert_same(streamed(path, plan), reference(path, plan), plan)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("form", ["float32", "int8"])
 def test_tensor_parallel_ranks_load_their_slices(tmp_path, arch, form):
