@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from pipeline.config import INT4_GROUP_SIZES as GROUP_SIZES  # --quantization-group-size
-from pipeline.layers.lowp import _DEQUANT_CODE, _PACK_CODE, LowpWeight, _c_packer, _scratch
+from pipeline.layers.lowp import _DEQUANT_CODE, LowpWeight, _scratch
+from pipeline.layers.lowp_pack import _PACK_CODE, _c_packer
 from pipeline.layers.ops import backend
 
 BLOCK = 16  # output channels per packed block (checkpoints' groups: any multiple of 8)
@@ -138,19 +139,10 @@ class Int4Weight(nn.Module):
                              f"{tuple(weight.shape)} on {weight.device}")
         # No group wider than a row (rounded up to 8): padding would only cost bytes.
         group_size = min(group_size, -(-weight.shape[1] // 8) * 8)
-        ext = _c_packer(weight)
-        if ext is not None:  # one pass, straight into the blocks (cpu_ops_pack_q4.h)
-            n, k = weight.shape
-            nb, g = -(-n // BLOCK), -(-k // group_size)
-            packed = torch.empty((nb, g * group_size // 8, 64), dtype=torch.uint8)
-            scale = torch.empty((nb, g, BLOCK), dtype=torch.float16)
-            zero = None if sym else torch.empty((nb, g, BLOCK), dtype=torch.uint8)
-            ext.pack_q4(packed.data_ptr(), scale.data_ptr(), 0 if zero is None else zero.data_ptr(),
-                        weight.data_ptr(), _PACK_CODE[weight.dtype], n, k, weight.stride(0), group_size)
-            self = cls.__new__(cls)
-            nn.Module.__init__(self)
-            self._hold(packed, scale, zero, None, n, k, group_size, gemm_dtype)
-            return self
+        # One pass where the C ops are built, straight into the blocks (cpu_ops_pack_q4.h).
+        packed_now = cls.from_parts([(0, weight)], weight.shape[0], group_size, gemm_dtype, sym)
+        if packed_now is not None:
+            return packed_now
         # In chunks of rows (~4 MB of float32 each; rows are independent, so the same q):
         # whole, a 151936 x 896 embedding's float32 temporaries peaked at 2.6 GB during load.
         rows = max(16, (1 << 20) // max(weight.shape[1], 1))
@@ -168,15 +160,14 @@ class Int4Weight(nn.Module):
         a multiple of 16, together every row once), each quantised straight to its blocks: no
         copy of the whole. None where the C packer is not built (the caller concatenates)."""
         k = parts[0][1].shape[1]
-        if any(_c_packer(t) is None or lo % BLOCK or t.shape[1] != k for lo, t in parts):
+        ext = _c_packer(parts[0][1])
+        if ext is None or any(_c_packer(t) is None or lo % BLOCK or t.shape[1] != k for lo, t in parts):
             return None
         group_size = min(group_size, -(-k // 8) * 8)  # as from_float
         nb, g = -(-n // BLOCK), -(-k // group_size)
         packed = torch.empty((nb, g * group_size // 8, 64), dtype=torch.uint8)
         scale = torch.empty((nb, g, BLOCK), dtype=torch.float16)
         zero = None if sym else torch.empty((nb, g, BLOCK), dtype=torch.uint8)
-        ext = backend(torch.device("cpu"))
-        assert ext is not None
         for lo, t in parts:
             b = lo // BLOCK
             ext.pack_q4(packed[b].data_ptr(), scale[b].data_ptr(), 0 if zero is None else zero[b].data_ptr(),

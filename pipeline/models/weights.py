@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from pipeline.layers.int4 import PACKED, Int4Weight
-from pipeline.layers.lowp import LowpWeight, packed_shape
+from pipeline.layers.lowp import LowpWeight
+from pipeline.layers.lowp_pack import packed_shape
 from pipeline.models.llama import PROJECTIONS, CausalLM
 from pipeline.models.safetensors_read import empty
 

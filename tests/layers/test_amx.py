@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.layers import ops, ops_fused
-from pipeline.layers.lowp import LowpWeight, mlp_bf16, quantize_int8
+from pipeline.layers.lowp import LowpWeight, mlp_bf16
+from pipeline.layers.lowp_pack import quantize_int8
 
 cpu_ops = ops.backend(torch.device("cpu"))
 pytestmark = pytest.mark.skipif(cpu_ops is None, reason="C CPU ops not built")

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from test_ops import make_batch
 
 from pipeline.layers import ops
-from pipeline.layers.lowp import LowpWeight, pack_bf16, pack_int8, quantize_int8, unpack_int8, unpack_rows
+from pipeline.layers.lowp import LowpWeight
+from pipeline.layers.lowp_pack import pack_bf16, pack_int8, quantize_int8, unpack_int8, unpack_rows
 
 cpu_ops = ops.backend(torch.device("cpu"))
 pytestmark = pytest.mark.skipif(cpu_ops is None, reason="C CPU ops not built")

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.layers import ops
-from pipeline.layers.lowp import LowpWeight, pack_bf16, pack_int8, quantize_int8, quantize_pack_int8
+from pipeline.layers.lowp import LowpWeight
+from pipeline.layers.lowp_pack import pack_bf16, pack_int8, quantize_int8, quantize_pack_int8
 
 cpu_ops = ops.backend(torch.device("cpu"))
 pytestmark = pytest.mark.skipif(cpu_ops is None or not hasattr(cpu_ops, "pack_bf16"),
