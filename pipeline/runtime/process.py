@@ -164,7 +164,10 @@ def stage_process(spec_bytes: bytes, ctrl: Connection) -> None:
             pass
         if not isinstance(exc, (ValueError, OSError)):  # those already say what is wrong
             traceback.print_exc()
-        print(f"[{spec.name}] failed: {msg}", file=sys.stderr, flush=True)
+        # One write with its newline: print() writes the end apart, and the gateway's own
+        # line could land between them (seen in CI: two messages on one line).
+        sys.stderr.write(f"[{spec.name}] failed: {msg}\n")
+        sys.stderr.flush()
         code = EXIT_ERROR
     finally:
         try:
