@@ -90,7 +90,16 @@ static inline void pipe_load_row(float *restrict dst, const void *restrict src, 
         for (int64_t i = 0; i < n; i++) dst[i] = s[i] * mul;
     } else if (dtype == PIPE_BF16) {
         const uint16_t *s = (const uint16_t *)src;
-        for (int64_t i = 0; i < n; i++) {
+        int64_t i = 0;
+#ifdef __AVX2__
+        /* GCC vectorised the loop below 4 wide: it was 40 % of a decode attention pass */
+        const __m256 m = _mm256_set1_ps(mul);
+        for (; i + 8 <= n; i += 8) {
+            const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
+            _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), m));
+        }
+#endif
+        for (; i < n; i++) {
             uint32_t u = (uint32_t)s[i] << 16;
             float f;
             memcpy(&f, &u, 4);

@@ -7,8 +7,10 @@ max_model_len and max_num_seqs (= the concurrency). Every round sends --http-req
 streamed /v1/completions (token-id prompts, greedy, ignore_eos, usage in the stream) at most
 --http-concurrency at a time, with prompts of its own (no prefix-cache hit across rounds),
 read by ``bench serve --http``'s client; one short warm-up round per server first.
-Figures per engine, pooled over its rounds: output tok/s, TTFT p50/p99, inter-token p50/p99 and
-the share of inter-token gaps held by prefills.
+Figures per engine, pooled over its rounds: output tok/s, TTFT p50/p99, inter-token p50/p99,
+the share of inter-token gaps held by prefills, and where the CPU went in the timed rounds:
+seconds per process of the server's tree by process name (ours are named pl-<stage>) and the
+load generator's own, against the cores x duration there were.
 Owns the servers it starts, for the length of the run.
 """
 from __future__ import annotations
@@ -123,6 +125,32 @@ async def _round(args, url: str, prompts: list[list[int]], out_len: int,
     return samples, dur, errors
 
 
+def tree_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system, threads included) so far of ``pid`` and every process under
+    it, summed by process name."""
+    import psutil
+    out: dict[str, float] = {}
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            out[p.name()] = out.get(p.name(), 0.0) + t.user + t.system
+        except psutil.NoSuchProcess:  # it ended between the listing and the look
+            continue
+    return out
+
+
+def cpu_split(before: dict[str, float], after: dict[str, float], client_s: float) -> dict[str, float]:
+    """What each process name (and the load generator, ``client``) spent between two
+    ``tree_cpu`` looks, in CPU seconds."""
+    spent = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()}
+    return dict(sorted(spent.items(), key=lambda kv: -kv[1])) | {"client": round(client_s, 2)}
+
+
 def figures(samples: list[Sample], dur: float, model: str | None = None,
             peak: float | None = None) -> dict[str, Any]:
     """``itl_held_pct``: the share of inter-token gaps over 4x the median, in percent: the gaps
@@ -157,7 +185,7 @@ def run_http(args, rep: Report, shape: str, model: str, lim: dict[str, Any]) -> 
     vocab = load_model_config(model).vocab_size
     engines = {"pipeline": start_ours} | ({"vllm": start_vllm} if args.vllm_env else {})
     order = [e for r in range(args.rounds) for e in (list(engines) if r % 2 == 0 else list(engines)[::-1])]
-    pooled: dict[str, list] = {e: [[], 0.0, []] for e in engines}
+    pooled: dict[str, list] = {e: [[], 0.0, [], {}] for e in engines}
     for i, eng in enumerate(order):
         # One server at a time: the other engine's threads would take the cores.
         proc, url = engines[eng](args, model)
@@ -165,16 +193,22 @@ def run_http(args, rep: Report, shape: str, model: str, lim: dict[str, Any]) -> 
             warm = make_prompts(vocab, args.http_concurrency, args.prompt_len, 10_000 + i)
             asyncio.run(_round(args, url, warm, 4, f"warm-{i}"))
             ps = make_prompts(vocab, args.http_requests, args.prompt_len, args.seed + 1 + i)
+            before, client0 = tree_cpu(proc.pid), time.process_time()
             samples, dur, errs = asyncio.run(_round(args, url, ps, args.output_len, f"run-{i}"))
+            spent = cpu_split(before, tree_cpu(proc.pid), time.process_time() - client0)
         finally:
             _stop(proc, group=eng == "vllm")
         pooled[eng][0] += samples
         pooled[eng][1] += dur
         pooled[eng][2] += errs
+        for name, secs in spent.items():
+            pooled[eng][3][name] = round(pooled[eng][3].get(name, 0.0) + secs, 2)
     rows = {}
-    for eng, (samples, dur, errs) in pooled.items():
+    for eng, (samples, dur, errs, cpu) in pooled.items():
         fmt = "bf16" if eng == "pipeline" else args.vllm_formats.split(",")[0]
+        cores_s = max(dur * (os.cpu_count() or 1), 1e-9)
         rows[eng] = rep.add(f"{shape} http {eng}", **figures(samples, dur, model, peak_for(fmt, lim)),
+                            cpu_s=cpu, cpu_of_cores=round(sum(cpu.values()) / cores_s, 3),
                             first_errors=errs[:3])
         n = rows[eng]["requests"]
         rep.target(f"{shape} http {eng}: all requests completed", rows[eng]["completed"], f"== {n}",

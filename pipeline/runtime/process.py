@@ -61,6 +61,11 @@ ReadyFn = Callable[[dict], None]
 
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
+PR_SET_NAME = 15
+# A stage's process name (what top, ps -o comm and pkill see; 15 bytes at most): "pl-" and the
+# stage's name, e.g. pl-worker0. The threads it starts afterwards (the worker's OpenMP team)
+# inherit it, so `top -H` names them too.
+PROCESS_NAME_PREFIX = "pl-"
 # `pipeline` commands started with PIPELINE_DIE_WITH=<pid of their parent> get SIGTERM when
 # that parent dies (``die_with_parent_env``). The test suite sets it, so a daemon, router or
 # pipe-mode run a test started drains and unlinks its shared memory when pytest is killed.
@@ -103,6 +108,15 @@ def die_with_parent_env() -> None:
     # Alive and not our parent: a process it started started us; that one decides.
 
 
+def name_process(name: str) -> None:
+    """Set this thread's (for the main thread: the process's) name to ``pl-<name>``."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_NAME, (PROCESS_NAME_PREFIX + name).encode()[:15])
+    except (OSError, AttributeError):
+        pass
+
+
 def _die_with_parent() -> None:
     # The gateway is the only supervisor: a stage must not outlive it (e.g. gateway
     # SIGKILLed by the OOM killer), or it would hold the KV memory forever.
@@ -136,6 +150,7 @@ def stage_process(spec_bytes: bytes, ctrl: Connection) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(STOP_SIGNAL, _on_stop)
     spec = msgspec.msgpack.decode(spec_bytes, type=StageSpec)
+    name_process(spec.name)
     _yield_to_the_worker(spec.kind)
     def ready(info: dict) -> None:
         # What start-up made (modules, the model, tables) lives as long as the stage: out of

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import math
 import subprocess
 
@@ -51,6 +52,12 @@ def test_tiny_run_offline_and_http(tmp_path):
     # (a tiny model's tokens may come several to one read of the stream: gaps of 0)
     assert 0 < http["ttft_p50_ms"] <= http["ttft_p99_ms"] and 0 <= http["itl_p50_ms"] <= http["itl_p99_ms"]
     assert 0 <= http["itl_held_pct"] <= 100
+    # Where the CPU went in the timed round: every stage by its process name, and the client.
+    cpu_s = http["cpu_s"]
+    assert {"pl-worker0", "pl-engine", "pl-tokenizer", "pl-output", "client"} <= set(cpu_s), cpu_s
+    assert all(v >= 0 for v in cpu_s.values())
+    assert http["cpu_of_cores"] == pytest.approx(
+        sum(cpu_s.values()) / (http["duration_s"] * os.cpu_count()), abs=2e-3)
     # The work served: each request's prefill (its first token) and a step per later token.
     head = cpu.SHAPES["tiny"]["vocab_size"] * cpu.SHAPES["tiny"]["hidden_size"]
     layers = step_params(str(tmp_path / "tiny")) - head

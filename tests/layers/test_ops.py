@@ -128,6 +128,27 @@ def test_paged_attention_matches_reference(seqs, kv_heads, group, head_dim, bloc
     assert_close(got, want)
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    seqs=st.lists(st.tuples(st.integers(200, 700), st.integers(0, 40)), min_size=1, max_size=3),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3, 7]),
+    head_dim=st.sampled_from([24, 64]),
+    block_size=st.sampled_from([1, 16, 32]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 1000),
+)
+def test_paged_attention_long_contexts_match_reference(seqs, kv_heads, group, head_dim, block_size,
+                                                       dtype, seed):
+    """Contexts past the kernel's 256-key pass: several passes per item (rescaled between
+    them), causal limits inside a pass, a lone row read from the cache in place (group 1
+    decode) one block at a time, down to blocks of one key."""
+    seqs = [(s, min(q, s)) for s, q in seqs]
+    bt = make_batch(seqs, kv_heads * group, kv_heads, head_dim, block_size, dtype, seed)
+    got, want = run_both(bt, 1 / math.sqrt(head_dim))
+    assert_close(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_reshape_and_cache_matches_reference(dtype):
     g = torch.Generator().manual_seed(1)
