@@ -30,6 +30,7 @@ BENCHES = {
     "structured": "pipeline.bench.structured",
     "cpu": "pipeline.bench.cpu",
     "gemm": "pipeline.bench.gemm",
+    "attention": "pipeline.bench.attention",
     "kvtier": "pipeline.bench.kvtier",
     "spec": "pipeline.bench.spec",
 }
