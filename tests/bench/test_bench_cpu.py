@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import math
+import os
 import subprocess
 
 import pytest
@@ -66,7 +66,9 @@ def test_tiny_run_offline_and_http(tmp_path):
     peak = cpu_limits.peak_for("bf16", rows["limits"])
     assert (peak is None) == ("served_peak_fraction" not in http)
     if peak:
-        assert http["served_peak_fraction"] == pytest.approx(http["served_gflop_s"] * 1e9 / peak, abs=2e-3)
+        # served_gflop_s is rounded to 0.1: on a slow or busy machine that is a few % of the peak
+        assert http["served_peak_fraction"] == pytest.approx(http["served_gflop_s"] * 1e9 / peak,
+                                                             abs=0.05e9 / peak + 1e-3)
     targets = {t["name"]: t for t in out["targets"]}
     assert targets["tiny http pipeline: all requests completed"]["met"]
     assert "tiny int8 batch-4 vs bf16 batch-4" in targets
