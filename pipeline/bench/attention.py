@@ -98,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
         out = torch.empty_like(call[0])
         t = _best(functools.partial(ops.paged_attention, *call, out=out), args.repeats,
                   max(1, int(2e8 // flop)))
-        row = rep.add(name, ms=round(t * 1e3, 4), gflop_s=round(flop / t / 1e9, 2))
+        row = rep.add(name, ms=round(t * 1e3, 5), gflop_s=round(flop / t / 1e9, 2))
         if peak:
             row["peak_fraction"] = round(flop / t / peak, 3)
         if q_len == 1:

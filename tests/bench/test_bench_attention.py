@@ -26,13 +26,14 @@ def test_tiny_shape_reports_decode_and_prefill_against_the_limits():
         r = rows[name]
         visible = q_len * ctx - q_len * (q_len - 1) // 2
         flop = 4 * 4 * 16 * seqs * visible
-        assert r["gflop_s"] == pytest.approx(flop / (r["ms"] / 1e3) / 1e9, rel=1e-3, abs=0.01)
+        # ms is rounded to 10 ns: 0.1 % of a 10-us call
+        assert r["gflop_s"] == pytest.approx(flop / (r["ms"] / 1e3) / 1e9, rel=5e-3, abs=0.01)
         if m["peak_fp32_fma_gflop_s"]:
             # both figures rounded (the peak to 0.1 GFLOP/s: a few % on a slow or busy machine)
             assert r["peak_fraction"] == pytest.approx(r["gflop_s"] / m["peak_fp32_fma_gflop_s"], rel=0.02, abs=2e-3)
         if q_len == 1:  # keys and values of every sequence, bf16, read once
             read = 2 * seqs * ctx * 2 * 16 * 2
-            assert r["read_gb_s"] == pytest.approx(read / (r["ms"] / 1e3) / 1e9, rel=1e-3, abs=0.01)
+            assert r["read_gb_s"] == pytest.approx(read / (r["ms"] / 1e3) / 1e9, rel=5e-3, abs=0.01)
             assert r["bandwidth_fraction"] == pytest.approx(r["read_gb_s"] / m["read_gb_s"], rel=0.02, abs=2e-3)
         else:
             assert "read_gb_s" not in r
