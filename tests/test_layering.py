@@ -63,8 +63,10 @@ CLIENT_MAY_USE = {"pipeline.frontend.protocol", "pipeline.ipc.curve"}
 # The router is a front end over daemons: of the gateway, its systemd notifier only.
 ROUTER_MAY_USE = {"pipeline.gateway.systemd"}
 # The HTTP front end: of the tokenizer, the Tokenizer class and the byte limits every way in
-# checks (validate), never a stage's loop; of ipc, the instances' liveness (the launcher).
-HTTP_MAY_USE = {"pipeline.tokenizer.tokenizer", "pipeline.tokenizer.validate", "pipeline.ipc.instance"}
+# checks (validate), never a stage's loop; of ipc, the instances' liveness (the launcher) and
+# prctl (its process dies with the daemon's, and is named pl-http).
+HTTP_MAY_USE = {"pipeline.tokenizer.tokenizer", "pipeline.tokenizer.validate", "pipeline.ipc.instance",
+                "pipeline.ipc.prctl"}
 # What of the HTTP front end the gateway imports (the app, FastAPI, never).
 # (The launcher is the router's too: `pipeline router --http`.)
 HTTP_SHARED = {"pipeline.http.launcher", "pipeline.http.openai_api", "pipeline.http.openai_convert",

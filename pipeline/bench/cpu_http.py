@@ -31,7 +31,7 @@ from typing import Any
 from pipeline.bench.cpu_limits import peak_for, served_flops
 from pipeline.bench.report import Report
 from pipeline.bench.serve import Sample, pct, run_arrivals
-from pipeline.bench.serve_http import _one_http
+from pipeline.bench.serve_http import CpuMeter, _one_http, cpu_spent
 from pipeline.bench.sse_client import SSEClient
 
 SERVED = "bench"
@@ -125,32 +125,6 @@ async def _round(args, url: str, prompts: list[list[int]], out_len: int,
     return samples, dur, errors
 
 
-def tree_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system, threads included) so far of ``pid`` and every process under
-    it, summed by process name."""
-    import psutil
-    out: dict[str, float] = {}
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return out
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            out[p.name()] = out.get(p.name(), 0.0) + t.user + t.system
-        except psutil.NoSuchProcess:  # it ended between the listing and the look
-            continue
-    return out
-
-
-def cpu_split(before: dict[str, float], after: dict[str, float], client_s: float) -> dict[str, float]:
-    """What each process name (and the load generator, ``client``) spent between two
-    ``tree_cpu`` looks, in CPU seconds."""
-    spent = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()}
-    return dict(sorted(spent.items(), key=lambda kv: -kv[1])) | {"client": round(client_s, 2)}
-
-
 def figures(samples: list[Sample], dur: float, model: str | None = None,
             peak: float | None = None) -> dict[str, Any]:
     """``itl_held_pct``: the share of inter-token gaps over 4x the median, in percent: the gaps
@@ -193,9 +167,10 @@ def run_http(args, rep: Report, shape: str, model: str, lim: dict[str, Any]) -> 
             warm = make_prompts(vocab, args.http_concurrency, args.prompt_len, 10_000 + i)
             asyncio.run(_round(args, url, warm, 4, f"warm-{i}"))
             ps = make_prompts(vocab, args.http_requests, args.prompt_len, args.seed + 1 + i)
-            before, client0 = tree_cpu(proc.pid), time.process_time()
+            meter = CpuMeter(proc.pid)
+            before = meter.read()
             samples, dur, errs = asyncio.run(_round(args, url, ps, args.output_len, f"run-{i}"))
-            spent = cpu_split(before, tree_cpu(proc.pid), time.process_time() - client0)
+            spent = {k: v for k, v in cpu_spent(before, meter.read()).items() if not k.startswith("wait:")}
         finally:
             _stop(proc, group=eng == "vllm")
         pooled[eng][0] += samples

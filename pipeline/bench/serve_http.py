@@ -133,36 +133,55 @@ def figures(samples: list[Sample], duration: float) -> dict[str, Any]:
 
 
 class CpuMeter:
-    """CPU seconds (user + system) of the bench client and of the daemon's processes, and
-    (``wait:`` keys) the seconds their threads were runnable but waiting for a CPU (Linux's
-    /proc/PID/task/*/schedstat): on a shared machine, where the cores went short."""
+    """CPU seconds (user + system, threads included) of a server's process tree, summed by
+    process name (ours name themselves pl-gateway, pl-http, pl-worker0, ...; vLLM's show as
+    VLLM::Worker and VLLM::EngineCore), and of this process as ``client``; ``wait:`` keys: the
+    seconds their threads were runnable but waiting for a CPU (Linux's
+    /proc/PID/task/*/schedstat), where the cores went short on a shared machine. No root (a
+    server on another host): the client alone."""
 
-    def __init__(self, health_detail: dict | None) -> None:
+    def __init__(self, root: int | None) -> None:
+        self.root = root
+
+    @classmethod
+    def of_daemon(cls, health_detail: dict | None) -> CpuMeter:
+        """The meter of a daemon on this host: its stages' parent (the gateway, which started
+        them) is the root."""
         import psutil
-        self.procs: dict[str, Any] = {"client": psutil.Process()}
+        stages = (health_detail or {}).get("stages") or ()
         try:
-            d = health_detail or {}
-            for st in d.get("stages") or ():
-                self.procs[st["stage"]] = psutil.Process(st["pid"])
-            if (d.get("http") or {}).get("pid"):
-                self.procs["http_front"] = psutil.Process(d["http"]["pid"])
-            any_child = next(p for k, p in self.procs.items() if k != "client")
-            self.procs["gateway"] = psutil.Process(any_child.ppid())
-        except (psutil.Error, StopIteration):  # the daemon is on another host: client only
-            self.procs = {"client": self.procs["client"]}
+            return cls(psutil.Process(stages[0]["pid"]).ppid() if stages else None)
+        except psutil.Error:
+            return cls(None)
 
     def read(self) -> dict[str, float]:
         import psutil
-        out = {}
-        for name, p in self.procs.items():
+        me = psutil.Process()
+        procs: list[tuple[str, Any]] = [("client", me)]
+        if self.root is not None:
+            try:
+                root = psutil.Process(self.root)
+                procs += [(p.name(), p) for p in (root, *root.children(recursive=True))]
+            except psutil.Error:
+                pass
+        out: dict[str, float] = {}
+        for name, p in procs:
             try:
                 t = p.cpu_times()
-                out[name] = t.user + t.system
-                out[f"wait:{name}"] = sum(int(open(f"/proc/{p.pid}/task/{tid.id}/schedstat").read().split()[1])
-                                          for tid in p.threads()) / 1e9
-            except (psutil.Error, OSError, IndexError, ValueError):
-                pass
+                wait = sum(int(open(f"/proc/{p.pid}/task/{tid.id}/schedstat").read().split()[1])
+                           for tid in p.threads()) / 1e9
+            except (psutil.Error, OSError, IndexError, ValueError):  # it ended between the listing and the look
+                continue
+            out[name] = out.get(name, 0.0) + t.user + t.system
+            out[f"wait:{name}"] = out.get(f"wait:{name}", 0.0) + wait
         return out
+
+
+def cpu_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What each name of two ``CpuMeter.read`` looks spent between them, largest first (a
+    process that started in between counts from 0; one that ended, not at all)."""
+    spent = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
 
 
 async def _compare(args, address: str, url: str, prompts: list[list[int]]) -> dict[str, Any]:
@@ -184,7 +203,7 @@ async def _compare(args, address: str, url: str, prompts: list[list[int]]) -> di
     try:
         from pipeline.bind import is_loopback
         # Pids mean something only on this host.
-        meter = CpuMeter((await zc.health()).detail if is_loopback(address) else None)
+        meter = CpuMeter.of_daemon((await zc.health()).detail if is_loopback(address) else None)
         warm = prompts[:conc]
         for t in ("zmq", "http"):
             await run_arrivals(argparse.Namespace(request_rate=float("inf"), seed=args.seed), warm,
@@ -195,7 +214,7 @@ async def _compare(args, address: str, url: str, prompts: list[list[int]]) -> di
             cpu0 = meter.read()
             samples, duration = await run_arrivals(args, prompts, runner(t, f"bench-run-{i}", args.output_len))
             cpu1 = meter.read()
-            runs.append((t, samples, duration, {k: cpu1[k] - cpu0[k] for k in cpu1 if k in cpu0}))
+            runs.append((t, samples, duration, cpu_spent(cpu0, cpu1)))
         stats = await zc.stats()
     finally:
         await hc.aclose()

@@ -35,6 +35,7 @@ from pipeline.gateway.serve_front import DaemonFront
 from pipeline.gateway.systemd import Notifier
 from pipeline.http.launcher import HttpFront
 from pipeline.http.openai_response import fingerprint, served_model_name
+from pipeline.ipc.prctl import name_process
 from pipeline.runtime.lifecycle import StartupError
 from pipeline.runtime.rings import message_limits
 
@@ -228,4 +229,5 @@ def main(args: argparse.Namespace) -> int:
         notify.close()
         from pipeline.gateway import worker_node
         return worker_node.run(config)
+    name_process("gateway")  # beside its pl-<stage> children in top and `bench cpu`'s CPU split
     return Server(serve_args, config, notify).run()

@@ -23,14 +23,11 @@ from collections.abc import Callable, Generator
 import msgspec
 
 from pipeline.http.launcher import STOP_SIGNAL, HttpSpec
+from pipeline.ipc.prctl import PR_SET_PDEATHSIG, name_process, prctl
 
 
 def _die_with_parent() -> None:
-    import ctypes
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:
         os._exit(1)
 
@@ -92,6 +89,7 @@ async def serve(spec: HttpSpec) -> None:
 
 def main() -> int:
     _die_with_parent()
+    name_process("http")
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, signal.SIG_IGN)
     spec = msgspec.json.decode(sys.stdin.buffer.read(), type=HttpSpec)

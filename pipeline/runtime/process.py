@@ -15,7 +15,6 @@ Owns no state beyond the process-wide signal set-up of the stage it runs.
 """
 from __future__ import annotations
 
-import ctypes
 import gc
 import importlib
 import multiprocessing
@@ -29,6 +28,7 @@ from multiprocessing.connection import Connection
 import msgspec
 
 from pipeline.ipc.errors import PeerDied
+from pipeline.ipc.prctl import PR_SET_PDEATHSIG, name_process, prctl
 from pipeline.runtime.spec import ModelInfo, StageSpec
 
 # A stage that stops because a peer died exits with this code, so the gateway can name
@@ -60,12 +60,6 @@ NEEDS_MODEL = frozenset({"engine", "tokenizer", "messager"})
 ReadyFn = Callable[[dict], None]
 
 
-PR_SET_PDEATHSIG = 1  # prctl(2)
-PR_SET_NAME = 15
-# A stage's process name (what top, ps -o comm and pkill see; 15 bytes at most): "pl-" and the
-# stage's name, e.g. pl-worker0. The threads it starts afterwards (the worker's OpenMP team)
-# inherit it, so `top -H` names them too.
-PROCESS_NAME_PREFIX = "pl-"
 # `pipeline` commands started with PIPELINE_DIE_WITH=<pid of their parent> get SIGTERM when
 # that parent dies (``die_with_parent_env``). The test suite sets it, so a daemon, router or
 # pipe-mode run a test started drains and unlinks its shared memory when pytest is killed.
@@ -77,10 +71,7 @@ def die_with_parent(signum: int, parent: int) -> None:
     dies (Linux prctl PR_SET_PDEATHSIG); at once if it is already gone. The kernel means the
     parent *thread* that started this process: start such children from a thread that lives
     as long as the parent (its main thread)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signum)
-    except (OSError, AttributeError):
+    if not prctl(PR_SET_PDEATHSIG, signum):
         return
     if os.getppid() != parent:  # it died before the prctl: no signal will come for it
         os.kill(os.getpid(), signum)
@@ -106,15 +97,6 @@ def die_with_parent_env() -> None:
     except PermissionError:
         pass
     # Alive and not our parent: a process it started started us; that one decides.
-
-
-def name_process(name: str) -> None:
-    """Set this thread's (for the main thread: the process's) name to ``pl-<name>``."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_NAME, (PROCESS_NAME_PREFIX + name).encode()[:15])
-    except (OSError, AttributeError):
-        pass
 
 
 def _die_with_parent() -> None:

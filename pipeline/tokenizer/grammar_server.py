@@ -25,6 +25,7 @@ import json
 import os
 import queue
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -207,11 +208,8 @@ def _outcome(out: bytes | str) -> bytes:
 
 
 def _die_with_parent() -> None:
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except (OSError, AttributeError):  # pragma: no cover - not Linux: stdin's end still stops it
-        pass
+    from pipeline.ipc.prctl import PR_SET_PDEATHSIG, prctl
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # not Linux: stdin's end still stops it
 
 
 def main(argv: list[str]) -> None:

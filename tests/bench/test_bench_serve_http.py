@@ -36,7 +36,7 @@ def test_tiny_run_both_transports(tmp_path):
         assert r["output_tok_per_s"] == pytest.approx(8 * 4 / r["duration_s"])
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]
         assert len(r["round_output_tok_per_s"]) == 1
-        assert {"client", "gateway", "http_front"} <= set(r["cpu_cores"])
+        assert {"client", "pl-gateway", "pl-http", "pl-worker0"} <= set(r["cpu_cores"])
     ratio = rows["http/zmq"]
     assert ratio["ttft_p50_ratio"] == round(rows["http"]["ttft_p50_ms"] / rows["zmq"]["ttft_p50_ms"], 4)
     assert ratio["output_tok_per_s_ratio"] == round(
