@@ -11,7 +11,8 @@
  * step is bound by reading W, which this streams once: with AVX-512 BF16 the rows of x are
  * rounded to bf16 once and each 64-byte line takes one VDPBF16PS per row (rows in groups of up
  * to 8 reuse the line from L1, so it also serves any M where AMX is absent); on AVX2 a line is
- * widened in registers (a shift and a mask) and multiplied with float32 x.
+ * widened in registers (a shift and a mask) and multiplied with float32 x, and a prefill's rows
+ * go in panels of x kept in L2 with the weights widened once per panel (pipe_bf16_panels_avx2).
  *
  * Dispatch is at run time (the build may be -march=native elsewhere): each kernel has an
  * AVX-512 body, an AVX2 body (compiled with target attributes) and a portable one, and
