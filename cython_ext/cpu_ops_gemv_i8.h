@@ -13,7 +13,8 @@
  * VPMADDUBSW on AVX2 (|q| times x with q's sign: with |q|, |x| <= 127 no pair saturates),
  * plain C otherwise; so every path gives the same floats. Rows of x go in groups of up to
  * 8 (AVX-512) or 4 (AVX2) whose accumulators stay in registers, so a batch-32 step costs
- * about 32 VPDPBUSD per 64 weight bytes instead of re-reading Q. Threads split the blocks.
+ * about 32 VPDPBUSD per 64 weight bytes instead of re-reading Q (on AVX2 a prefill's rows go in
+ * panels whose quantised x stays in L2). Threads split the blocks.
  * Dispatch and scratch: cpu_ops_gemv_lp.h. No state of its own.
  */
 #ifndef PIPELINE_CPU_OPS_GEMV_I8_H
@@ -22,6 +23,9 @@
 #include "cpu_ops_gemv_lp.h"
 
 #define PIPE_I8_BLOCK 16
+#ifndef PIPE_I8_PANEL_BYTES
+#define PIPE_I8_PANEL_BYTES (256 << 10) /* quantised x kept in L2 per panel of rows (AVX2) */
+#endif
 
 /* pipe_quantize_row with AVX-512: the same absmax, product and rounding (to nearest even, as
  * lrintf), 16 values at a time; every path of the GEMV and the AMX kernel goes through the
@@ -285,15 +289,23 @@ static void pipe_i8_blocks_avx2(float *y, int64_t ldy, const int8_t *P, const in
             pipe_i8_quad_avx2(0, P, xq, K4, b, sums);
             for (int j = 0; j < 4; j++) pipe_i8_store(y, ldy, sums[j], 0, b + j, N, xs, scale, bias);
         }
-    for (; b < b1; b++) {
-        int64_t m0 = 0;
-        for (; m0 + 4 <= M; m0 += 4) {
-            pipe_i8_group_avx2(4, m0, P, xq, K4, b, sums);
-            for (int r = 0; r < 4; r++) pipe_i8_store(y, ldy, sums[r], m0 + r, b, N, xs, scale, bias);
-        }
-        for (; m0 < M; m0++) {
-            pipe_i8_group_avx2(1, m0, P, xq, K4, b, sums);
-            pipe_i8_store(y, ldy, sums[0], m0, b, N, xs, scale, bias);
+    /* A prefill's quantised x (1.8 MB at 2048 x 896) read again for every block came from L3:
+     * rows go in panels whose x stays in L2 (the weights then stream once per panel). Exact
+     * int32 sums: the same floats in any order. */
+    const int64_t mc = M * K4 * 4 > PIPE_I8_PANEL_BYTES
+                       ? (PIPE_I8_PANEL_BYTES / (K4 * 4)) / 4 * 4 + 4 : M;
+    for (int64_t mp = 0; mp < M; mp += mc) {
+        const int64_t me = mp + mc < M ? mp + mc : M;
+        for (int64_t bb = b; bb < b1; bb++) {
+            int64_t m0 = mp;
+            for (; m0 + 4 <= me; m0 += 4) {
+                pipe_i8_group_avx2(4, m0, P, xq, K4, bb, sums);
+                for (int r = 0; r < 4; r++) pipe_i8_store(y, ldy, sums[r], m0 + r, bb, N, xs, scale, bias);
+            }
+            for (; m0 < me; m0++) {
+                pipe_i8_group_avx2(1, m0, P, xq, K4, bb, sums);
+                pipe_i8_store(y, ldy, sums[0], m0, bb, N, xs, scale, bias);
+            }
         }
     }
 }

@@ -60,16 +60,18 @@ def test_int4_batch_on_avx2_is_its_rows_alone():
     assert not torch.equal(w.linear(x, b), batch)
 
 
-@settings(max_examples=6, deadline=None)
-@given(m=st.integers(64, 150), n=st.integers(1, 40), k=st.integers(4100, 4700),
-       pad_x=st.integers(0, 3), pad_y=st.integers(0, 5), bias=st.booleans(), seed=st.integers(0, 2**16))
-@example(m=131, n=37, k=4101, pad_x=1, pad_y=3, bias=True, seed=2)  # odd K, N cuts a block, 6-row rest
-def test_a_prefill_in_panels_is_its_rows_alone(m, n, k, pad_x, pad_y, bias, seed):
-    """Past 64 rows and 1 MB of x the bf16 product goes through panels of 120 rows and chunks of
+@settings(max_examples=8, deadline=None)
+@given(fmt=st.sampled_from(["bf16", "int8"]), m=st.integers(64, 150), n=st.integers(1, 40),
+       k=st.integers(4100, 4700), pad_x=st.integers(0, 3), pad_y=st.integers(0, 5), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+@example(fmt="bf16", m=131, n=37, k=4101, pad_x=1, pad_y=3, bias=True, seed=2)  # odd K, N cuts a block, 6-row rest
+@example(fmt="int8", m=131, n=37, k=4101, pad_x=1, pad_y=3, bias=True, seed=2)  # panels of 64, 64 and 3 rows
+def test_a_prefill_in_panels_is_its_rows_alone(fmt, m, n, k, pad_x, pad_y, bias, seed):
+    """From 64 rows and 1 MB of x the bf16 product goes through panels of 120 rows and chunks of
     256 inputs, the weights widened once per chunk (a block cut by N keeps its sums aside between
-    chunks): each row still equals that row alone, bit for bit, nothing past N is written, and
-    it agrees with the float64 product."""
-    _a_batch_is_its_rows_alone("bf16", m, n, k, pad_x, pad_y, bias, seed)
+    chunks); int8 rows go in panels of 256 KB of quantised x. Each row still equals that row
+    alone, bit for bit, nothing past N is written, and it agrees with the float64 product."""
+    _a_batch_is_its_rows_alone(fmt, m, n, k, pad_x, pad_y, bias, seed)
 
 
 @settings(max_examples=30, deadline=None)
