@@ -27,6 +27,16 @@
 #define PIPE_I8_PANEL_BYTES (256 << 10) /* quantised x kept in L2 per panel of rows (AVX2) */
 #endif
 
+/* Rows per panel for M rows of row_bytes of quantised x (int8, int4 on AVX2): all of them
+ * while they fit PIPE_I8_PANEL_BYTES, else about that many, in fours (the row groups). A
+ * prefill's x (1.8 MB at 2048 x 896) read again for every block of 16 outputs came from L3;
+ * in panels it stays in L2 and the weights stream once per panel. Exact int32 sums per row
+ * and block: the same floats in any order. */
+static inline int64_t pipe_i8_panel_rows(int64_t M, int64_t row_bytes) {
+    if (M * row_bytes <= PIPE_I8_PANEL_BYTES) return M;
+    return PIPE_I8_PANEL_BYTES / row_bytes / 4 * 4 + 4;
+}
+
 /* pipe_quantize_row with AVX-512: the same absmax, product and rounding (to nearest even, as
  * lrintf), 16 values at a time; every path of the GEMV and the AMX kernel goes through the
  * one function that pipe_quantize_row picks, so they quantise alike. */
@@ -289,11 +299,7 @@ static void pipe_i8_blocks_avx2(float *y, int64_t ldy, const int8_t *P, const in
             pipe_i8_quad_avx2(0, P, xq, K4, b, sums);
             for (int j = 0; j < 4; j++) pipe_i8_store(y, ldy, sums[j], 0, b + j, N, xs, scale, bias);
         }
-    /* A prefill's quantised x (1.8 MB at 2048 x 896) read again for every block came from L3:
-     * rows go in panels whose x stays in L2 (the weights then stream once per panel). Exact
-     * int32 sums: the same floats in any order. */
-    const int64_t mc = M * K4 * 4 > PIPE_I8_PANEL_BYTES
-                       ? (PIPE_I8_PANEL_BYTES / (K4 * 4)) / 4 * 4 + 4 : M;
+    const int64_t mc = pipe_i8_panel_rows(M, K4 * 4);
     for (int64_t mp = 0; mp < M; mp += mc) {
         const int64_t me = mp + mc < M ? mp + mc : M;
         for (int64_t bb = b; bb < b1; bb++) {

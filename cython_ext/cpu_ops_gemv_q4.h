@@ -17,7 +17,8 @@
  * path (AVX-512 VNNI, AVX2 VPMADDUBSW, portable C with fmaf): bit-identical floats. An
  * optional permutation (GPTQ act-order) gathers x[perm[k]] while quantising it, so groups
  * stay contiguous in K. Rows of x go in groups of 8 (AVX-512) or 4 (AVX2) that reuse each
- * block from L1; batch 1 keeps four independent integer sums (VPDPBUSD latency). Threads
+ * block from L1 (on AVX2 a prefill's rows in panels whose quantised x stays in L2,
+ * pipe_i8_panel_rows); batch 1 keeps four independent integer sums (VPDPBUSD latency). Threads
  * split the blocks. Dispatch and scratch: cpu_ops_gemv_lp.h. No state of its own.
  */
 #ifndef PIPELINE_CPU_OPS_GEMV_Q4_H
@@ -281,15 +282,19 @@ static void pipe_q4_blocks_avx2(const pipe_q4_args *a, int64_t b0, int64_t b1) {
             pipe_q4_quad_avx2(b, a, out);
             for (int j = 0; j < 4; j++) pipe_q4_store(a, out[j], 0, b + j);
         }
-    for (; b < b1; b++) {
-        int64_t m0 = 0;
-        for (; m0 + 4 <= a->M; m0 += 4) {
-            pipe_q4_group_avx2(4, m0, b, a, out);
-            for (int r = 0; r < 4; r++) pipe_q4_store(a, out[r], m0 + r, b);
-        }
-        for (; m0 < a->M; m0++) {
-            pipe_q4_group_avx2(1, m0, b, a, out);
-            pipe_q4_store(a, out[0], m0, b);
+    const int64_t mc = pipe_i8_panel_rows(a->M, a->G * a->gs);
+    for (int64_t mp = 0; mp < a->M; mp += mc) {
+        const int64_t me = mp + mc < a->M ? mp + mc : a->M;
+        for (int64_t bb = b; bb < b1; bb++) {
+            int64_t m0 = mp;
+            for (; m0 + 4 <= me; m0 += 4) {
+                pipe_q4_group_avx2(4, m0, bb, a, out);
+                for (int r = 0; r < 4; r++) pipe_q4_store(a, out[r], m0 + r, bb);
+            }
+            for (; m0 < me; m0++) {
+                pipe_q4_group_avx2(1, m0, bb, a, out);
+                pipe_q4_store(a, out[0], m0, bb);
+            }
         }
     }
 }

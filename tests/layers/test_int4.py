@@ -120,16 +120,20 @@ def test_isa_paths_exist():
 
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("gs", [32, 64, 128])
-def test_quantise_round_trip_within_a_step(gs, sym):
-    w = torch.randn(37, 200) * torch.linspace(0.1, 3, 200)
+@pytest.mark.parametrize("seed", [0, 18])  # 18: a symmetric group at 1.0011 steps (gs 32)
+def test_quantise_round_trip_within_a_step(gs, sym, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(37, 200, generator=g) * torch.linspace(0.1, 3, 200)
     q, s, z = quantize_int4(w, gs, sym)
     assert q.dtype == torch.uint8 and int(q.max()) <= 15 and s.dtype == torch.float16
     assert (z is None) == sym
     deq = Int4Weight(q, s, z, gs, 200, torch.float32).dequantize(torch.arange(37))
     step = s.float().abs().repeat_interleave(gs, dim=1)[:, :200]
     # Half a step of rounding, plus at the ends: symmetric clips the positive side at +7 of
-    # 8 steps, an integer zero point shifts the grid by up to half a step.
-    assert ((deq - w).abs() <= step * 1.001).all()
+    # 8 steps, an integer zero point shifts the grid by up to half a step. The grid is the
+    # fp16 scale's, the group's range was the float32 one's: up to 15 steps of fp16 rounding
+    # (2**-11 each) more (unseeded, 1.001 failed ~0.6 % of groups' draws: 1.0011-1.0032).
+    assert ((deq - w).abs() <= step * (1 + 16 * 2**-11)).all()
     assert (deq - w).abs().mean() <= 0.3 * step.mean()  # mostly rounding: s / 4 on average
 
 

@@ -60,6 +60,17 @@ def test_int4_batch_on_avx2_is_its_rows_alone():
     assert not torch.equal(w.linear(x, b), batch)
 
 
+def test_int4_prefill_in_panels_is_its_rows_alone():
+    """Past 256 KB of quantised x (70 rows x 4160 inputs: panels of 64 and 6 rows) the int4
+    rows go in panels: each still equals that row alone, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    w = Int4Weight.from_float(torch.randn(40, 4160, generator=g) * 0.05, 128, torch.float32)
+    x = torch.randn(70, 4160, generator=g)
+    b = torch.randn(40, generator=g)
+    batch = w.linear(x, b)
+    assert torch.equal(batch, torch.cat([w.linear(x[i:i + 1], b) for i in range(x.shape[0])]))
+
+
 @settings(max_examples=8, deadline=None)
 @given(fmt=st.sampled_from(["bf16", "int8"]), m=st.integers(64, 150), n=st.integers(1, 40),
        k=st.integers(4100, 4700), pad_x=st.integers(0, 3), pad_y=st.integers(0, 5), bias=st.booleans(),
