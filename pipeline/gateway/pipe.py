@@ -29,6 +29,7 @@ from pipeline.gateway.gateway import Gateway
 from pipeline.gateway.pipe_chat import PipeChats
 from pipeline.gateway.pipe_input import RequestError, RunIds, line_text, parse_line, read_lines
 from pipeline.gateway.pipe_output import AnswerWriter
+from pipeline.ipc.prctl import name_process
 from pipeline.messages import GatewayRequest, error_result
 from pipeline.runtime.lifecycle import StartupError
 from pipeline.runtime.rings import message_limits
@@ -174,6 +175,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pipeline run: cannot start: {exc}", file=sys.stderr)
         return 2
+    name_process("gateway")  # pipe mode's main process owns the stages as `serve`'s does
     progress = sys.stderr.isatty()
     stop = threading.Event()
     writer = AnswerWriter(sys.stdout.buffer, args.ordered, args.stream, progress, stop,

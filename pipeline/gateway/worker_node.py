@@ -19,6 +19,7 @@ from multiprocessing.connection import wait as wait_sentinels
 
 from pipeline.config import EngineConfig
 from pipeline.ipc.instance import Instance, unlink_instance
+from pipeline.ipc.prctl import name_process
 from pipeline.ipc.sweep import sweep_stale
 from pipeline.runtime.lifecycle import StartupError, describe_exit, last_words, spawn_stage, stop_stages, wait_ready
 from pipeline.runtime.spec import StageSpec
@@ -31,6 +32,7 @@ def log(msg: str) -> None:
 
 
 def run(config: EngineConfig) -> int:
+    name_process("node")  # beside its pl-worker<rank> children
     sweep_stale()
     instance = Instance(config.instance_id)
     n = config.parallel_config.ranks_per_node

@@ -31,6 +31,7 @@ from pipeline.frontend import protocol as P
 from pipeline.frontend.args import cannot_start
 from pipeline.frontend.zmq_server import DISCONNECT_SETTLE_S
 from pipeline.gateway.systemd import Notifier
+from pipeline.ipc.prctl import name_process
 from pipeline.messages import ErrorInfo, error_result
 from pipeline.router.answers import InstanceAnswers
 from pipeline.router.args import add_args, check_args
@@ -249,4 +250,5 @@ def main(args: argparse.Namespace) -> int:
         code = cannot_start("router", notify, exc)
         notify.close()
         return code
+    name_process("router")
     return Router(router_args, notify).run()

@@ -104,6 +104,8 @@ def test_ctrl_c_drains_then_aborts_the_rest(model):
     p.stdin.flush()  # stdin stays open: the run would otherwise wait for more lines
     first = json.loads(p.stdout.readline())  # a delta of c0: requests are running
     assert first["id"] == "c0" and "finish_reason" not in first
+    with open(f"/proc/{p.pid}/comm") as f:  # named as `serve`'s gateway (top, `bench cpu`)
+        assert f.read().strip() == "pl-gateway"
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     finals = [a for a in map(json.loads, out.splitlines()) if "finish_reason" in a]

@@ -91,6 +91,8 @@ def test_two_nodes_decode_what_one_rank_decodes_and_stop_together(model):
             got = [c.generate(prompt_token_ids=p, max_tokens=24, temperature=0, ignore_eos=True)
                    for p in PROMPTS]
         assert [list(r.token_ids) for r in got] == [a["token_ids"] for a in ref]
+        with open(f"/proc/{node1.proc.pid}/comm") as f:  # what top and `bench cpu` show
+            assert f.read().strip() == "pl-node"
     finally:
         assert node0.stop() == 0, node0.output()
     assert node1.wait(30) == 0, node1.output()  # node 0 told it to stop
