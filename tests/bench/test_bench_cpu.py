@@ -131,5 +131,10 @@ def test_http_figures_count_the_gaps_held_by_prefills():
     many = cpu_http.figures([stream(3), stream(0)], 10.0)  # 3 of 200
     assert many["itl_held_pct"] == 1.5 and many["itl_p99_ms"] == pytest.approx(2000)
     assert many["ttft_p50_ms"] == pytest.approx(500) and many["output_tok_per_s"] == 20.2
+    # a round whose first tokens come in two groups: the p50 is one of them, the mean between
+    late = [Sample(prompt_tokens=8, sent=0.0, token_times=[t], tokens=1, done=t, ok=True)
+            for t in (1.0, 1.0, 3.0, 3.0, 3.0)]
+    split = cpu_http.figures(late, 3.0)
+    assert split["ttft_p50_ms"] == pytest.approx(3000) and split["ttft_mean_ms"] == pytest.approx(2200)
     lost = cpu_http.figures([Sample(prompt_tokens=8)], 1.0)  # no stream completed: no gaps
     assert lost["completed"] == 0 and math.isnan(lost["itl_held_pct"])
