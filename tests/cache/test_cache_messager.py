@@ -276,9 +276,11 @@ def test_a_dead_peer_fails_its_own_sends_over_ipc_and_tcp(inst, procs):
     a.kill()  # ipc: the copy still "works", the flush round trip finds the peer dead
     rep = p.step(2, [send("a", ea, "ra", [(4, 4)])])
     assert set(rep.failed) == {"a"} and rep.failed["a"].startswith(f"KV peer {ea}: KVTransferError")
-    # The monitor, not a reply time-out: the cached link was found gone before use, and the
-    # new connect refused at once.
-    assert "is not listening (connection refused)" in rep.failed["a"]
+    # The monitor, not a reply time-out: the cached link found gone before use and the new
+    # connect refused at once, or (when the disconnect reaches the monitor only after that
+    # check, on a busy machine) the link's probe flush ended by the disconnect.
+    assert ("is not listening (connection refused)" in rep.failed["a"]
+            or "disconnected (its instance stopped or died)" in rep.failed["a"]), rep.failed["a"]
     # Its finish: the link was dropped, reconnecting fails; logged, never a hang or a crash.
     p.plans.send(KVFinish("a", ea, "ra", 1))
     assert p.step(3, []).failed == {}
