@@ -27,13 +27,8 @@ run: setup
 	set -o pipefail; $(BIN)/pipeline run --ordered < tools/sample_prompts.txt \
 	  | $(BIN)/python tools/show_completions.py tools/sample_prompts.txt
 
-# Two test processes (pytest-xdist, a file's tests in one of them): a test waits on the
-# processes it starts about half its time, so two keep both cores of a CI machine busy (25 ->
-# 17 min). The tests marked `quiet` need the cores to themselves and run alone afterwards.
-TEST_WORKERS ?= 2
 test: setup lint
-	$(BIN)/python -m pytest -x -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not quiet" tests
-	$(BIN)/python -m pytest -x -q -p no:cacheprovider -m quiet tests
+	$(BIN)/python -m pytest -x -q -p no:cacheprovider tests
 
 lint: setup
 	$(BIN)/ruff check pipeline

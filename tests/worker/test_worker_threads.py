@@ -205,7 +205,6 @@ def test_explicit_threads_fix_the_team(monkeypatch):
 HOG = "import os\nos.sched_setaffinity(0, {%d})\nwhile True: pass\n"
 
 
-@pytest.mark.quiet  # the team must first grow to every core: not beside another test
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 def test_a_busy_core_shrinks_the_team_and_a_free_one_grows_it_back():
     """Real OpenMP work (torch matmuls) on every core of this process's affinity; a spinning
