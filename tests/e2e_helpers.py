@@ -82,6 +82,12 @@ def alive(pid: int) -> bool:
         return False
 
 
+def process_name(pid: int) -> str:
+    """What top, ps -o comm and `bench cpu` show for process ``pid`` (pipeline.ipc.prctl)."""
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
+
+
 def shm_entries(instance_id: str) -> list[str]:
     want = f"pipeline.{instance_id}."
     return sorted(n for n in os.listdir("/dev/shm")

@@ -145,14 +145,15 @@ def figures(samples: list[Sample], dur: float, model: str | None = None,
         phys["served_gflop_s"] = round(flop_s / 1e9, 1)
         if peak:
             phys["served_peak_fraction"] = round(flop_s / peak, 3)
+    ttft = [s.ttft for s in ok]
     gaps = [b - a for s in ok for a, b in zip(s.token_times, s.token_times[1:])]
     p50 = pct(gaps, 50)
     held = 100 * sum(g > 4 * p50 for g in gaps) / len(gaps) if gaps else float("nan")
     return {"requests": len(samples), "completed": len(ok), "duration_s": round(dur, 3),
             "output_tok_per_s": round(sum(s.tokens for s in ok) / dur, 1),
-            "ttft_p50_ms": round(1e3 * pct([s.ttft for s in ok], 50), 1),
-            "ttft_mean_ms": round(1e3 * sum(s.ttft for s in ok) / len(ok), 1) if ok else float("nan"),
-            "ttft_p99_ms": round(1e3 * pct([s.ttft for s in ok], 99), 1),
+            "ttft_p50_ms": round(1e3 * pct(ttft, 50), 1),
+            "ttft_mean_ms": round(1e3 * sum(ttft) / len(ttft), 1) if ttft else float("nan"),
+            "ttft_p99_ms": round(1e3 * pct(ttft, 99), 1),
             "itl_p50_ms": round(1e3 * p50, 2), "itl_p99_ms": round(1e3 * pct(gaps, 99), 2),
             "itl_held_pct": round(held, 2)} | phys
 

@@ -6,7 +6,7 @@ import signal
 import subprocess
 
 import pytest
-from e2e_helpers import ENGINE_FLAGS, PIPELINE, ROOT, env, make_tiny_model, shm_entries
+from e2e_helpers import ENGINE_FLAGS, PIPELINE, ROOT, env, make_tiny_model, process_name, shm_entries
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +104,7 @@ def test_ctrl_c_drains_then_aborts_the_rest(model):
     p.stdin.flush()  # stdin stays open: the run would otherwise wait for more lines
     first = json.loads(p.stdout.readline())  # a delta of c0: requests are running
     assert first["id"] == "c0" and "finish_reason" not in first
-    with open(f"/proc/{p.pid}/comm") as f:  # named as `serve`'s gateway (top, `bench cpu`)
-        assert f.read().strip() == "pl-gateway"
+    assert process_name(p.pid) == "pl-gateway"  # named as `serve`'s gateway
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     finals = [a for a in map(json.loads, out.splitlines()) if "finish_reason" in a]

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_helpers import ENGINE_FLAGS, PIPELINE, ROOT, Daemon, env, make_tiny_model, run_pipe, shm_entries
+from e2e_helpers import ENGINE_FLAGS, PIPELINE, ROOT, Daemon, env, make_tiny_model, process_name, run_pipe, shm_entries
 
 from pipeline.client import Client
 from pipeline.ipc.sweep import sweep_stale
@@ -91,8 +91,7 @@ def test_two_nodes_decode_what_one_rank_decodes_and_stop_together(model):
             got = [c.generate(prompt_token_ids=p, max_tokens=24, temperature=0, ignore_eos=True)
                    for p in PROMPTS]
         assert [list(r.token_ids) for r in got] == [a["token_ids"] for a in ref]
-        with open(f"/proc/{node1.proc.pid}/comm") as f:  # what top and `bench cpu` show
-            assert f.read().strip() == "pl-node"
+        assert process_name(node1.proc.pid) == "pl-node"
     finally:
         assert node0.stop() == 0, node0.output()
     assert node1.wait(30) == 0, node1.output()  # node 0 told it to stop

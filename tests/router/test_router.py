@@ -26,6 +26,7 @@ from e2e_helpers import (
     env,
     free_port,
     make_tiny_model,
+    process_name,
     shm_entries,
     wait_for,
 )
@@ -164,8 +165,7 @@ def test_no_instance_is_not_fatal_and_requests_get_unavailable(tmp_path):
         r = Router(nobody, extra_env={"NOTIFY_SOCKET": str(tmp_path / "notify")})
         try:
             assert b"READY=1" in systemd.recv(4096).split(b"\n")  # Type=notify
-            with open(f"/proc/{r.proc.pid}/comm") as f:  # what top and `bench cpu` show
-                assert f.read().strip() == "pl-router"
+            assert process_name(r.proc.pid) == "pl-router"
             with Client(r.address, timeout=30) as c:
                 assert c.health().status == "starting"
                 res = c.generate("hello", max_tokens=2)
